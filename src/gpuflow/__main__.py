@@ -1,0 +1,3 @@
+from gpuflow.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,301 @@
+"""The ``gpuflow`` command: info, prepare, train, sample.
+
+Every command turns bad input into one line on stderr (``error: ...``) and exit status 2;
+heavy imports (torch) happen inside commands so that ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gpuflow.errors import GpuflowError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+# ---- info -----------------------------------------------------------------------------------
+
+
+def _gather_info(device_spec: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    from gpuflow.device import Device, allocator_settings, available_devices
+    from gpuflow.linkprobe import PROBE_BYTES, probe_link
+
+    device = Device.resolve(device_spec)
+    link = probe_link(device)
+    return {
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        },
+        "devices": [d.describe() for d in available_devices()],
+        "selected": str(device),
+        "allocator": allocator_settings(),
+        "link_probe": {
+            "device": str(device),
+            "bytes": PROBE_BYTES if link else None,
+            "gb_per_s": link,
+            "note": None if link else "skipped: the cpu has no host-device link to measure",
+        },
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from gpuflow.console import out_console
+
+    sw = info["software"]
+    out_console.print(
+        f"[bold]gpuflow info[/]  python {sw['python']}  torch {sw['torch']}  "
+        f"cuda {sw['cuda'] or '-'}  cudnn {sw['cudnn'] or '-'}"
+    )
+    table = Table("device", "name", "memory", "details", title="devices")
+    for d in info["devices"]:
+        memory = d.get("total_memory_bytes")
+        details = ", ".join(
+            f"{k.replace('_', ' ')} {v}"
+            for k, v in d.items()
+            if k in ("compute_capability", "multiprocessors", "peak_bf16_tflops", "threads") and v
+        )
+        table.add_row(
+            d["device"], d["name"], f"{memory / 2**30:.1f} GiB" if memory else "-", details
+        )
+    out_console.print(table)
+    allocator = info["allocator"]
+    out_console.print(
+        "allocator: "
+        + (", ".join(f"{k}={v}" for k, v in allocator.items()) if allocator else "torch defaults")
+    )
+    probe = info["link_probe"]
+    if not probe["gb_per_s"]:
+        out_console.print(f"link probe: {probe['note']}")
+        return
+    table = Table(
+        "copy",
+        "GB/s",
+        title=f"link probe on {probe['device']}, {probe['bytes'] >> 20} MiB per copy, median of 5",
+    )
+    for name, rate in probe["gb_per_s"].items():
+        label = "d2d (read + write)" if name == "d2d" else name.replace("_", " ")
+        table.add_row(label, f"{rate:.1f}")
+    out_console.print(table)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = _gather_info(args.device)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_info(info)
+    return 0
+
+
+# ---- prepare --------------------------------------------------------------------------------
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gpuflow.console import out_console
+    from gpuflow.data.prepare import PrepareConfig, prepare
+
+    config = PrepareConfig(
+        data=tuple(args.data or ()),
+        out=args.out or "",
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer or "",
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        force=args.force,
+    )
+    s = prepare(config)
+    out_console.print(
+        f"prepared {s.out_dir}: {s.documents:,} documents, {s.train_tokens:,} train + "
+        f"{s.val_tokens:,} val tokens in {s.train_shards} + {s.val_shards} shards, "
+        f"vocab {s.vocab_size:,}, {s.seconds:.1f} s ({s.tokens_per_s:,.0f} tokens/s)"
+    )
+    return 0
+
+
+# ---- train ----------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gpuflow.console import out_console
+    from gpuflow.device import Device
+    from gpuflow.report import write_report
+    from gpuflow.train.config import apply_overrides, parse_set, resolve_config
+    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, open_run
+    from gpuflow.train.trainer import Trainer
+
+    device = Device.resolve(args.device)
+    if args.resume:
+        if args.preset or args.config:
+            raise GpuflowError(
+                "--resume continues a run with its own saved config; drop --preset/--config "
+                "(use --set to change a setting)"
+            )
+        run_dir, config = open_run(
+            RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        )
+    else:
+        config = resolve_config(args.preset, args.config)
+        run_dir = None
+    for assignment in args.set or ():
+        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
+    if args.steps is not None:
+        config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+    if run_dir is None:
+        base = args.name or config.preset
+        run_dir = new_run_dir(base, explicit=args.name is not None)
+
+    out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}")
+    result = Trainer(config, run_dir, device).run(resume=args.resume)
+    report = write_report(config, result)
+    rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
+    mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+    out_console.print(
+        f"{'stopped' if result.interrupted else 'finished'} at step {result.last_step}: "
+        f"train loss {report['final_train_loss']:.4f}, val loss {report['final_val_loss']:.4f}, "
+        f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
+    )
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+# ---- sample ---------------------------------------------------------------------------------
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from gpuflow.device import Device
+    from gpuflow.sample import SampleConfig, sample
+
+    config = SampleConfig(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(sample(args.run, config, Device.resolve(args.device)))
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuflow",
+        description="GPU-resident PyTorch training that moves across the host-device bus "
+        "only what must cross.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="accelerators, software versions, allocator, link speeds")
+    p.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    p.add_argument("--device", default="auto", help="device to probe (default: auto)")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val token shards")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="PATH",
+        help=".txt/.md/.jsonl files or folders of them (default: the built-in corpus "
+        "of Python's own documentation)",
+    )
+    p.add_argument("--out", help="output folder (default: data/<corpus>-v<vocab>)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=16000,
+        help="BPE vocabulary size to train (default: 16000)",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="FILE", help="reuse this tokenizer.json instead of training one"
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of documents held out for validation (default: 0.05)",
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        help="tokens per shard file (default: 100000000)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild the output folder if it exists (the old one stays until the "
+        "new one is complete)",
+    )
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="pretrain a GPT; everything lands in runs/<name>/")
+    p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    p.add_argument(
+        "--name",
+        help="run folder name under runs/ (default: the preset's name, with -2, -3... if taken)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue run --name (default: the most recently active run) from its "
+        "latest checkpoint",
+    )
+    p.add_argument("--steps", type=int, help="total steps to train (overrides train.steps)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (default 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample among the k likeliest tokens; 0 for all (default 50)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.set_defaults(func=cmd_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except GpuflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,260 @@
+"""One handle over torch's accelerators (cuda, xpu, mps) and the cpu.
+
+Everything above this layer asks a ``Device`` instead of branching on ``torch.cuda``;
+on the cpu every call has a synchronous fallback with the same signature, so CI
+exercises the same code paths a GPU run takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuflow.errors import GpuflowError
+
+ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
+
+# Dense bf16 tensor-core peaks from vendor datasheets (FLOP/s), matched against the device
+# name in order, most specific first. Unknown devices get no MFU rather than a guess.
+_PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "PCIE"), 756e12),
+    (("H100",), 989e12),
+    (("H200",), 989e12),
+    (("H800",), 989e12),
+    (("GH200",), 989e12),
+    (("B200",), 2250e12),
+    (("A100",), 312e12),
+    (("A800",), 312e12),
+    (("L40S",), 362e12),
+)
+
+
+def _backend_available(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    if device_type == "mps":
+        return torch.backends.mps.is_available()
+    module = getattr(torch, device_type, None)
+    return bool(module is not None and module.is_available())
+
+
+def _backend_count(device_type: str) -> int:
+    if device_type in ("cpu", "mps"):
+        return 1
+    return getattr(torch, device_type).device_count()
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator (or the cpu) and what it can do.
+
+    ``Device.resolve("auto")`` picks cuda, then xpu, then mps, then cpu.
+    """
+
+    type: str
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.type not in (*ACCELERATOR_TYPES, "cpu"):
+            raise GpuflowError(
+                f"unknown device type {self.type!r}; use auto, cpu, cuda, cuda:N, xpu or mps"
+            )
+
+    @classmethod
+    def resolve(cls, spec: str | Device | None = "auto") -> Device:
+        """Parse ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ... and check that it exists."""
+        if isinstance(spec, Device):
+            return spec
+        spec = (spec or "auto").strip().lower()
+        if spec == "auto":
+            for device_type in ACCELERATOR_TYPES:
+                if _backend_available(device_type):
+                    return cls(device_type, 0)
+            return cls("cpu", 0)
+        device_type, _, index_text = spec.partition(":")
+        if index_text and not index_text.isdigit():
+            raise GpuflowError(f"bad device {spec!r}; write it as TYPE or TYPE:INDEX, e.g. cuda:0")
+        device = cls(device_type, int(index_text or 0))
+        if not _backend_available(device.type):
+            raise GpuflowError(
+                f"device {spec!r} is not available on this machine; "
+                "run `gpuflow info` to see what is, or pass --device cpu"
+            )
+        if device.index >= _backend_count(device.type):
+            raise GpuflowError(
+                f"device {spec!r} does not exist: this machine has "
+                f"{_backend_count(device.type)} {device.type} device(s)"
+            )
+        return device
+
+    # ---- identity -------------------------------------------------------------------------
+
+    @property
+    def torch(self) -> torch.device:
+        if self.type in ("cpu", "mps"):
+            return torch.device(self.type)
+        return torch.device(self.type, self.index)
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.type != "cpu"
+
+    @property
+    def backend(self) -> Any:
+        """torch's per-backend module (``torch.cuda``, ``torch.xpu``, ``torch.mps``), or None."""
+        return None if self.type == "cpu" else getattr(torch, self.type)
+
+    def __str__(self) -> str:
+        return str(self.torch)
+
+    def name(self) -> str:
+        if self.type in ("cuda", "xpu"):
+            return self.backend.get_device_name(self.index)
+        if self.type == "mps":
+            return "Apple GPU (mps)"
+        import platform
+
+        return platform.processor() or platform.machine() or "cpu"
+
+    def total_memory(self) -> int | None:
+        """Device memory in bytes, or None where torch does not report it."""
+        if self.type in ("cuda", "xpu"):
+            return int(self.backend.get_device_properties(self.index).total_memory)
+        return None
+
+    def free_memory(self) -> int | None:
+        if self.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.index)[0])
+        return None
+
+    def peak_bf16_flops(self) -> float | None:
+        """Datasheet dense bf16 peak, for MFU; None when the device is not in the table."""
+        if self.type != "cuda":
+            return None
+        name = self.name().upper()
+        for needles, flops in _PEAK_BF16_FLOPS:
+            if all(n in name for n in needles):
+                return flops
+        return None
+
+    # ---- capabilities ---------------------------------------------------------------------
+
+    @property
+    def supports_pinned_memory(self) -> bool:
+        return self.type in ("cuda", "xpu")
+
+    @property
+    def supports_bf16_autocast(self) -> bool:
+        return self.type in ("cuda", "xpu")
+
+    @property
+    def supports_fused_adamw(self) -> bool:
+        return self.type == "cuda"
+
+    # ---- execution ------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Block the host until all queued device work is done (a no-op on the cpu)."""
+        if self.type in ("cuda", "xpu"):
+            self.backend.synchronize(self.index)
+        elif self.type == "mps":
+            torch.mps.synchronize()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast where the hardware has bf16 matrix units, else a no-op."""
+        if self.supports_bf16_autocast:
+            return torch.autocast(device_type=self.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def time_ms(self, fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> list[float]:
+        """Run ``fn`` ``warmup + repeats`` times; return each timed run's device time in ms.
+
+        Uses device events where the backend has them, so the host does not have to idle
+        between runs; otherwise synchronises and reads the host clock.
+        """
+        for _ in range(warmup):
+            fn()
+        times = []
+        if self.type in ("cuda", "xpu"):
+            for _ in range(repeats):
+                start = self.backend.Event(enable_timing=True)
+                end = self.backend.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(float(start.elapsed_time(end)))
+            return times
+        for _ in range(repeats):
+            self.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            self.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
+    def configure_for_training(self) -> None:
+        """Settings every training process on this device wants."""
+        if self.type == "cuda":
+            torch.cuda.set_device(self.index)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def rng_state(self) -> torch.Tensor | None:
+        if self.type in ("cuda", "xpu"):
+            return self.backend.get_rng_state(self.index)
+        return None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self.type in ("cuda", "xpu"):
+            self.backend.set_rng_state(state, self.index)
+
+    # ---- description ----------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the device for ``gpuflow info`` and run reports."""
+        info: dict[str, Any] = {"device": str(self), "type": self.type, "name": self.name()}
+        if self.type == "cuda":
+            props = torch.cuda.get_device_properties(self.index)
+            free, total = torch.cuda.mem_get_info(self.index)
+            info.update(
+                total_memory_bytes=int(total),
+                free_memory_bytes=int(free),
+                compute_capability=f"{props.major}.{props.minor}",
+                multiprocessors=props.multi_processor_count,
+                peak_bf16_tflops=(self.peak_bf16_flops() or 0) / 1e12 or None,
+            )
+        elif self.type == "xpu":
+            info["total_memory_bytes"] = self.total_memory()
+        elif self.type == "cpu":
+            info["threads"] = torch.get_num_threads()
+        return info
+
+
+def allocator_settings() -> dict[str, Any]:
+    """The caching allocator's configuration as torch will use it."""
+    settings: dict[str, Any] = {
+        name: os.environ[name]
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+        if name in os.environ
+    }
+    if torch.cuda.is_available():
+        settings["cuda_backend"] = torch.cuda.get_allocator_backend()
+    return settings
+
+
+def available_devices() -> list[Device]:
+    """Every device torch can use here, accelerators first, the cpu last."""
+    found = [
+        Device(device_type, index)
+        for device_type in ACCELERATOR_TYPES
+        if _backend_available(device_type)
+        for index in range(_backend_count(device_type))
+    ]
+    return [*found, Device("cpu")]

@@ -1,0 +1,155 @@
+"""A GPT language model whose embedding lookup happens on the device.
+
+Only token ids ever cross the bus: the token and position tables, the lookup and their sum
+all live where the model lives (the fix the seed's trainer needed for its 768 MB of embedding
+downloads per batch). Pre-LayerNorm blocks, causal attention through
+``scaled_dot_product_attention``, a GELU MLP and an output head tied to the token table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuflow.errors import GpuflowError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 16000
+    n_layer: int = 6
+    n_head: int = 6
+    d_model: int = 384
+    max_len: int = 128  # context length; training windows are this long
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise GpuflowError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise GpuflowError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head "
+                f"({self.n_head}); pick a head count that divides it"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=False)
+        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # (B, T, 4C) inside, (B, T, C) out
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, bias=False)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, bias=False)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.max_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, bias=False)
+        self.register_buffer("positions", torch.arange(config.max_len), persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final hidden states for token ids ``idx`` of shape (B, T), T <= max_len."""
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(self.positions[:T])  # (B, T, C): the lookup is on-device
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)  # (B, T, C)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32 scalar) of ``idx`` (B, T) against ``targets``."""
+        logits = F.linear(self.hidden(idx), self.wte.weight)  # (B, T, V), head tied to wte
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for the token after ``idx`` (B, T): shape (B, V), in fp32."""
+        return F.linear(self.hidden(idx)[:, -1, :], self.wte.weight).float()
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def flops_per_token(config: ModelConfig) -> int:
+    """Training FLOPs per token: 6·N for the weights plus 12·L·d·T for attention.
+
+    N counts every weight used in a matrix product, so the tied token table (it is the
+    output head) is in and the position table (a lookup only) is out.
+    """
+    d, L, T, V = config.d_model, config.n_layer, config.max_len, config.vocab_size
+    n_matmul_params = V * d + L * 12 * d * d
+    return 6 * n_matmul_params + 12 * L * d * T
+
+
+def check_state_shapes(
+    expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], source: str
+) -> None:
+    """Refuse weights that belong to another model shape, naming the first difference."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"has an unknown tensor {unexpected[0]}"
+        raise GpuflowError(
+            f"{source} does not fit this model: it {what}; it was saved by another model "
+            "configuration"
+        )
+    for name, tensor in expected.items():
+        if tuple(found[name].shape) != tuple(tensor.shape):
+            raise GpuflowError(
+                f"{source} holds {name} of shape {tuple(found[name].shape)} but this model's is "
+                f"{tuple(tensor.shape)}: it was saved by another model configuration"
+            )

@@ -1,0 +1,85 @@
+"""A run's summary (report.json) and its picture (loss and throughput against step)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpuflow.atomic import write_text_atomic
+from gpuflow.train.config import RunConfig, to_dict
+from gpuflow.train.run import PLOT_FILE, REPORT_FILE, read_metrics
+from gpuflow.train.trainer import TrainResult
+
+
+def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
+    records = read_metrics(result.run_dir)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    return {
+        "run": result.run_dir.name,
+        "preset": config.preset,
+        "steps_done": result.last_step,
+        "steps_planned": config.train.steps,
+        "resumed_from": result.start_step or None,
+        "interrupted": result.interrupted,
+        "seconds_this_session": round(result.seconds, 3),
+        "parameters": result.parameters,
+        "tokens_per_step": config.train.batch_size * config.model.max_len,
+        "tokens_per_s": result.tokens_per_s,
+        "mfu": result.mfu,
+        "first_train_loss": train[0]["loss"] if train else None,
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "final_val_loss": val[-1]["val_loss"] if val else None,
+        "best_val_loss": min(r["val_loss"] for r in val) if val else None,
+        "device": result.device,
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        },
+        "config": to_dict(config),
+    }
+
+
+def write_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
+    report = build_report(config, result)
+    write_text_atomic(result.run_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    plot_run(result.run_dir)
+    return report
+
+
+def plot_run(run_dir: Path) -> Path | None:
+    """Write training.png: train/val loss and tokens/s against step. None without data."""
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_rate) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+    ax_loss.set_ylabel("cross-entropy (nats)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_rate.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], color="tab:green")
+    ax_rate.set_ylabel("tokens/s")
+    ax_rate.set_xlabel("step")
+    ax_rate.grid(alpha=0.3)
+    fig.suptitle(f"gpuflow run {Path(run_dir).name}")
+    fig.tight_layout()
+    out = Path(run_dir) / PLOT_FILE
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,92 @@
+"""Text generation from a run's latest checkpoint.
+
+    gpuflow sample --run runs/tiny --prompt "The list type" --max-tokens 100
+
+Tokens are drawn on the device and read back once, at the end, not once per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpuflow.data.tokenizer import eot_id, load_tokenizer
+from gpuflow.device import Device
+from gpuflow.errors import GpuflowError
+from gpuflow.loader import upload_tokens
+from gpuflow.mirror import read_now
+from gpuflow.model import GPT
+from gpuflow.train.checkpoint import latest_checkpoint, load_weights
+from gpuflow.train.run import TOKENIZER_FILE, open_run
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    prompt: str = ""
+    max_tokens: int = 200
+    temperature: float = 0.8  # 0 picks the most likely token every time
+    top_k: int = 50  # 0 samples from the whole vocabulary
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise GpuflowError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise GpuflowError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise GpuflowError(f"--top-k must be >= 0, got {self.top_k}")
+
+
+@torch.no_grad()
+def generate_no_sync(model: GPT, idx: torch.Tensor, config: SampleConfig) -> torch.Tensor:
+    """Extend ``idx`` (1, t) by ``config.max_tokens`` tokens, entirely on the device."""
+    max_len = model.config.max_len
+    for _ in range(config.max_tokens):
+        logits = model.next_token_logits(idx[:, -max_len:])  # (1, V)
+        if config.temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
+        else:
+            logits = logits / config.temperature
+            if config.top_k:
+                kth = torch.topk(logits, min(config.top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            # Gumbel-max: argmax(log p - log E), E ~ Exp(1), samples from p with no host sync.
+            noise = torch.empty_like(logits).exponential_()
+            next_id = (logits.log_softmax(-1) - noise.log()).argmax(dim=-1, keepdim=True)
+        idx = torch.cat([idx, next_id], dim=1)  # (1, t + 1)
+    return idx
+
+
+def sample(run: Path | str, config: SampleConfig, device: Device) -> str:
+    """Generated text (the prompt first), cut at the first end-of-text token."""
+    run_dir, run_config = open_run(run)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise GpuflowError(f"{run_dir} has no checkpoint yet; train it first")
+    tokenizer_path = run_dir / TOKENIZER_FILE
+    if not tokenizer_path.is_file():
+        raise GpuflowError(
+            f"{run_dir} has no {TOKENIZER_FILE} (its data came without one), so its tokens "
+            f"cannot be turned into text; copy the data's tokenizer.json to {tokenizer_path}"
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = GPT(run_config.model)
+    load_weights(checkpoint, model)
+    model.to(device.torch).eval()
+
+    eot = eot_id(tokenizer)
+    prompt_ids = [eot, *tokenizer.encode(config.prompt, add_special_tokens=False).ids]
+    if max(prompt_ids) >= run_config.model.vocab_size:
+        raise GpuflowError("the prompt encodes to ids outside the model's vocabulary")
+    torch.manual_seed(config.seed)
+    idx = upload_tokens(np.asarray([prompt_ids], dtype=np.int64), device)  # (1, t)
+    with device.autocast():
+        out = generate_no_sync(model, idx, config)
+    ids = read_now(out[0])
+    generated = ids[len(prompt_ids) :]
+    if eot in generated:
+        generated = generated[: generated.index(eot)]
+    return tokenizer.decode(prompt_ids[1:] + generated)

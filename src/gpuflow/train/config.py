@@ -1,0 +1,256 @@
+"""Run configuration: presets, TOML files and ``--set`` overrides, validated into dataclasses.
+
+Resolution order, later wins: the preset (``--preset``, else the file's ``preset``, else
+``tiny``), the TOML file (``--config``), then each ``--set section.key=value``. Unknown keys
+and impossible values are errors that name the key.
+
+    preset = "seed-d384"      # a config file
+    [model]
+    d_model = 256
+    [train]
+    steps = 5000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from gpuflow.errors import GpuflowError
+from gpuflow.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 32
+    steps: int = 2000
+    lr: float = 6e-4  # peak learning rate, reached after warmup
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # on matrices only; embeddings and norms are not decayed
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    log_interval: int = 10  # steps between progress updates and metrics.jsonl records
+    eval_interval: int = 250  # steps between validation passes (and one at the end)
+    eval_batches: int = 20
+    checkpoint_interval: int = 1000  # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 3
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        _require(
+            self,
+            "train",
+            positive=(
+                "batch_size",
+                "steps",
+                "lr",
+                "log_interval",
+                "eval_interval",
+                "eval_batches",
+                "checkpoint_interval",
+                "keep_checkpoints",
+            ),
+            non_negative=("warmup_steps", "weight_decay", "grad_clip", "seed"),
+        )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise GpuflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise GpuflowError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = ""  # a prepared token folder; empty: the built-in corpus, prepared on first use
+
+    def resolved_dir(self, vocab_size: int) -> Path:
+        from gpuflow.data.prepare import default_data_dir
+
+        return Path(self.dir) if self.dir else default_data_dir(vocab_size)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    preset: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def _require(
+    obj: Any, section: str, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()
+) -> None:
+    for name in positive:
+        if not getattr(obj, name) > 0:
+            raise GpuflowError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")
+    for name in non_negative:
+        if not getattr(obj, name) >= 0:
+            raise GpuflowError(f"{section}.{name} must be >= 0, got {getattr(obj, name)}")
+
+
+PRESETS: dict[str, RunConfig] = {
+    # A few minutes' worth of learning for 2 CPU cores.
+    "tiny": RunConfig(
+        preset="tiny",
+        model=ModelConfig(vocab_size=4096, n_layer=4, n_head=4, d_model=128, max_len=128),
+        train=TrainConfig(
+            batch_size=16,
+            steps=300,
+            lr=3e-3,
+            warmup_steps=30,
+            log_interval=10,
+            eval_interval=100,
+            eval_batches=8,
+            checkpoint_interval=100,
+        ),
+    ),
+    # The seed's original configuration (d_model 512, batch 64, max_length 512).
+    "seed-d512": RunConfig(
+        preset="seed-d512",
+        model=ModelConfig(vocab_size=16000, n_layer=6, n_head=8, d_model=512, max_len=512),
+        train=TrainConfig(batch_size=64),
+    ),
+    # The seed's wiki_cache_optimized configuration.
+    "seed-d384": RunConfig(
+        preset="seed-d384",
+        model=ModelConfig(vocab_size=16000, n_layer=6, n_head=6, d_model=384, max_len=128),
+        train=TrainConfig(batch_size=32),
+    ),
+    # The seed's wiki_performance_tuned configuration (head_dim 32).
+    "seed-d256": RunConfig(
+        preset="seed-d256",
+        model=ModelConfig(vocab_size=16000, n_layer=6, n_head=8, d_model=256, max_len=128),
+        train=TrainConfig(batch_size=32),
+    ),
+    # GPT-2 small, vocab padded to a multiple of 64 as in nanoGPT.
+    "gpt2-124m": RunConfig(
+        preset="gpt2-124m",
+        model=ModelConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, max_len=1024),
+        train=TrainConfig(batch_size=16, lr=6e-4, warmup_steps=200),
+    ),
+}
+
+
+def preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise GpuflowError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---- building from mappings -----------------------------------------------------------------
+
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def _coerce(value: Any, kind: type, key: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        raise GpuflowError(f"{key} must be a finite number, got {value}")
+    if type(value) is not kind:
+        raise GpuflowError(
+            f"{key} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}"
+        )
+    return value
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, Any], origin: str) -> RunConfig:
+    """Return ``config`` with ``{"section": {"key": value}}`` (or ``{"preset": ...}``) applied."""
+    sections = {}
+    for section_name, values in overrides.items():
+        if section_name == "preset":
+            continue
+        section_cls = _SECTIONS.get(section_name)
+        if section_cls is None:
+            raise GpuflowError(
+                f"{origin}: unknown section {section_name!r}; valid sections are "
+                f"{', '.join(_SECTIONS)}"
+            )
+        if not isinstance(values, dict):
+            raise GpuflowError(f"{origin}: {section_name} must be a table of keys")
+        types = {f.name: f.type for f in fields(section_cls)}
+        current = getattr(config, section_name)
+        changes = {}
+        for key, value in values.items():
+            if key not in types:
+                raise GpuflowError(
+                    f"{origin}: unknown key {section_name}.{key}; valid keys are {', '.join(types)}"
+                )
+            kind = {"int": int, "float": float, "str": str, "bool": bool}[str(types[key])]
+            changes[key] = _coerce(value, kind, f"{section_name}.{key}")
+        sections[section_name] = replace(current, **changes)
+    return replace(config, **sections)
+
+
+def parse_set(assignment: str) -> dict[str, Any]:
+    """``"train.lr=3e-4"`` -> ``{"train": {"lr": 0.0003}}``; values are TOML, else a string."""
+    key, sep, raw = assignment.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise GpuflowError(
+            f"--set {assignment!r} is not SECTION.KEY=VALUE, e.g. --set train.lr=3e-4"
+        )
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word such as a path
+    return {section: {name: value}}
+
+
+def load_toml(path: Path | str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise GpuflowError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise GpuflowError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def resolve_config(
+    preset_name: str | None = None,
+    config_file: str | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+) -> RunConfig:
+    """Preset, then file, then ``--set`` overrides; see the module docstring."""
+    file_values = load_toml(config_file) if config_file else {}
+    base_name = preset_name or file_values.get("preset") or "tiny"
+    if not isinstance(base_name, str):
+        raise GpuflowError(f"{config_file}: preset must be a string, got {base_name!r}")
+    config = preset(base_name)
+    if file_values:
+        config = apply_overrides(config, file_values, str(config_file))
+    for assignment in sets:
+        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
+    return config
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    return repr(value)
+
+
+def to_toml(config: RunConfig) -> str:
+    lines = [f"preset = {_toml_value(config.preset)}"]
+    for section in _SECTIONS:
+        lines.append(f"\n[{section}]")
+        for key, value in dataclasses.asdict(getattr(config, section)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

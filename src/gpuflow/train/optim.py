@@ -1,0 +1,38 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpuflow.device import Device
+from gpuflow.train.config import TrainConfig
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: TrainConfig, device: Device
+) -> torch.optim.AdamW:
+    """AdamW, fused into one kernel per step on CUDA; embeddings are matrices and decay too,
+    as in GPT-2, while LayerNorm gains (1-d) do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        fused=True if device.supports_fused_adamw else None,
+    )
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.lr * config.min_lr_ratio
+    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * progress))

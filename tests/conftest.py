@@ -1,0 +1,103 @@
+"""Shared fixtures: a small real corpus, a prepared token folder, and the gpu marker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuflow.data.corpus import default_corpus
+from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.device import Device
+
+SMALL_VOCAB = 512
+
+
+def _has_accelerator() -> bool:
+    return Device.resolve("auto").is_accelerator
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_accelerator():
+        return
+    skip = pytest.mark.skip(reason="needs an accelerator (cuda, xpu or mps)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def stdlib_documents():
+    """The built-in corpus, read once per test session."""
+    return default_corpus()
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory, stdlib_documents) -> Path:
+    """A folder of real text in every supported format: .txt, .md and .jsonl."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = stdlib_documents[:120]
+    for i, doc in enumerate(docs[:40]):
+        (root / f"doc{i:03d}.txt").write_text(doc.text, encoding="utf-8")
+    (root / "notes").mkdir()
+    for i, doc in enumerate(docs[40:60]):
+        (root / "notes" / f"note{i:03d}.md").write_text(doc.text, encoding="utf-8")
+    with open(root / "records.jsonl", "w", encoding="utf-8") as f:
+        for doc in docs[60:]:
+            f.write(json.dumps({"text": doc.text, "source": doc.source}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory, small_corpus: Path) -> Path:
+    """``small_corpus`` tokenized with a 512-token BPE: a ready token folder."""
+    out = tmp_path_factory.mktemp("prepared") / "small"
+    prepare(PrepareConfig(data=(str(small_corpus),), out=str(out), vocab_size=SMALL_VOCAB))
+    return out
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in a fresh folder, as a user would: runs/ and data/ land here."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def data_copy(prepared: Path, workdir: Path) -> Path:
+    """A private copy of the prepared folder that a test may damage."""
+    target = workdir / "tokens"
+    shutil.copytree(prepared, target)
+    return target
+
+
+# Settings that make a run take a few seconds on 2 cores while still learning.
+FAST = (
+    "model.vocab_size=512",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "model.max_len=32",
+    "train.batch_size=8",
+    "train.warmup_steps=5",
+    "train.eval_batches=2",
+    "train.lr=0.003",
+)
+
+
+def gpuflow_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``python -m gpuflow ARGS`` in a subprocess, as a user would from a shell."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "gpuflow", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

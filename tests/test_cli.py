@@ -1,0 +1,253 @@
+"""The gpuflow command end to end, as a user runs it from a shell."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpuflow.cli import main
+from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
+from gpuflow.train.run import read_metrics
+
+from .conftest import FAST, gpuflow_cli
+
+
+def test_help_lists_every_command(workdir):
+    result = gpuflow_cli("--help", cwd=workdir)
+    assert result.returncode == 0
+    for command in ("info", "prepare", "train", "sample"):
+        assert command in result.stdout
+
+
+def test_info_json_describes_the_machine(workdir):
+    result = gpuflow_cli("info", "--json", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["devices"][-1]["type"] == "cpu"
+    assert info["software"]["torch"]
+    if info["selected"] == "cpu":
+        assert info["link_probe"]["gb_per_s"] == {}
+        assert "skipped" in info["link_probe"]["note"]
+    else:
+        assert set(info["link_probe"]["gb_per_s"]) == {
+            "h2d_pinned",
+            "h2d_pageable",
+            "d2h_pinned",
+            "d2h_pageable",
+            "d2d",
+        }
+
+
+def test_info_prints_a_readable_summary(workdir):
+    result = gpuflow_cli("info", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "devices" in result.stdout and "link probe" in result.stdout
+
+
+@pytest.mark.slow
+def test_train_from_nothing_then_sample(workdir):
+    """No data prepared: train prepares the built-in corpus, trains, reports; sample reads it."""
+    args = (
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "12",
+        "--set",
+        "train.eval_interval=6",
+        "--set",
+        "train.log_interval=3",
+        "--device",
+        "cpu",
+    )
+    result = gpuflow_cli(*args, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "preparing the built-in corpus into data/stdlib-v4096" in result.stderr
+    run = workdir / "runs" / "tiny"
+    report = json.loads((run / "report.json").read_text())
+    assert report["steps_done"] == 12 and report["preset"] == "tiny"
+    assert report["final_val_loss"] < report["first_train_loss"]
+    assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [0, 6, 12]
+    assert "finished at step 12" in result.stdout
+
+    again = gpuflow_cli(*args, cwd=workdir)  # never overwrites: a second run gets a new folder
+    assert again.returncode == 0, again.stderr
+    assert (workdir / "runs" / "tiny-2" / "report.json").is_file()
+    assert json.loads((run / "report.json").read_text()) == report
+
+    sampled = gpuflow_cli(
+        "sample",
+        "--run",
+        "runs/tiny",
+        "--prompt",
+        "The list",
+        "--max-tokens",
+        "30",
+        "--device",
+        "cpu",
+        cwd=workdir,
+    )
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("The list")
+    assert len(sampled.stdout) > len("The list") + 10
+
+
+def test_prepare_prints_a_summary(workdir, small_corpus):
+    result = gpuflow_cli(
+        "prepare",
+        "--data",
+        str(small_corpus),
+        "--vocab-size",
+        "300",
+        "--out",
+        "data/mine",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((workdir / "data" / "mine" / "meta.json").read_text())
+    assert f"{meta['documents']:,} documents" in result.stdout
+    assert f"{meta['train_tokens']:,} train" in result.stdout
+    assert "tokens/s" in result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared):
+    sets = [
+        a
+        for s in (
+            *FAST,
+            f"data.dir={prepared}",
+            "train.log_interval=1",
+            "train.eval_interval=1000",
+            "train.checkpoint_interval=1000",
+        )
+        for a in ("--set", s)
+    ]
+    base = ["-m", "gpuflow", "train", "--steps", "150", "--device", "cpu", *sets]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, *base, "--name", "cut"],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = workdir / "runs" / "cut" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted: saved" in err and "--resume" in err
+    stopped_at = max(r["step"] for r in read_metrics(workdir / "runs" / "cut"))
+    assert 5 <= stopped_at < 150
+
+    resumed = gpuflow_cli(*base[2:], "--name", "cut", "--resume", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed runs/cut at step {stopped_at}" in resumed.stderr
+    straight = gpuflow_cli(*base[2:], "--name", "straight", cwd=workdir)
+    assert straight.returncode == 0, straight.stderr
+
+    def losses(name):
+        return [
+            (r["step"], r["loss"]) for r in read_metrics(workdir / "runs" / name) if "loss" in r
+        ]
+
+    assert losses("cut") == losses("straight")  # every step, bit for bit
+
+
+# ---- bad input: one line, exit status 2, nothing half-written -----------------------------
+
+
+def _bad_shard_folder(folder, damage):
+    shard = next(folder.glob("train_*.bin"))
+    data = bytearray(shard.read_bytes())
+    if damage == "magic":
+        data[:4] = (1234).to_bytes(4, "little")
+    elif damage == "version":
+        data[4:8] = (9).to_bytes(4, "little")
+    elif damage == "truncated":
+        data = data[: HEADER_BYTES + 100]
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("setup", "argv", "message"),
+    [
+        (None, ["prepare", "--data", "missing.txt"], "corpus path missing.txt does not exist"),
+        ("empty", ["prepare", "--data", "empty.txt"], "corpus file empty.txt is empty"),
+        ("binary", ["prepare", "--data", "photo.txt"], "photo.txt is not UTF-8 text"),
+        ("magic", ["train", "--set", "data.dir=tokens"], "is not a token shard: magic 1234"),
+        ("version", ["train", "--set", "data.dir=tokens"], "has version 9 for magic 20240520"),
+        ("truncated", ["train", "--set", "data.dir=tokens"], "is truncated"),
+        (
+            "big-id",
+            ["train", "--set", "data.dir=tokens", "--set", "model.vocab_size=600"],
+            "holds token id 4000 but model.vocab_size is 600",
+        ),
+        (None, ["train", "--set", "model.flavour=1"], "unknown key model.flavour"),
+        (None, ["train", "--set", "model.n_head=3"], "must be divisible by model.n_head"),
+        (None, ["train", "--set", "train.batch_size=-1"], "train.batch_size must be > 0"),
+        ("toml", ["train", "--config", "run.toml"], "unknown key train.epochs"),
+        ("not-a-run", ["sample", "--run", "notes"], "notes is not a gpuflow run"),
+        (None, ["sample", "--run", "runs/nothing"], "run folder runs/nothing does not exist"),
+        (None, ["train", "--resume"], "there is no run in runs/ to resume"),
+        (None, ["train", "--device", "cuda:7"], "cuda:7"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(workdir, data_copy, capsys, setup, argv, message):
+    if setup == "empty":
+        (workdir / "empty.txt").write_text("")
+    elif setup == "binary":
+        (workdir / "photo.txt").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF")
+    elif setup in ("magic", "version", "truncated"):
+        _bad_shard_folder(data_copy, setup)
+    elif setup == "big-id":
+        shard = Shard.open(next(data_copy.glob("val_*.bin")))
+        tokens = np.array(shard.tokens)
+        tokens[0] = 4000
+        write_shard(shard.path, tokens)
+        (data_copy / "meta.json").unlink()
+    elif setup == "toml":
+        (workdir / "run.toml").write_text("[train]\nepochs = 3\n")
+    elif setup == "not-a-run":
+        (workdir / "notes").mkdir()
+    before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    # Nothing was written: no run folder, no data folder, no stray files.
+    assert sorted(p.relative_to(workdir) for p in workdir.rglob("*")) == before
+
+
+def test_bad_input_from_a_real_process_has_no_traceback(workdir):
+    (workdir / "notes").mkdir()
+    result = gpuflow_cli("sample", "--run", "notes", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: notes is not a gpuflow run")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_of_another_shape_via_the_cli(workdir, prepared, capsys):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    assert main(["train", "--steps", "2", "--name", "a", "--device", "cpu", *sets]) == 0
+    capsys.readouterr()
+    config_before = (workdir / "runs" / "a" / "config.toml").read_text()
+    metrics_before = (workdir / "runs" / "a" / "metrics.jsonl").read_text()
+    code = main(["train", "--steps", "4", "--name", "a", "--resume", "--set", "model.n_layer=3"])
+    assert code == 2
+    assert "does not fit this model: it lacks blocks.2." in capsys.readouterr().err
+    assert (workdir / "runs" / "a" / "config.toml").read_text() == config_before
+    assert (workdir / "runs" / "a" / "metrics.jsonl").read_text() == metrics_before

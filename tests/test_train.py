@@ -1,0 +1,159 @@
+"""Training runs on the cpu: learning, checkpoints, exact resume, and refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpuflow.device import Device
+from gpuflow.errors import GpuflowError
+from gpuflow.model import GPT
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import resolve_config
+from gpuflow.train.optim import build_optimizer
+from gpuflow.train.run import read_metrics
+from gpuflow.train.trainer import Trainer
+
+from .conftest import FAST
+
+
+def _config(data: Path, *sets: str):
+    return resolve_config("tiny", None, [*FAST, f"data.dir={data}", *sets])
+
+
+def _train(config, run_dir: Path, resume: bool = False):
+    return Trainer(config, run_dir, Device("cpu")).run(resume=resume)
+
+
+def test_tiny_preset_lowers_validation_loss(prepared, workdir):
+    config = resolve_config(
+        "tiny",
+        None,
+        [
+            f"data.dir={prepared}",
+            "train.steps=40",
+            "train.eval_interval=40",
+            "train.warmup_steps=4",
+        ],
+    )
+    result = _train(config, workdir / "runs" / "tiny")
+    val = [r["val_loss"] for r in read_metrics(result.run_dir) if "val_loss" in r]
+    assert [r["step"] for r in read_metrics(result.run_dir) if "val_loss" in r] == [0, 40]
+    assert val[0] > 6.0  # untrained: about ln(512)
+    assert val[-1] < val[0] - 1.0
+    assert result.last_step == 40 and not result.interrupted
+
+
+def test_run_folder_holds_everything(prepared, workdir):
+    run_dir = workdir / "runs" / "r"
+    _train(
+        _config(
+            prepared,
+            "train.steps=6",
+            "train.checkpoint_interval=2",
+            "train.keep_checkpoints=2",
+            "train.log_interval=3",
+        ),
+        run_dir,
+    )
+    assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "tokenizer.json").read_text() == (prepared / "tokenizer.json").read_text()
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step_000004", "step_000006"]
+    files = sorted(p.name for p in (run_dir / "checkpoints" / "step_000006").iterdir())
+    assert files == ["model.safetensors", "optimizer.safetensors", "state.json"]
+    # A checkpoint also closes a logging interval, so metrics are complete up to each one.
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == [2, 3, 4, 6]
+    state = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())
+    assert state["step"] == 6 and state["data"]["next_step"] == 6
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve_bit_exactly(prepared, workdir):
+    sets = (
+        "train.steps=12",
+        "train.log_interval=1",
+        "train.checkpoint_interval=4",
+        "train.keep_checkpoints=5",
+        "train.eval_interval=6",
+    )
+    straight = workdir / "runs" / "straight"
+    _train(_config(prepared, *sets), straight)
+
+    resumed = workdir / "runs" / "resumed"
+    _train(_config(prepared, *sets), resumed)
+    for later in ckpt.list_checkpoints(resumed)[1:]:  # as if the run had died after step 4
+        shutil.rmtree(later)
+    result = _train(_config(prepared, *sets), resumed, resume=True)
+    assert result.start_step == 4
+
+    def curve(run_dir):
+        return [
+            (r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
+            for r in read_metrics(run_dir)
+        ]
+
+    assert curve(resumed) == curve(straight)
+    assert len([c for c in curve(straight) if c[1] is not None]) == 12
+    a = ckpt.latest_checkpoint(straight) / "model.safetensors"
+    b = ckpt.latest_checkpoint(resumed) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_finished_run_asks_for_more_steps(prepared, workdir):
+    run_dir = workdir / "runs" / "done"
+    _train(_config(prepared, "train.steps=3"), run_dir)
+    with pytest.raises(GpuflowError, match="already finished 3 of 3 steps; pass --steps"):
+        _train(_config(prepared, "train.steps=3"), run_dir, resume=True)
+    result = _train(_config(prepared, "train.steps=5"), run_dir, resume=True)
+    assert (result.start_step, result.last_step) == (3, 5)
+
+
+def test_checkpoint_of_another_model_shape_is_refused(prepared, workdir):
+    run_dir = workdir / "runs" / "shape"
+    _train(_config(prepared, "train.steps=2"), run_dir)
+    with pytest.raises(
+        GpuflowError,
+        match=r"wte.weight of shape \(512, 64\) but this model's "
+        r"is \(512, 96\)",
+    ):
+        _train(_config(prepared, "train.steps=4", "model.d_model=96"), run_dir, resume=True)
+
+
+def test_incomplete_checkpoint_folders_are_ignored(prepared, workdir):
+    run_dir = workdir / "runs" / "crash"
+    _train(_config(prepared, "train.steps=2"), run_dir)
+    partial = run_dir / "checkpoints" / ".step_000009.tmp-123"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    no_state = run_dir / "checkpoints" / "step_000008"
+    no_state.mkdir()
+    assert ckpt.latest_checkpoint(run_dir).name == "step_000002"
+
+
+def test_corrupt_checkpoint_is_a_clear_error(prepared, workdir):
+    run_dir = workdir / "runs" / "corrupt"
+    _train(_config(prepared, "train.steps=2"), run_dir)
+    latest = ckpt.latest_checkpoint(run_dir)
+    (latest / "model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(GpuflowError, match="unreadable"):
+        _train(_config(prepared, "train.steps=4"), run_dir, resume=True)
+
+
+def test_optimizer_state_survives_the_round_trip(prepared, workdir):
+    run_dir = workdir / "runs" / "optim"
+    config = _config(prepared, "train.steps=3")
+    _train(config, run_dir)
+    model = GPT(config.model)
+    optimizer = build_optimizer(model, config.train, Device("cpu"))
+    record = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), model, optimizer)
+    assert record["step"] == 3
+    state = optimizer.state[model.wte.weight]
+    assert float(state["step"]) == 3.0
+    assert state["exp_avg"].abs().sum() > 0
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    decayed, not_decayed = (len(g["params"]) for g in optimizer.param_groups)
+    assert decayed == 2 + 4 * config.model.n_layer  # wte, wpe and four matrices per block
+    assert not_decayed == 2 * config.model.n_layer + 1  # LayerNorm gains

@@ -203,8 +203,7 @@ class Device:
         """Settings every training process on this device wants."""
         if self.type == "cuda":
             torch.cuda.set_device(self.index)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left
 
     def rng_state(self) -> torch.Tensor | None:
         if self.type in ("cuda", "xpu"):

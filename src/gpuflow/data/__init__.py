@@ -1,0 +1,1 @@
+"""Corpus, tokenizer, token shards and batch sampling."""

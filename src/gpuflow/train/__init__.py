@@ -1,0 +1,1 @@
+"""Configuration, optimizer, training loop, checkpoints and run folders."""

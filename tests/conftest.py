@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# As the CLI does (see gpuflow.cli.main): reproducible MKL results for in-process training.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import json
 import shutil
 import subprocess
 import sys

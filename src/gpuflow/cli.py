@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -289,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # MKL schedules parallel GEMM work dynamically unless its conditional numerical
+    # reproducibility mode is on, so two cpu runs could differ in the last bit. Resume must
+    # reproduce a run exactly; the mode is read once, before torch first calls MKL.
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

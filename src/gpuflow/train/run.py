@@ -114,5 +114,8 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self._file.close()

@@ -82,166 +82,219 @@ class _StopFlag:
             signal.signal(signal.SIGINT, previous)
 
 
+class _Throughput:
+    """Tokens/s per logging interval, with evaluation and checkpoint pauses left out."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.rates: list[float] = []
+        self.restart()
+
+    def restart(self) -> None:
+        self._clock, self._steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def close_interval(self) -> float:
+        now = time.perf_counter()
+        rate = self._steps * self.tokens_per_step / max(now - self._clock, 1e-9)
+        self.rates.append(rate)
+        self._clock, self._steps = now, 0
+        return rate
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._clock += time.perf_counter() - started
+
+    def steady_median(self) -> float | None:
+        steady = self.rates[1:] or self.rates  # the first interval pays for warm-up
+        return statistics.median(steady) if steady else None
+
+
 class Trainer:
+    """One run: builds the model, restores its checkpoint, trains, logs and saves."""
+
+    SCALARS = ("loss", "grad_norm")
+
     def __init__(self, config: RunConfig, run_dir: Path, device: Device) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.device = device
+        self.tokens_per_step = config.train.batch_size * config.model.max_len
+        self._peak_flops = device.peak_bf16_flops()
 
-    def run(self, resume: bool = False) -> TrainResult:
+    # ---- setup ------------------------------------------------------------------------------
+
+    def _build(self, resume: bool) -> Path | None:
+        """Model, optimizer and data; the checkpoint restored if resuming. Returns it."""
         cfg, device = self.config, self.device
-        tc = cfg.train
-        started = time.perf_counter()
         data = open_training_data(cfg)
-
         device.configure_for_training()
-        torch.manual_seed(tc.seed)
-        model = GPT(cfg.model).to(device.torch)
-        optimizer = build_optimizer(model, tc, device)
-
-        start_step = 0
+        torch.manual_seed(cfg.train.seed)
+        self.model = GPT(cfg.model).to(device.torch)
+        self.optimizer = build_optimizer(self.model, cfg.train, device)
+        self.start_step = 0
         latest = ckpt.latest_checkpoint(self.run_dir) if resume else None
         if latest is not None:
-            record = ckpt.load_checkpoint(latest, model, optimizer)
-            start_step = int(record["step"])
-            torch.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["torch"]))
-            if record["rng"].get("device") and device.rng_state() is not None:
-                device.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["device"]))
-        if start_step >= tc.steps:
+            self.start_step = self._restore(latest)
+        if self.start_step >= cfg.train.steps:
             raise GpuflowError(
-                f"{self.run_dir} already finished {start_step} of {tc.steps} steps; "
-                f"pass --steps N with N > {start_step} to train further"
+                f"{self.run_dir} already finished {self.start_step} of {cfg.train.steps} steps; "
+                f"pass --steps N with N > {self.start_step} to train further"
             )
         # Only now, with the checkpoint known to fit, does the run folder change.
         write_config(self.run_dir, cfg)
         copy_tokenizer(self.run_dir, data.tokenizer_path)
-        truncate_metrics(self.run_dir, start_step)
+        truncate_metrics(self.run_dir, self.start_step)
 
-        sampler = WindowSampler(data.train, tc.batch_size, cfg.model.max_len, tc.seed)
+        self.sampler = WindowSampler(
+            data.train, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed
+        )
         # The validation set is uploaded once and stays on the device.
-        val_batches = [
+        self.val_batches = [
             upload_tokens(w, device)
-            for w in validation_windows(data.val, tc.batch_size, cfg.model.max_len, tc.eval_batches)
+            for w in validation_windows(
+                data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
+            )
         ]
-        tokens_per_step = tc.batch_size * cfg.model.max_len
-        peak = device.peak_bf16_flops()
+        return latest
 
-        def mfu(tokens_per_s: float | None) -> float | None:
-            return (
-                tokens_per_s * flops_per_token(cfg.model) / peak if tokens_per_s and peak else None
-            )
+    def _restore(self, checkpoint: Path) -> int:
+        record = ckpt.load_checkpoint(checkpoint, self.model, self.optimizer)
+        torch.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["torch"]))
+        if record["rng"].get("device") and self.device.rng_state() is not None:
+            self.device.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["device"]))
+        return int(record["step"])
 
-        def evaluate() -> float:
-            model.eval()
-            total = torch.zeros((), device=device.torch)
-            with torch.no_grad(), device.autocast():
-                for batch in val_batches:
-                    total += model(batch[:, :-1], batch[:, 1:])
-            model.train()
-            return read_now(total)[0] / len(val_batches)
+    # ---- the pieces of a run ----------------------------------------------------------------
 
-        def save(step: int) -> Path:
-            state = {
-                "rng": {
-                    "torch": ckpt.encode_tensor(torch.get_rng_state()),
-                    "device": (
-                        ckpt.encode_tensor(rs) if (rs := device.rng_state()) is not None else None
-                    ),
-                },
-                "data": {"sampler": "window-v1", "seed": tc.seed, "next_step": step},
-                "tokens_seen": step * tokens_per_step,
-            }
-            return ckpt.save_checkpoint(
-                self.run_dir, step, model, optimizer, state, tc.keep_checkpoints
-            )
+    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; queues device work and returns (loss, grad norm) on the device."""
+        tc = self.config.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, tc)
+        tokens = upload_tokens(self.sampler.batch(step), self.device)  # (B, T+1) int64
+        with self.device.autocast():
+            loss = self.model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        if tc.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        else:
+            grad_norm = torch.zeros((), device=self.device.torch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
 
-        scalars = AsyncScalars(("loss", "grad_norm"), device)
-        metrics = MetricsLog(self.run_dir)
-        rates: list[float] = []
-        interval_info: dict[int, dict[str, Any]] = {}  # flush tag -> lr and timing
+    def _evaluate(self) -> float:
+        """Mean validation loss over the resident validation set (one blocking read)."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device.torch)
+        with torch.no_grad(), self.device.autocast():
+            for batch in self.val_batches:
+                total += self.model(batch[:, :-1], batch[:, 1:])
+        self.model.train()
+        return read_now(total)[0] / len(self.val_batches)
+
+    def _save(self, step: int) -> Path:
+        tc = self.config.train
+        device_rng = self.device.rng_state()
+        state = {
+            "rng": {
+                "torch": ckpt.encode_tensor(torch.get_rng_state()),
+                "device": ckpt.encode_tensor(device_rng) if device_rng is not None else None,
+            },
+            "data": {"sampler": "window-v1", "seed": tc.seed, "next_step": step},
+            "tokens_seen": step * self.tokens_per_step,
+        }
+        return ckpt.save_checkpoint(
+            self.run_dir, step, self.model, self.optimizer, state, tc.keep_checkpoints
+        )
+
+    def _mfu(self, tokens_per_s: float | None) -> float | None:
+        if not tokens_per_s or not self._peak_flops:
+            return None
+        return tokens_per_s * flops_per_token(self.config.model) / self._peak_flops
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self, resume: bool = False) -> TrainResult:
+        tc = self.config.train
+        started = time.perf_counter()
+        latest = self._build(resume)
+        scalars = AsyncScalars(self.SCALARS, self.device)
+        throughput = _Throughput(self.tokens_per_step)
+        pending: dict[
+            int, dict[str, Any]
+        ] = {}  # logging step -> lr and timing, until its scalars land
         stop = _StopFlag()
-        step = start_step
-        no_clip = torch.zeros((), device=device.torch)
+        step = self.start_step
 
-        def publish(results: list[tuple[int, dict[str, float]]], display: TrainDisplay) -> None:
-            for tag, means in results:
-                info = interval_info.pop(tag)
-                record = {"step": tag, **means, **info}
+        with (
+            TrainDisplay(tc.steps, self.start_step) as display,
+            MetricsLog(self.run_dir) as metrics,
+            stop.installed(),
+        ):
+
+            def emit(record: dict[str, Any]) -> None:
                 metrics.write(record)
                 display.record(record)
 
-        with TrainDisplay(tc.steps, start_step) as display, stop.installed():
+            def publish(results: list[tuple[int, dict[str, float]]]) -> None:
+                for tag, means in results:
+                    emit({"step": tag, **means, **pending.pop(tag)})
+
             if latest is not None:
-                display.note(f"resumed {self.run_dir} at step {start_step} from {latest.name}")
-            try:
-                if start_step == 0:  # the untrained baseline, so the curve shows what was learnt
-                    record = {"step": 0, "val_loss": evaluate()}
-                    metrics.write(record)
-                    display.record(record)
-                clock = time.perf_counter()
-                interval_steps = 0
-                while step < tc.steps:
-                    lr = lr_at(step, tc)
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
-                    tokens = upload_tokens(sampler.batch(step), device)  # (B, T+1) int64
-                    with device.autocast():
-                        loss = model(tokens[:, :-1], tokens[:, 1:])
-                    loss.backward()
-                    grad_norm = (
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-                        if tc.grad_clip > 0
-                        else no_clip
-                    )
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scalars.add(loss=loss, grad_norm=grad_norm)
-                    step += 1
-                    interval_steps += 1
+                display.note(f"resumed {self.run_dir} at step {step} from {latest.name}")
+            else:  # the untrained baseline, so the curve shows what was learnt
+                emit({"step": 0, "val_loss": self._evaluate()})
+            throughput.restart()  # time training, not setup
 
-                    is_last = step == tc.steps
-                    checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stop.requested
-                    if step % tc.log_interval == 0 or checkpoint_now:
-                        now = time.perf_counter()
-                        rate = interval_steps * tokens_per_step / max(now - clock, 1e-9)
-                        rates.append(rate)
-                        interval_info[step] = {
-                            "lr": lr,
-                            "tokens_per_s": rate,
-                            "mfu": mfu(rate),
-                            "elapsed_s": now - started,
-                        }
-                        publish(scalars.flush(step), display)
-                        display.step(step)
-                        clock, interval_steps = now, 0
-                    paused = time.perf_counter()  # evaluation and checkpoints don't count
+            while step < tc.steps:
+                loss, grad_norm = self._train_step(step)
+                scalars.add(loss=loss, grad_norm=grad_norm)
+                step += 1
+                throughput.step()
+                is_last = step == tc.steps
+                stopping = stop.requested  # read once: a Ctrl-C may land mid-iteration
+                # A checkpoint also closes a logging interval: metrics are whole up to it.
+                checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
+                if step % tc.log_interval == 0 or checkpoint_now:
+                    rate = throughput.close_interval()
+                    pending[step] = {
+                        "lr": lr_at(step - 1, tc),
+                        "tokens_per_s": rate,
+                        "mfu": self._mfu(rate),
+                        "elapsed_s": time.perf_counter() - started,
+                    }
+                    publish(scalars.flush(step))
+                    display.step(step)
+                with throughput.paused():
                     if step % tc.eval_interval == 0 or is_last:
-                        record = {"step": step, "val_loss": evaluate()}
-                        metrics.write(record)
-                        display.record(record)
+                        emit({"step": step, "val_loss": self._evaluate()})
                     if checkpoint_now:
-                        publish(scalars.drain(step), display)
-                        path = save(step)
-                        if stop.requested:
-                            display.note(
-                                f"interrupted: saved {path}; continue with "
-                                f"`gpuflow train --name {self.run_dir.name} --resume`"
-                            )
-                            break
-                    clock += time.perf_counter() - paused
-            finally:
-                metrics.close()
+                        publish(scalars.drain(step))
+                        path = self._save(step)
+                if stopping:
+                    display.note(
+                        f"interrupted: saved {path}; continue with "
+                        f"`gpuflow train --name {self.run_dir.name} --resume`"
+                    )
+                    break
 
-        steady = rates[1:] or rates  # the first interval pays for warm-up
-        median_rate = statistics.median(steady) if steady else None
+        median_rate = throughput.steady_median()
         return TrainResult(
             run_dir=self.run_dir,
-            start_step=start_step,
+            start_step=self.start_step,
             last_step=step,
-            interrupted=stop.requested,
+            interrupted=step < tc.steps,
             seconds=time.perf_counter() - started,
-            device=device.describe(),
-            parameters=model.parameter_count(),
+            device=self.device.describe(),
+            parameters=self.model.parameter_count(),
             tokens_per_s=median_rate,
-            mfu=mfu(median_rate),
+            mfu=self._mfu(median_rate),
         )

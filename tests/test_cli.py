@@ -204,6 +204,7 @@ def _bad_shard_folder(folder, damage):
         ("not-a-run", ["sample", "--run", "notes"], "notes is not a gpuflow run"),
         (None, ["sample", "--run", "runs/nothing"], "run folder runs/nothing does not exist"),
         (None, ["train", "--resume"], "there is no run in runs/ to resume"),
+        (None, ["train", "--resume", "--preset", "tiny"], "drop --preset/--config"),
         (None, ["train", "--device", "cuda:7"], "cuda:7"),
     ],
 )
@@ -251,3 +252,14 @@ def test_checkpoint_of_another_shape_via_the_cli(workdir, prepared, capsys):
     assert "does not fit this model: it lacks blocks.2." in capsys.readouterr().err
     assert (workdir / "runs" / "a" / "config.toml").read_text() == config_before
     assert (workdir / "runs" / "a" / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_resume_without_a_name_continues_the_most_recent_run(workdir, prepared, capsys):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    assert main(["train", "--steps", "2", "--name", "older", "--device", "cpu", *sets]) == 0
+    assert main(["train", "--steps", "2", "--name", "newer", "--device", "cpu", *sets]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--steps", "3", "--device", "cpu"]) == 0
+    assert "resumed runs/newer at step 2" in capsys.readouterr().err
+    assert max(r["step"] for r in read_metrics(workdir / "runs" / "newer")) == 3
+    assert max(r["step"] for r in read_metrics(workdir / "runs" / "older")) == 2

@@ -6,8 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from gpuflow.data.batches import validation_windows
+from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.data.shards import Shard, write_shard
+from gpuflow.data.tokens import TokenFolder
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.model import GPT
@@ -157,3 +162,41 @@ def test_optimizer_state_survives_the_round_trip(prepared, workdir):
     decayed, not_decayed = (len(g["params"]) for g in optimizer.param_groups)
     assert decayed == 2 + 4 * config.model.n_layer  # wte, wpe and four matrices per block
     assert not_decayed == 2 * config.model.n_layer + 1  # LayerNorm gains
+
+
+def _shard_of(tmp_path, name, n_tokens, first_id=0):
+    """A shard whose token ids are their positions (plus ``first_id``)."""
+    path = tmp_path / name
+    write_shard(path, np.arange(first_id, first_id + n_tokens, dtype=np.uint16))
+    return Shard.open(path)
+
+
+def test_validation_windows_are_disjoint_and_cover_the_split(tmp_path):
+    shards = (_shard_of(tmp_path, "a.bin", 1000), _shard_of(tmp_path, "b.bin", 600, 5000))
+    batches = validation_windows(shards, batch_size=4, seq_len=16, max_batches=100)
+    windows = np.concatenate(batches)  # (N, 17)
+    assert all(b.shape == (4, 17) for b in batches)
+    assert len(windows) == 4 * ((999 // 16 + 599 // 16) // 4)
+    # Each window is a run of consecutive tokens from one shard (the ids are positions).
+    assert np.all(np.diff(windows.astype(np.int64), axis=1) == 1)
+    starts = np.sort(windows[:, 0].astype(np.int64))
+    assert starts[0] == 0 and windows[:, -1].max() >= 5583  # from the start to the end
+    for shard_starts in (starts[starts < 5000], starts[starts >= 5000]):
+        assert np.all(np.diff(shard_starts) >= 16)  # disjoint: no token is predicted twice
+
+
+def test_short_validation_split_still_gives_one_batch(tmp_path):
+    shards = (_shard_of(tmp_path, "v.bin", 300),)
+    batches = validation_windows(shards, batch_size=8, seq_len=128, max_batches=20)
+    assert len(batches) == 1 and batches[0].shape == (8, 129)
+    with pytest.raises(GpuflowError, match="no run of 129 tokens"):
+        validation_windows((_shard_of(tmp_path, "w.bin", 100),), 8, 128, 20)
+
+
+def test_the_largest_preset_trains_on_the_builtin_corpus_shapes(tmp_path, stdlib_documents):
+    """seed-d512 needs 64 windows of 513 tokens; the built-in val split must supply them."""
+    out = tmp_path / "stdlib"
+    prepare(PrepareConfig(out=str(out), vocab_size=2000))
+    folder = TokenFolder.open(out)
+    batches = validation_windows(folder.val, batch_size=64, seq_len=512, max_batches=20)
+    assert batches and batches[0].shape == (64, 513)

@@ -43,25 +43,28 @@ class WindowSampler:
 def validation_windows(
     shards: tuple[Shard, ...], batch_size: int, seq_len: int, max_batches: int
 ) -> list[np.ndarray]:
-    """A fixed validation set: back-to-back windows from the start of the val split.
+    """A fixed validation set: windows spread evenly over the whole val split.
 
-    Returns up to ``max_batches`` arrays of shape (batch_size, seq_len + 1); every run of
-    the same data and shape evaluates on the same tokens.
+    Returns up to ``max_batches`` arrays of shape (batch_size, seq_len + 1); every run of the
+    same data and shape evaluates on the same tokens. Windows are disjoint while the split
+    has room for them; a split too short for one full batch of disjoint windows still gives
+    one batch, of overlapping windows.
     """
     window = seq_len + 1
-    windows = []
-    for shard in shards:
-        tokens = shard.tokens
-        for start in range(0, shard.n_tokens - window + 1, seq_len):
-            windows.append(tokens[start : start + window])
-            if len(windows) == batch_size * max_batches:
-                break
-        if len(windows) == batch_size * max_batches:
-            break
-    n_batches = len(windows) // batch_size
-    if n_batches == 0:
+    starts_per_shard = np.array([max(0, s.n_tokens - window + 1) for s in shards])
+    if starts_per_shard.sum() == 0:
         raise GpuflowError(
-            f"the val split has fewer than {batch_size} windows of {window} tokens; prepare "
-            "with a larger --val-fraction or more text, or lower train.batch_size or model.max_len"
+            f"the val split has no run of {window} tokens (model.max_len + 1); prepare with a "
+            "larger --val-fraction or more text, or lower model.max_len"
         )
-    return [np.stack(windows[i * batch_size : (i + 1) * batch_size]) for i in range(n_batches)]
+    disjoint = sum(max(0, (s.n_tokens - 1) // seq_len) for s in shards)
+    n_windows = batch_size * min(max_batches, max(1, disjoint // batch_size))
+    cumulative = np.cumsum(starts_per_shard)  # (n_shards,)
+    flat = np.linspace(0, cumulative[-1] - 1, n_windows).round().astype(np.int64)  # (N,)
+    shard_ids = np.searchsorted(cumulative, flat, side="right")  # (N,)
+    offsets = flat - np.concatenate(([0], cumulative[:-1]))[shard_ids]  # (N,)
+    maps = [s.tokens for s in shards]
+    windows = np.stack(
+        [maps[i][o : o + window] for i, o in zip(shard_ids, offsets, strict=True)]
+    )  # (N, T+1)
+    return list(windows.reshape(-1, batch_size, window))

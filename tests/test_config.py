@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,12 @@ def test_bad_files_are_refused(tmp_path):
         resolve_config(None, str(unknown))
     with pytest.raises(GpuflowError, match="unknown preset 'huge'"):
         resolve_config("huge")
+
+
+def test_shipped_config_files_resolve():
+    folder = Path(__file__).resolve().parent.parent / "configs"
+    files = sorted(folder.glob("*.toml"))
+    assert files
+    for path in files:
+        config = resolve_config(None, str(path))
+        assert config.train.steps > 0

@@ -228,9 +228,8 @@ class Trainer:
         latest = self._build(resume)
         scalars = AsyncScalars(self.SCALARS, self.device)
         throughput = _Throughput(self.tokens_per_step)
-        pending: dict[
-            int, dict[str, Any]
-        ] = {}  # logging step -> lr and timing, until its scalars land
+        # Per logging step, its lr and timing, held until its scalars land on the host.
+        pending: dict[int, dict[str, Any]] = {}
         stop = _StopFlag()
         step = self.start_step
 

@@ -128,11 +128,6 @@ class Device:
             return int(self.backend.get_device_properties(self.index).total_memory)
         return None
 
-    def free_memory(self) -> int | None:
-        if self.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.index)[0])
-        return None
-
     def peak_bf16_flops(self) -> float | None:
         """Datasheet dense bf16 peak, for MFU; None when the device is not in the table."""
         if self.type != "cuda":

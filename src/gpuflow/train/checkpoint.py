@@ -55,7 +55,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def encode_tensor(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+    """Base64 of a host tensor's bytes (RNG states live on the host, even for CUDA)."""
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 
 
 def decode_byte_tensor(text: str) -> torch.Tensor:

@@ -263,3 +263,20 @@ def test_resume_without_a_name_continues_the_most_recent_run(workdir, prepared, 
     assert "resumed runs/newer at step 2" in capsys.readouterr().err
     assert max(r["step"] for r in read_metrics(workdir / "runs" / "newer")) == 3
     assert max(r["step"] for r in read_metrics(workdir / "runs" / "older")) == 2
+
+
+def test_bench_transfer_runs_and_writes_json(workdir):
+    result = gpuflow_cli("bench", "transfer", "--quick", "--device", "cpu", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    files = list((workdir / "benchmarks" / "results").glob("transfer-*.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["benchmark"] == "transfer" and record["machine"]["type"] == "cpu"
+    assert {row["memory"] for row in record["memory_kinds"]} == {
+        "pageable",
+        "fresh_pinned",
+        "pooled",
+    }
+    assert record["small_tensors"]["tensors"] == 200
+    assert record["flat_memory"]["flat"] is True
+    assert "targets" in result.stdout and str(files[0].relative_to(workdir)) in result.stdout

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from gpuflow.device import Device
 from gpuflow.linkprobe import probe_link
-from gpuflow.loader import upload_tokens
-from gpuflow.mirror import AsyncScalars, host_snapshot
+from gpuflow.loader import DeviceLoader, upload_tokens
+from gpuflow.mirror import AsyncScalars, HostMirror, host_snapshot
 from gpuflow.model import GPT
+from gpuflow.pack import pack, unpack
+from gpuflow.pinned import PinnedPool
 from gpuflow.sample import SampleConfig, sample
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
@@ -103,3 +108,143 @@ def test_sample_on_the_accelerator(accel, prepared, workdir):
     Trainer(config, workdir / "runs" / "s", accel).run()
     text = sample(workdir / "runs" / "s", SampleConfig(prompt="Return", max_tokens=20), accel)
     assert text.startswith("Return")
+
+
+# ---- the transfer layer on a real device ------------------------------------------------------
+
+
+def _busy(device: Device, ms: float = 30.0) -> None:
+    """Keep the current stream busy for about ``ms`` (a spin kernel), so copies queue behind."""
+    if device.type == "cuda":
+        torch.cuda._sleep(int(ms * 2e6))  # cycles: at least ms at clocks up to 2 GHz
+
+
+def test_pack_round_trip_on_the_device_with_every_codec(accel):
+    rng = np.random.default_rng(0)
+    batch = {
+        "ids": torch.from_numpy(rng.integers(0, 50000, (8, 129))),
+        "big_ids": torch.tensor([-(2**40), 2**40]),
+        "image": rng.integers(0, 256, (4, 3, 16, 16), dtype=np.uint8),
+        "x": torch.randn(1000),
+        "rows": [torch.randn(64) for _ in range(100)],
+        "ragged": [[1, 2, 3], [], [70000]],
+        "meta": ("name", 3),
+    }
+    packed = pack(batch, pin_memory=accel.supports_pinned_memory, lossy_float="bf16")
+    out = unpack(packed, accel)
+    accel.synchronize()
+    assert out["ids"].device.type == accel.type and out["ids"].dtype == torch.int64
+    assert torch.equal(out["ids"].cpu(), batch["ids"])
+    assert torch.equal(out["big_ids"].cpu(), batch["big_ids"])
+    assert torch.equal(out["image"].cpu(), torch.from_numpy(batch["image"]))
+    assert torch.equal(out["x"].cpu(), batch["x"].bfloat16().float())
+    assert all(
+        torch.equal(a.cpu(), b.bfloat16().float())
+        for a, b in zip(out["rows"], batch["rows"], strict=True)
+    )
+    assert out["ragged"][2].tolist() == [70000] and out["meta"] == ("name", 3)
+
+
+def test_pinned_pool_buffers_are_pinned_and_wait_for_their_copy(accel):
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+    pool = PinnedPool(accel, max_bytes=64 << 20)
+    buf = pool.acquire(32 << 20)
+    assert buf.bytes.is_pinned()
+    landing = torch.empty(32 << 20, dtype=torch.uint8, device=accel.torch)
+    _busy(accel)  # the copy below cannot start for a while
+    landing.copy_(buf.bytes, non_blocking=True)
+    done = accel.new_event()
+    done.record()
+    pool.release(buf, after=done)
+    other = pool.acquire(32 << 20)  # room under the cap: a different buffer, the first is busy
+    assert other.bytes.data_ptr() != buf.bytes.data_ptr() and not done.query()
+    third = pool.acquire(32 << 20)  # at the cap: waits for the copy, then reuses its buffer
+    assert done.query() and third.bytes.data_ptr() == buf.bytes.data_ptr()
+    assert pool.stats.waits == 1
+    pool.release(other)
+    pool.release(third)
+    pool.close()
+    assert pool.stats.bytes_reserved == 0
+
+
+class _PoisoningLoader(DeviceLoader):
+    """Before each reuse of a slot, fill it with 0xFF on the copy stream and stall that
+    stream, so a consumer that read before the copy finished would see poison."""
+
+    def _copy_into_slot(self, index, host, plan):
+        slot = self._slots[index]
+        slot.consumer_done.synchronize()
+        if slot.buffer is not None:
+            with self.device.use_stream(self._copy_stream):
+                slot.buffer.fill_(255)
+                _busy(self.device, 20.0)
+        super()._copy_into_slot(index, host, plan)
+
+
+def test_the_consumer_never_sees_a_slot_before_its_copy_finished(accel):
+    n_batches, n = 12, 4 << 20  # 4 Mi float32 per batch
+    source = (np.full(n, float(i), dtype=np.float32) for i in range(n_batches))
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with _PoisoningLoader(source, accel, depth=2) as loader:
+        for i, batch in enumerate(loader):
+            ok &= (batch == float(i)).all()  # every element, on the consumer's stream
+    assert bool(ok.item())
+    assert loader.stats.batches == n_batches
+
+
+def test_loader_memory_is_flat_and_copies_overlap_compute(accel):
+    batch = torch.randn(1 << 20)  # 4 MB
+    reserved = []
+    with DeviceLoader(itertools.repeat(batch, 2000), accel) as loader:
+        for i, on_device in enumerate(loader, start=1):
+            _busy(accel, 1.0)  # compute that the next copy can hide behind
+            on_device.sum()
+            if i in (100, 2000):
+                accel.synchronize()
+                reserved.append(
+                    (loader._pool.stats.bytes_reserved, torch.cuda.memory_reserved(accel.torch))
+                )
+    assert reserved[0] == reserved[1]
+    stats = loader.stats
+    assert stats.overlap_ms > 0.8 * stats.transfer_ms  # the copies hid behind the compute
+
+
+def test_trainer_streams_uint16_tokens_through_the_loader(accel, prepared, workdir):
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=8"])
+    trainer = Trainer(config, workdir / "runs" / "l", accel)
+    result = trainer.run()
+    assert result.last_step == 8
+
+
+def test_host_mirror_partial_reads_and_async_refresh(accel):
+    table = torch.randn(4096, 1024, device=accel.torch)  # 16 MB
+    mirror = HostMirror(table)
+    assert mirror[7, 5] == pytest.approx(table[7, 5].item())
+    assert mirror.stats.bytes_fetched == 4
+    _busy(accel, 50.0)
+    table.mul_(2.0)  # queued behind the busy kernel
+    started = time.perf_counter()
+    mirror.refresh_async()
+    assert time.perf_counter() - started < 0.02  # queued, not waited for
+    np.testing.assert_array_equal(mirror.numpy(), table.cpu().numpy())
+
+
+def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
+    if accel.type != "cuda":
+        pytest.skip("CUDA graphs")
+    state = torch.zeros(16, device=accel.torch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        state.add_(1)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state.add_(1)
+    mirror = HostMirror(state)
+    before = mirror.numpy()[0]
+    graph.replay()
+    assert mirror.is_fresh()  # the replay did not bump the version: the mirror cannot know
+    mirror.mark_dirty()
+    assert mirror.numpy()[0] == before + 1

@@ -1,12 +1,13 @@
-"""AsyncScalars and host snapshots on the cpu path (the GPU path is in test_gpu.py)."""
+"""HostMirror, AsyncScalars and host snapshots on the cpu path (GPU: test_gpu.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from gpuflow.device import Device
-from gpuflow.mirror import AsyncScalars, host_snapshot
+from gpuflow.mirror import AsyncScalars, HostMirror, host_snapshot
 
 
 def test_async_scalars_report_means_per_interval():
@@ -32,3 +33,65 @@ def test_host_snapshot_is_a_detached_copy():
     assert snap["w"].is_contiguous()
     torch.testing.assert_close(snap["w"], torch.arange(6.0).view(2, 3).t())
     assert not snap["b"].requires_grad
+
+
+def test_mirror_fetches_once_until_the_tensor_changes():
+    weights = torch.arange(12.0).view(3, 4)
+    mirror = HostMirror(weights)
+    np.testing.assert_array_equal(mirror.numpy(), weights.numpy())
+    mirror.numpy()
+    assert (mirror.stats.misses, mirror.stats.hits, mirror.stats.bytes_fetched) == (1, 1, 48)
+    weights.mul_(2)  # an in-place op bumps the version counter
+    assert not mirror.is_fresh()
+    assert mirror.numpy()[2, 3] == 22.0
+    assert mirror.stats.misses == 2
+
+
+def test_mark_dirty_covers_writes_the_version_counter_cannot_see():
+    weights = torch.zeros(4)
+    mirror = HostMirror(weights)
+    mirror.numpy()
+    weights.data[0] = 7.0  # writes through .data skip the counter, as graph replays do
+    assert mirror.is_fresh() and mirror.numpy()[0] == 0.0  # stale, and the mirror cannot know
+    mirror.mark_dirty()
+    assert mirror.numpy()[0] == 7.0
+
+
+def test_reading_a_stale_mirror_fetches_only_the_bytes_asked_for():
+    table = torch.randn(1000, 64)
+    mirror = HostMirror(table)
+    row = mirror[17]
+    np.testing.assert_array_equal(row, table[17].numpy())
+    assert mirror.stats.bytes_fetched == 64 * 4  # one row, not the 256 KB table
+    assert mirror[5, 3] == table[5, 3].item()
+    assert mirror.stats.bytes_fetched == 64 * 4 + 4
+    mirror.numpy()
+    before = mirror.stats.bytes_fetched
+    assert mirror[999, 63] == table[999, 63].item()  # fresh now: served from the copy
+    assert mirror.stats.bytes_fetched == before
+
+
+def test_host_views_are_read_only_and_never_touch_the_device_copy():
+    weights = torch.ones(8)
+    mirror = HostMirror(weights)
+    view = mirror.numpy()
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 5.0
+    with pytest.raises(ValueError, match="read-only"):
+        mirror[2:4][0] = 5.0
+    version = weights._version
+    mirror.numpy()
+    mirror[1:3]
+    assert weights._version == version and mirror.is_fresh()
+
+
+def test_refresh_async_is_adopted_only_if_the_tensor_did_not_change_since():
+    weights = torch.zeros(3)
+    mirror = HostMirror(weights)
+    mirror.refresh_async()
+    assert mirror.numpy().tolist() == [0.0, 0.0, 0.0]
+    assert mirror.stats.misses == 0  # the refresh had already fetched it
+    weights.add_(1)
+    mirror.refresh_async()
+    weights.add_(1)  # changed after the refresh was queued: the refresh is stale
+    assert mirror.numpy().tolist() == [2.0, 2.0, 2.0]

@@ -1,4 +1,4 @@
-"""The ``gpuflow`` command: info, prepare, train, sample.
+"""The ``gpuflow`` command: info, prepare, train, sample, bench.
 
 Every command turns bad input into one line on stderr (``error: ...``) and exit status 2;
 heavy imports (torch) happen inside commands so that ``--help`` is instant.
@@ -190,6 +190,29 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench ----------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gpuflow.bench.common import write_result
+    from gpuflow.bench.transfer import (
+        TransferBenchConfig,
+        print_transfer_tables,
+        run_transfer_bench,
+    )
+    from gpuflow.console import out_console
+    from gpuflow.device import Device
+
+    device = Device.resolve(args.device)
+    config = TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
+    out_console.print(f"bench transfer on {device} ({device.name()})")
+    results = run_transfer_bench(device, config)
+    print_transfer_tables(results)
+    path = write_result("transfer", device, results, args.out)
+    out_console.print(f"results: {path}")
+    return 0
+
+
 # ---- parser ---------------------------------------------------------------------------------
 
 
@@ -266,6 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="total steps to train (overrides train.steps)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "bench", help="measure a path beside its baseline; JSON to benchmarks/results"
+    )
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = bench.add_parser(
+        "transfer",
+        help="pinned/pageable/pooled copies, packing, payload codecs, DeviceLoader vs DataLoader",
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")

@@ -50,6 +50,57 @@ def _backend_count(device_type: str) -> int:
     return getattr(torch, device_type).device_count()
 
 
+class HostEvent:
+    """A device event's stand-in where work is synchronous (the cpu) or has no events (mps).
+
+    ``record`` waits for queued work (a no-op on the cpu) and notes the host clock, so a
+    recorded event is always complete and ``elapsed_time`` measures what really ran.
+    """
+
+    def __init__(self, device: Device | None = None) -> None:
+        self._device = device
+        self._time: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        if self._device is not None:
+            self._device.synchronize()
+        self._time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event to ``end``, like ``torch.cuda.Event.elapsed_time``."""
+        if self._time is None or end._time is None:
+            raise RuntimeError("both events must be recorded before elapsed_time()")
+        return (end._time - self._time) * 1e3
+
+
+class HostStream:
+    """A stream's stand-in where work runs in issue order: every wait is already satisfied."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = HostStream()
+
+
 @dataclass(frozen=True)
 class Device:
     """An accelerator (or the cpu) and what it can do.
@@ -167,32 +218,58 @@ class Device:
             return torch.autocast(device_type=self.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    # ---- streams and events ---------------------------------------------------------------
+    # cuda and xpu get real streams and events; elsewhere work runs in issue order, and the
+    # stand-ins above give the same API, so code above this layer never branches on backend.
+
+    @property
+    def has_streams(self) -> bool:
+        return self.type in ("cuda", "xpu")
+
+    def new_stream(self) -> Any:
+        """A side stream for copies (a ``HostStream`` where there are no streams)."""
+        if self.has_streams:
+            return self.backend.Stream(device=self.torch)
+        return _HOST_STREAM
+
+    def current_stream(self) -> Any:
+        if self.has_streams:
+            return self.backend.current_stream(self.torch)
+        return _HOST_STREAM
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current for the work queued inside the block."""
+        if self.has_streams:
+            return self.backend.stream(stream)
+        return contextlib.nullcontext()
+
+    def new_event(self, timing: bool = False) -> Any:
+        """A device event; ``timing=True`` lets ``elapsed_time`` be read from it."""
+        if self.has_streams:
+            return self.backend.Event(enable_timing=timing)
+        return HostEvent(self if self.type == "mps" else None)
+
     def time_ms(self, fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> list[float]:
         """Run ``fn`` ``warmup + repeats`` times; return each timed run's device time in ms.
 
-        Uses device events where the backend has them, so the host does not have to idle
-        between runs; otherwise synchronises and reads the host clock.
+        Timed with device events, so the host does not idle between runs where the backend
+        has them; on the cpu the host clock is the device clock.
         """
         for _ in range(warmup):
             fn()
         times = []
-        if self.type in ("cuda", "xpu"):
-            for _ in range(repeats):
-                start = self.backend.Event(enable_timing=True)
-                end = self.backend.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(float(start.elapsed_time(end)))
-            return times
         for _ in range(repeats):
-            self.synchronize()
-            t0 = time.perf_counter()
+            start, end = self.new_event(timing=True), self.new_event(timing=True)
+            start.record()
             fn()
-            self.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
         return times
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-locked host memory where the device can use it, else plain memory."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.supports_pinned_memory)
 
     def configure_for_training(self) -> None:
         """Settings every training process on this device wants."""

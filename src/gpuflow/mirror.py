@@ -1,18 +1,141 @@
-"""Device -> host traffic that the training loop needs: scalars and state snapshots.
+"""Device -> host traffic: cached host views, training scalars and state snapshots.
 
-``AsyncScalars`` keeps running sums of training scalars on the device and brings them
-back every few steps through a pinned buffer, copied on the device's stream and read one
-interval later, so the steady-state step never makes the host wait. ``host_snapshot`` takes
-a consistent host copy of a state dict (for checkpoints), all copies queued before one wait.
+``HostMirror`` keeps a host copy of a device tensor and fetches again only when the device
+copy has changed (its version counter moved, or ``mark_dirty`` said so); reading it never
+invalidates the device copy, and reading one element of a stale mirror fetches that element,
+not the tensor. ``AsyncScalars`` keeps running sums of training scalars on the device and
+brings them back every few steps through pinned memory without making the host wait.
+``host_snapshot`` takes a host copy of a state dict (for checkpoints) with one wait.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from gpuflow.device import Device
+
+
+@dataclass(frozen=True)
+class MirrorStats:
+    hits: int  # reads served from the host copy
+    misses: int  # reads that had to fetch (whole or partial)
+    bytes_fetched: int  # device -> host bytes, prefetches included
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def _host_numpy(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+        tensor = tensor.float()
+    return tensor.numpy()
+
+
+class HostMirror:
+    """A cached, read-only host copy of a device tensor.
+
+        mirror = HostMirror(weights)
+        mirror.numpy()        # fetches once; again only after weights change
+        mirror[3]             # stale: fetches only row 3; fresh: served from the copy
+        mirror.refresh_async(); ...; mirror.numpy()   # the copy ran while the host worked
+
+    Freshness follows ``tensor._version``, which every in-place op bumps. A CUDA graph
+    replay writes memory without bumping it: call ``mark_dirty()`` after one. Views handed
+    out are read-only numpy arrays, so reading can never stand for writing (the seed's
+    ``data()`` that re-uploaded on every read). An array from ``numpy()`` shares the mirror's
+    buffer: it stays valid until the next ``refresh_async`` or stale read.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.device = Device(tensor.device.type, tensor.device.index or 0)
+        self._host: torch.Tensor | None = None
+        self._host_version: int | None = None  # tensor._version when _host was copied
+        self._staged: tuple[Any, int] | None = None  # (event, version) of a refresh in flight
+        self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0}
+
+    @property
+    def stats(self) -> MirrorStats:
+        return MirrorStats(**self._counts)
+
+    def is_fresh(self) -> bool:
+        return self._host is not None and self._host_version == self.tensor._version
+
+    def mark_dirty(self) -> None:
+        """The device copy changed in a way its version counter cannot see."""
+        self._host_version = None
+        self._staged = None
+
+    def refresh_async(self) -> None:
+        """Queue a copy of the whole tensor into pinned memory and return at once.
+
+        The copy is queued on the current stream, after the work that writes the tensor and
+        before any later write to it; the next read waits only for this copy's event.
+        """
+        if self.is_fresh():
+            return
+        if self._host is None:
+            self._host = torch.empty(
+                self.tensor.shape,
+                dtype=self.tensor.dtype,
+                pin_memory=self.device.supports_pinned_memory,
+            )
+        self._host.copy_(self.tensor, non_blocking=self.device.is_accelerator)
+        event = self.device.new_event()
+        event.record()
+        self._staged = (event, self.tensor._version)
+        self._counts["bytes_fetched"] += self.tensor.nbytes
+
+    def numpy(self) -> np.ndarray:
+        """The whole tensor on the host, read-only."""
+        self._ensure_whole()
+        return _read_only(_host_numpy(self._host))
+
+    def tolist(self) -> list:
+        return self.numpy().tolist()
+
+    def __getitem__(self, index: Any) -> Any:
+        """An element or slice: from the host copy when fresh, else fetching just those
+        bytes (one small copy, no caching of the rest)."""
+        if self._adopt_staged() or self.is_fresh():
+            self._counts["hits"] += 1
+            part = _host_numpy(self._host)[index]
+        else:
+            piece = self.tensor[index]
+            self._counts["misses"] += 1
+            self._counts["bytes_fetched"] += piece.nbytes
+            part = _host_numpy(piece.cpu())
+        return part.item() if part.ndim == 0 else _read_only(part)
+
+    def _adopt_staged(self) -> bool:
+        """Make a finished (or finishing) refresh the host copy, if it is still current."""
+        if self._staged is None:
+            return False
+        event, version = self._staged
+        self._staged = None
+        if version != self.tensor._version:
+            return False  # the tensor changed after the refresh was queued
+        event.synchronize()
+        self._host_version = version
+        return True
+
+    def _ensure_whole(self) -> None:
+        if self.is_fresh():
+            self._counts["hits"] += 1
+            return
+        if self._adopt_staged():
+            self._counts["hits"] += 1  # fetched by the refresh, counted there
+            return
+        self.refresh_async()
+        self._adopt_staged()
+        self._counts["misses"] += 1
 
 
 class AsyncScalars:
@@ -36,7 +159,7 @@ class AsyncScalars:
             torch.zeros(len(self.names), dtype=torch.float32, pin_memory=pin)
             for _ in range(max(depth, 1))
         ]
-        self._pending: list[tuple[int, int, object, int]] = []  # (slot, tag, event, count)
+        self._pending: list[tuple[int, int, Any, int]] = []  # (slot, tag, event, count)
         self._next_slot = 0
 
     def add(self, **values: torch.Tensor) -> None:
@@ -69,12 +192,10 @@ class AsyncScalars:
         ready = self.flush(tag)
         return ready + self._collect(wait_for=len(self._pending))
 
-    def _record_event(self) -> object:
-        if self.device.type in ("cuda", "xpu"):
-            event = self.device.backend.Event()
-            event.record()
-            return event
-        return None  # cpu copies are synchronous; mps copies complete on synchronize()
+    def _record_event(self) -> Any:
+        event = self.device.new_event()
+        event.record()
+        return event
 
     def _collect(self, wait_for: int) -> list[tuple[int, dict[str, float]]]:
         """Read the oldest ``wait_for`` pending results (waiting if needed), plus any more
@@ -82,15 +203,9 @@ class AsyncScalars:
         out = []
         while self._pending:
             slot, tag, event, count = self._pending[0]
-            must_wait = len(out) < wait_for
-            if event is not None:
-                if not must_wait and not event.query():
-                    break
-                event.synchronize()
-            elif self.device.type == "mps":
-                if not must_wait:
-                    break
-                self.device.synchronize()
+            if len(out) >= wait_for and not event.query():
+                break
+            event.synchronize()
             self._pending.pop(0)
             values = self._host[slot].tolist()
             out.append((tag, {n: v / count for n, v in zip(self.names, values, strict=True)}))

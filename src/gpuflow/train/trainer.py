@@ -1,7 +1,8 @@
 """The pretraining loop: sample, forward, backward, clip, step; log, evaluate, checkpoint.
 
-The steady-state step queues device work only: token ids cross as uint16, scalars come back
-through ``AsyncScalars``, and the learning rate is set before the step is queued. Ctrl-C is
+The steady-state step queues device work only: token ids cross as uint16 through a
+``DeviceLoader`` (packed and copied on a side stream while the previous step computes),
+scalars come back through ``AsyncScalars``, and the learning rate is set before the step. Ctrl-C is
 honoured at the next step boundary with a checkpoint, so an interrupted run resumes exactly.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpuflow.console import err_console
@@ -24,7 +26,7 @@ from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
-from gpuflow.loader import upload_tokens
+from gpuflow.loader import DeviceLoader, upload_tokens
 from gpuflow.mirror import AsyncScalars, read_now
 from gpuflow.model import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
@@ -173,12 +175,18 @@ class Trainer:
 
     # ---- the pieces of a run ----------------------------------------------------------------
 
-    def _train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; queues device work and returns (loss, grad norm) on the device."""
+    def _token_batches(self) -> Iterator[np.ndarray]:
+        """The run's batches from its current step on: (B, T+1) uint16 windows."""
+        for step in range(self.start_step, self.config.train.steps):
+            yield self.sampler.batch(step)
+
+    def _train_step(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on ``batch`` (B, T+1) token ids on the device; queues device
+        work only and returns (loss, grad norm), still on the device."""
         tc = self.config.train
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, tc)
-        tokens = upload_tokens(self.sampler.batch(step), self.device)  # (B, T+1) int64
+        tokens = batch.long()  # (B, T+1) int64: widened on the device, never on the bus
         with self.device.autocast():
             loss = self.model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
@@ -236,6 +244,7 @@ class Trainer:
         with (
             TrainDisplay(tc.steps, self.start_step) as display,
             MetricsLog(self.run_dir) as metrics,
+            DeviceLoader(self._token_batches(), self.device, depth=2) as loader,
             stop.installed(),
         ):
 
@@ -253,8 +262,9 @@ class Trainer:
                 emit({"step": 0, "val_loss": self._evaluate()})
             throughput.restart()  # time training, not setup
 
+            batches = iter(loader)
             while step < tc.steps:
-                loss, grad_norm = self._train_step(step)
+                loss, grad_norm = self._train_step(step, next(batches))
                 scalars.add(loss=loss, grad_norm=grad_norm)
                 step += 1
                 throughput.step()

@@ -1,0 +1,1 @@
+"""Benchmarks: every figure measured beside its baseline in the same run, saved as JSON."""

@@ -1,0 +1,72 @@
+"""What every benchmark shares: timing, machine facts and the JSON result file."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpuflow.atomic import write_text_atomic
+from gpuflow.device import Device
+
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+def wall_ms(device: Device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median host time of ``fn`` from idle device to idle device, in ms.
+
+    For work whose cost is partly on the host (pinning, packing, Python per tensor): device
+    events alone would miss it.
+    """
+    for _ in range(warmup):
+        fn()
+    device.synchronize()
+    times = []
+    for _ in range(repeats):
+        device.synchronize()
+        started = time.perf_counter()
+        fn()
+        device.synchronize()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def device_ms(device: Device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median device time of ``fn`` between events, in ms (the host clock on the cpu)."""
+    return statistics.median(device.time_ms(fn, repeats=repeats, warmup=warmup))
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e6) if ms > 0 else 0.0
+
+
+def machine(device: Device) -> dict[str, Any]:
+    return {
+        **device.describe(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def write_result(
+    name: str, device: Device, payload: dict[str, Any], folder: Path | None = None
+) -> Path:
+    """``benchmarks/results/<name>-<device>-<timestamp>.json``, written atomically."""
+    folder = Path(folder) if folder else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^a-z0-9]+", "-", device.name().lower()).strip("-") or device.type
+    path = folder / f"{name}-{slug}-{stamp}.json"
+    record = {"benchmark": name, "created_utc": stamp, "machine": machine(device), **payload}
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
+    return path

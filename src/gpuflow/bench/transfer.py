@@ -1,0 +1,504 @@
+"""``gpuflow bench transfer``: the transfer layer against plain PyTorch, in one run.
+
+Sections, each beside its baseline:
+- link peak: host->device and device->host from pinned memory at the largest size;
+- memory kinds: pageable, freshly pinned (pinned for the copy, then freed) and pooled
+  (``PinnedPool``) buffers, both directions, 4 KB to 256 MB, data starting in pageable
+  memory where the kind needs a staging copy;
+- small tensors: 1000 x 4 KB copied one by one versus ``pack`` + one copy + rebuild;
+- payloads: the same values crossing as fp32, bf16 and uint8 (upcast on the device);
+- streaming: ``DeviceLoader`` versus ``DataLoader(pin_memory=True)`` + ``.to(non_blocking)``
+  on 64 MB float batches with a little compute each;
+- memory: pinned and device memory after warm-up and after 10,000 loader iterations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuflow.bench.common import device_ms, gb_per_s, wall_ms
+from gpuflow.console import err_console
+from gpuflow.device import Device
+from gpuflow.loader import DeviceLoader
+from gpuflow.pack import plan_pack, rebuild
+from gpuflow.pinned import PinnedPool, release_cached_host_memory
+
+KB, MB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class TransferBenchConfig:
+    sizes: tuple[int, ...] = (4 * KB, 64 * KB, MB, 16 * MB, 256 * MB)
+    small_tensors: int = 1000
+    small_tensor_bytes: int = 4 * KB
+    payload_bytes: int = 64 * MB  # of fp32
+    stream_batch_bytes: int = 64 * MB
+    stream_batches: int = 48
+    flat_iterations: int = 10_000
+    flat_batch_bytes: int = MB
+
+    @classmethod
+    def quick(cls) -> TransferBenchConfig:
+        """Small sizes for a smoke run (and CI): same code, minutes become seconds."""
+        return cls(
+            sizes=(4 * KB, 64 * KB, MB),
+            small_tensors=200,
+            payload_bytes=MB,
+            stream_batch_bytes=MB,
+            stream_batches=12,
+            flat_iterations=300,
+            flat_batch_bytes=64 * KB,
+        )
+
+
+def _repeats(nbytes: int) -> int:
+    return 30 if nbytes <= MB else 10 if nbytes <= 16 * MB else 4
+
+
+class TransferBench:
+    def __init__(self, device: Device, config: TransferBenchConfig) -> None:
+        self.device = device
+        self.config = config
+        self.pool = PinnedPool(device, max_bytes=4 * max(config.sizes))
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ---- link peak --------------------------------------------------------------------------
+
+    def peak(self) -> dict[str, float]:
+        """Pinned-to-device and device-to-pinned rates at the largest size: the reference."""
+        n = max(self.config.sizes)
+        pinned = self.device.pinned_empty(n)
+        pinned.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+        on_device = torch.empty(n, dtype=torch.uint8, device=self.device.torch)
+        h2d = device_ms(self.device, lambda: on_device.copy_(pinned, non_blocking=True), 10)
+        d2h = device_ms(self.device, lambda: pinned.copy_(on_device, non_blocking=True), 10)
+        return {"bytes": n, "h2d_gb_s": gb_per_s(n, h2d), "d2h_gb_s": gb_per_s(n, d2h)}
+
+    # ---- memory kinds -----------------------------------------------------------------------
+
+    def memory_kinds(self) -> list[dict[str, Any]]:
+        rows = []
+        for n in self.config.sizes:
+            source = torch.randint(0, 256, (n,), dtype=torch.uint8)  # pageable
+            on_device = torch.randint(0, 256, (n,), dtype=torch.uint8, device=self.device.torch)
+            target = torch.empty(n, dtype=torch.uint8)  # pageable
+            for direction, kinds in (
+                ("h2d", self._h2d_kinds(source, on_device)),
+                ("d2h", self._d2h_kinds(on_device, target)),
+            ):
+                for kind, fn in kinds.items():
+                    ms = wall_ms(self.device, fn, _repeats(n))
+                    rows.append(
+                        {
+                            "direction": direction,
+                            "memory": kind,
+                            "bytes": n,
+                            "ms": ms,
+                            "gb_s": gb_per_s(n, ms),
+                        }
+                    )
+        return rows
+
+    def _h2d_kinds(self, source: torch.Tensor, on_device: torch.Tensor) -> dict[str, Callable]:
+        device, pool = self.device, self.pool
+
+        def pageable() -> None:
+            on_device.copy_(source)
+
+        def fresh_pinned() -> None:
+            _unpin_cached(device)
+            staging = device.pinned_empty(source.numel())
+            staging.copy_(source)
+            on_device.copy_(staging, non_blocking=True)
+            device.synchronize()  # the staging buffer must outlive its copy
+
+        def pooled() -> None:
+            buffer = pool.acquire(source.numel())
+            staging = buffer.bytes[: source.numel()]
+            staging.copy_(source)
+            on_device.copy_(staging, non_blocking=True)
+            done = device.new_event()
+            done.record()
+            pool.release(buffer, after=done)
+
+        return {"pageable": pageable, "fresh_pinned": fresh_pinned, "pooled": pooled}
+
+    def _d2h_kinds(self, on_device: torch.Tensor, target: torch.Tensor) -> dict[str, Callable]:
+        device, pool = self.device, self.pool
+
+        def pageable() -> None:
+            target.copy_(on_device)
+
+        def fresh_pinned() -> None:
+            _unpin_cached(device)
+            landing = device.pinned_empty(on_device.numel())
+            landing.copy_(on_device, non_blocking=True)
+            device.synchronize()
+
+        def pooled() -> None:
+            buffer = pool.acquire(on_device.numel())
+            buffer.bytes[: on_device.numel()].copy_(on_device, non_blocking=True)
+            done = device.new_event()
+            done.record()
+            done.synchronize()  # the host reads what landed
+            pool.release(buffer)
+
+        return {"pageable": pageable, "fresh_pinned": fresh_pinned, "pooled": pooled}
+
+    # ---- many small tensors ---------------------------------------------------------------
+
+    def small_tensors(self) -> dict[str, Any]:
+        count, nbytes = self.config.small_tensors, self.config.small_tensor_bytes
+        tensors = [torch.randn(nbytes // 4) for _ in range(count)]
+        pinned = (
+            [t.pin_memory() for t in tensors] if self.device.supports_pinned_memory else tensors
+        )
+        device, pool = self.device, self.pool
+
+        def one_by_one(source: list[torch.Tensor]) -> Callable[[], object]:
+            return lambda: [t.to(device.torch, non_blocking=True) for t in source]
+
+        def packed() -> Any:
+            plan = plan_pack(tensors)
+            buffer = pool.acquire(plan.nbytes)
+            plan.write_into(buffer.bytes)
+            on_device = buffer.bytes[: plan.nbytes].to(device.torch, non_blocking=True)
+            done = device.new_event()
+            done.record()
+            pool.release(buffer, after=done)
+            return rebuild(on_device, plan.spec)
+
+        check = packed()
+        device.synchronize()
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(check, tensors, strict=True))
+        separate_pageable = wall_ms(device, one_by_one(tensors), 10)
+        separate_pinned = wall_ms(device, one_by_one(pinned), 10)
+        packed_ms = wall_ms(device, packed, 10)
+        return {
+            "tensors": count,
+            "bytes_each": nbytes,
+            "separate_pageable_ms": separate_pageable,
+            "separate_pinned_ms": separate_pinned,
+            "packed_ms": packed_ms,
+            "speedup_vs_pageable": separate_pageable / packed_ms,
+            "speedup_vs_pinned": separate_pinned / packed_ms,
+        }
+
+    # ---- payload codecs -----------------------------------------------------------------------
+
+    def payloads(self) -> list[dict[str, Any]]:
+        n = self.config.payload_bytes // 4  # fp32 values
+        values = torch.rand(n) * 255
+        rows = []
+        for name, wire in (
+            ("fp32", torch.float32),
+            ("bf16", torch.bfloat16),
+            ("uint8", torch.uint8),
+        ):
+            host = values.to(wire)
+            if self.device.supports_pinned_memory:
+                host = host.pin_memory()
+            landing = torch.empty(n, dtype=wire, device=self.device.torch)
+
+            def cross(host: torch.Tensor = host, landing: torch.Tensor = landing) -> None:
+                landing.copy_(host, non_blocking=True)
+                if landing.dtype != torch.float32:
+                    landing.float()  # the upcast on the device is part of the cost
+
+            ms = device_ms(self.device, cross, 10)
+            convert_ms = wall_ms(self.device, lambda wire=wire: values.to(wire), 3, warmup=1)
+            rows.append(
+                {
+                    "payload": name,
+                    "wire_bytes": host.nbytes,
+                    "logical_bytes": 4 * n,
+                    "ms": ms,
+                    "effective_gb_s": gb_per_s(4 * n, ms),
+                    "host_convert_ms": convert_ms if wire != torch.float32 else 0.0,
+                }
+            )
+        base = rows[0]["effective_gb_s"]
+        for row in rows:
+            row["vs_fp32"] = row["effective_gb_s"] / base if base else 0.0
+        return rows
+
+    # ---- streaming --------------------------------------------------------------------------
+
+    def streaming(self) -> dict[str, Any]:
+        cfg, device = self.config, self.device
+        distinct = [torch.randn(cfg.stream_batch_bytes // 4) for _ in range(4)]  # pageable
+        warmup = 4
+        total = cfg.stream_batches + warmup
+
+        def compute(batch: torch.Tensor, acc: torch.Tensor) -> None:
+            acc += batch.sum()  # a little work per batch: one read of the batch
+
+        def run(batches: Any) -> float:
+            """Wall ms for the batches after ``warmup``: pinning, copies and compute."""
+            acc = torch.zeros((), device=device.torch)
+            started = 0.0
+            for i, batch in enumerate(batches):
+                if i == warmup:
+                    device.synchronize()
+                    started = time.perf_counter()
+                compute(batch, acc)
+            device.synchronize()
+            return (time.perf_counter() - started) * 1e3
+
+        def torch_dataloader() -> Any:
+            loader = torch.utils.data.DataLoader(
+                _Cycle(distinct, total),
+                batch_size=None,
+                pin_memory=device.supports_pinned_memory,
+                num_workers=0,
+            )
+            return (b.to(device.torch, non_blocking=True) for b in loader)
+
+        baseline_ms = run(torch_dataloader())
+        with DeviceLoader(itertools.islice(itertools.cycle(distinct), total), device) as ours:
+            ours_ms = run(ours)
+        moved = cfg.stream_batches * cfg.stream_batch_bytes
+        stats = ours.stats
+        return {
+            "batch_bytes": cfg.stream_batch_bytes,
+            "batches_timed": cfg.stream_batches,
+            "dataloader_gb_s": gb_per_s(moved, baseline_ms),
+            "deviceloader_gb_s": gb_per_s(moved, ours_ms),
+            "speedup": baseline_ms / ours_ms,
+            "deviceloader_stats": {
+                "stall_s": stats.stall_s,
+                "transfer_ms": stats.transfer_ms,
+                "exposed_ms": stats.exposed_ms,
+                "compute_ms": stats.compute_ms,
+                "overlap_efficiency": stats.overlap_efficiency,
+                "link_gb_s_during_copies": stats.link_gb_per_s,
+            },
+        }
+
+    # ---- flat memory ------------------------------------------------------------------------
+
+    def flat_memory(self) -> dict[str, Any]:
+        cfg, device = self.config, self.device
+        batch = torch.randn(cfg.flat_batch_bytes // 4)
+        samples = {}
+        with DeviceLoader(itertools.repeat(batch, cfg.flat_iterations), device) as loader:
+            for i, on_device in enumerate(loader, start=1):
+                on_device.sum()
+                if i in (100, cfg.flat_iterations):
+                    device.synchronize()
+                    samples[i] = _memory_sample(device, loader)
+        first, last = samples[100], samples[cfg.flat_iterations]
+        return {
+            "iterations": cfg.flat_iterations,
+            "after_100": first,
+            f"after_{cfg.flat_iterations}": last,
+            "flat": first == last,
+        }
+
+
+class _Cycle(torch.utils.data.Dataset):
+    """``total`` items cycling through ``tensors``: an in-memory dataset."""
+
+    def __init__(self, tensors: list[torch.Tensor], total: int) -> None:
+        self.tensors, self.total = tensors, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i % len(self.tensors)]
+
+
+def _memory_sample(device: Device, loader: DeviceLoader) -> dict[str, int]:
+    sample = {"pinned_pool_bytes": loader._pool.stats.bytes_reserved}
+    if device.type == "cuda":
+        sample["device_allocated_bytes"] = torch.cuda.memory_allocated(device.torch)
+        sample["device_reserved_bytes"] = torch.cuda.memory_reserved(device.torch)
+        stats = torch.cuda.memory_stats(device.torch)
+        sample["cudamalloc_calls"] = stats.get("num_alloc_retries", 0) + stats.get(
+            "segment.all.allocated", 0
+        )
+    return sample
+
+
+def _unpin_cached(device: Device) -> None:
+    """Empty torch's pinned-block cache, so the next pinned allocation is really fresh."""
+    if device.supports_pinned_memory:
+        release_cached_host_memory()
+
+
+# ---- the run, its targets and its tables ------------------------------------------------------
+
+
+def run_transfer_bench(device: Device, config: TransferBenchConfig) -> dict[str, Any]:
+    """Every section, measured in this process on ``device``; see the module docstring."""
+    bench = TransferBench(device, config)
+    sections: dict[str, Callable[[], Any]] = {
+        "peak": bench.peak,
+        "memory_kinds": bench.memory_kinds,
+        "small_tensors": bench.small_tensors,
+        "payloads": bench.payloads,
+        "streaming": bench.streaming,
+        "flat_memory": bench.flat_memory,
+    }
+    results: dict[str, Any] = {"config": dataclasses.asdict(config)}
+    try:
+        for name, measure in sections.items():
+            with err_console.status(f"measuring {name.replace('_', ' ')}..."):
+                results[name] = measure()
+    finally:
+        bench.close()
+    results["targets"] = _targets(results)
+    return results
+
+
+def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    peak = r["peak"]["h2d_gb_s"]
+    stream = r["streaming"]
+    payload = {row["payload"]: row for row in r["payloads"]}
+    small = r["small_tensors"]
+    return [
+        {
+            "target": "DeviceLoader >= 95% of pinned H2D peak",
+            "value": stream["deviceloader_gb_s"] / peak if peak else 0.0,
+            "goal": 0.95,
+        },
+        {
+            "target": "DeviceLoader beats DataLoader(pin_memory=True)",
+            "value": stream["speedup"],
+            "goal": 1.0,
+        },
+        {
+            "target": "packed small tensors >= 20x separate copies (pageable)",
+            "value": small["speedup_vs_pageable"],
+            "goal": 20.0,
+        },
+        {
+            "target": "bf16 payload >= 1.8x fp32 effective rate",
+            "value": payload["bf16"]["vs_fp32"],
+            "goal": 1.8,
+        },
+        {
+            "target": "pinned and device memory flat over the loader run",
+            "value": float(r["flat_memory"]["flat"]),
+            "goal": 1.0,
+        },
+    ]
+
+
+def print_transfer_tables(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from gpuflow.console import out_console
+
+    peak = r["peak"]["h2d_gb_s"]
+
+    def of_peak(rate: float) -> str:
+        return f"{rate:.2f} ({rate / peak:.0%})" if peak else f"{rate:.2f}"
+
+    out_console.print(
+        f"pinned peak at {r['peak']['bytes'] >> 20} MiB: host->device "
+        f"{peak:.1f} GB/s, device->host {r['peak']['d2h_gb_s']:.1f} GB/s"
+    )
+    table = Table(
+        "size",
+        *(f"{d} {m}" for d in ("h2d", "d2h") for m in ("pageable", "fresh pinned", "pooled")),
+        title="GB/s by memory kind (fraction of the pinned h2d peak)",
+    )
+    sizes = sorted({row["bytes"] for row in r["memory_kinds"]})
+    lookup = {(row["direction"], row["memory"], row["bytes"]): row for row in r["memory_kinds"]}
+    for n in sizes:
+        cells = [
+            of_peak(lookup[(d, m, n)]["gb_s"])
+            for d in ("h2d", "d2h")
+            for m in ("pageable", "fresh_pinned", "pooled")
+        ]
+        table.add_row(_size(n), *cells)
+    out_console.print(table)
+
+    s = r["small_tensors"]
+    table = Table(
+        "path",
+        "ms",
+        "speedup of packed",
+        title=(f"{s['tensors']} tensors of {_size(s['bytes_each'])} to the device"),
+    )
+    table.add_row(
+        "one by one, pageable",
+        f"{s['separate_pageable_ms']:.3f}",
+        f"{s['speedup_vs_pageable']:.1f}x",
+    )
+    table.add_row(
+        "one by one, pinned", f"{s['separate_pinned_ms']:.3f}", f"{s['speedup_vs_pinned']:.1f}x"
+    )
+    table.add_row("packed: plan + pack + 1 copy + rebuild", f"{s['packed_ms']:.3f}", "")
+    out_console.print(table)
+
+    table = Table(
+        "payload",
+        "wire bytes",
+        "ms",
+        "effective GB/s",
+        "vs fp32",
+        "host convert ms",
+        title="the same values as fp32, bf16 and uint8 (upcast on the device included)",
+    )
+    for row in r["payloads"]:
+        table.add_row(
+            row["payload"],
+            _size(row["wire_bytes"]),
+            f"{row['ms']:.3f}",
+            of_peak(row["effective_gb_s"]),
+            f"{row['vs_fp32']:.2f}x",
+            f"{row['host_convert_ms']:.1f}",
+        )
+    out_console.print(table)
+
+    st = r["streaming"]
+    table = Table(
+        "loader",
+        "GB/s",
+        title=(
+            f"{st['batches_timed']} batches of {_size(st['batch_bytes'])} with a little compute"
+        ),
+    )
+    table.add_row("DataLoader(pin_memory=True) + .to(non_blocking)", of_peak(st["dataloader_gb_s"]))
+    table.add_row("DeviceLoader", of_peak(st["deviceloader_gb_s"]))
+    out_console.print(table)
+    ds = st["deviceloader_stats"]
+    out_console.print(
+        f"DeviceLoader: {st['speedup']:.2f}x the DataLoader; copies ran at "
+        f"{ds['link_gb_s_during_copies']:.1f} GB/s, overlap efficiency "
+        f"{ds['overlap_efficiency']:.2f}, consumer stalled {ds['stall_s'] * 1e3:.1f} ms"
+    )
+    fm = r["flat_memory"]
+    out_console.print(
+        f"memory after 100 and {fm['iterations']} loader iterations: "
+        f"{'flat' if fm['flat'] else 'GREW'} ({fm['after_100']})"
+    )
+    table = Table("target", "measured", "goal", "met", title="targets")
+    for t in r["targets"]:
+        met = t["value"] >= t["goal"]
+        table.add_row(
+            t["target"],
+            f"{t['value']:.3g}",
+            f"{t['goal']:.3g}",
+            "yes" if met else "[bold red]no[/]",
+        )
+    out_console.print(table)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MB), ("KiB", KB)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"

@@ -1,0 +1,144 @@
+"""DeviceLoader on the cpu path: order, structure, errors, shutdown and accounting."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gpuflow.errors import GpuflowError
+from gpuflow.loader import DeviceLoader
+
+
+def token_batches(n: int, shape=(4, 9)):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 16000, size=shape, dtype=np.int64).astype(np.uint16) for _ in range(n)]
+
+
+def test_batches_arrive_in_order_and_intact():
+    batches = token_batches(50)
+    with DeviceLoader(iter(batches), "cpu", depth=3) as loader:
+        got = [batch.clone() for batch in loader]
+    assert len(got) == 50
+    for sent, received in zip(batches, got, strict=True):
+        assert received.dtype == torch.uint16
+        assert np.array_equal(received.numpy(), sent)
+
+
+def test_nested_float_and_uint8_batches_with_codecs():
+    rng = np.random.default_rng(1)
+
+    def source():
+        for i in range(10):
+            yield {
+                "image": rng.integers(0, 256, (2, 3, 8, 8), dtype=np.uint8),
+                "target": torch.tensor([i, i + 1]),
+                "features": torch.full((5,), float(i)),
+                "name": f"batch{i}",
+            }
+
+    with DeviceLoader(source(), "cpu", lossy_float="bf16") as loader:
+        seen = [
+            (b["name"], b["target"].tolist(), b["features"].dtype, b["image"].dtype) for b in loader
+        ]
+    assert seen[3] == ("batch3", [3, 4], torch.float32, torch.uint8)
+    stats = loader.stats
+    assert stats.batches == stats.copies == 10
+    # int64 targets cross as uint16, floats as bf16, images as they are
+    assert stats.bytes_moved < stats.logical_bytes
+
+
+class Boom(Exception):
+    pass
+
+
+def test_an_error_in_the_source_reaches_the_consumer_with_its_traceback():
+    def source():
+        yield np.zeros(4, dtype=np.int64)
+        raise Boom("bad record 17")
+
+    loader = DeviceLoader(source(), "cpu")
+    assert next(loader).tolist() == [0, 0, 0, 0]
+    with pytest.raises(Boom, match="bad record 17") as info:
+        next(loader)
+    frames = [entry.name for entry in info.traceback]
+    assert "source" in frames  # the frame that raised, in the loader thread
+    assert not loader._thread.is_alive()
+
+
+def test_a_packing_error_is_raised_too():
+    loader = DeviceLoader(iter([torch.tensor([1e6])]), "cpu", lossy_float="fp16")
+    with pytest.raises(GpuflowError, match="fp16"):
+        next(loader)
+
+
+def test_closing_early_stops_the_thread_even_when_it_is_blocked():
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield np.full(1000, i, dtype=np.int64)
+            i += 1
+
+    loader = DeviceLoader(endless(), "cpu", depth=2)
+    first = next(loader)
+    assert first[0].item() == 0
+    time.sleep(0.2)  # the thread fills every slot and blocks
+    assert len(produced) <= 2 + 2 + 1  # depth slots, a ready queue of depth, one packed
+    loader.close()
+    assert not loader._thread.is_alive()
+    assert loader._pool.stats.bytes_reserved == 0
+    with pytest.raises(StopIteration):
+        next(loader)
+
+
+def test_a_dead_thread_never_leaves_the_consumer_hanging(monkeypatch):
+    loader = DeviceLoader(iter([np.zeros(3)]), "cpu")
+    next(loader)
+    # Simulate a thread killed from outside: it produced nothing more and is gone.
+    monkeypatch.setattr(loader, "_thread", threading.Thread(target=lambda: None))
+    loader._thread.start()
+    loader._thread.join()
+    while not loader._ready.empty():
+        loader._ready.get()
+    with pytest.raises(RuntimeError, match="died without a result"):
+        next(loader)
+
+
+def test_memory_is_flat_after_warm_up():
+    batches = (np.full((64, 129), i % 1000, dtype=np.uint16) for i in range(600))
+    with DeviceLoader(batches, "cpu", depth=2) as loader:
+        seen = []
+        for i, _ in enumerate(loader):
+            if i in (50, 599):
+                slots = tuple(slot.buffer.data_ptr() for slot in loader._slots)
+                seen.append((loader._pool.stats.bytes_reserved, slots))
+    assert seen[0] == seen[1]  # the same pinned bytes and the same two device slots
+    assert seen[0][0] > 0 and len(set(seen[0][1])) == 2
+
+
+def test_stats_count_bytes_stall_and_overlap():
+    def slow_source():
+        for i in range(5):
+            time.sleep(0.02)
+            yield np.full(1024, i, dtype=np.float32)
+
+    with DeviceLoader(slow_source(), "cpu", depth=2) as loader:
+        for _ in loader:
+            time.sleep(0.01)  # "compute"
+    stats = loader.stats
+    assert (stats.batches, stats.copies) == (5, 5)
+    assert stats.bytes_moved == stats.logical_bytes == 5 * 4096
+    assert stats.stall_s > 0.02  # the consumer outran a slow source
+    assert stats.compute_ms >= 5 * 10 * 0.8
+    assert 0 <= stats.overlap_efficiency <= 1
+
+
+def test_depth_must_be_positive():
+    with pytest.raises(GpuflowError, match="depth"):
+        DeviceLoader([], "cpu", depth=0)

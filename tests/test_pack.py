@@ -1,0 +1,174 @@
+"""pack/unpack: any nested batch, one buffer, the same structure back; codecs checked."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gpuflow.errors import GpuflowError
+from gpuflow.pack import ALIGN, Ragged, pack, plan_pack, rebuild, unpack
+
+Pair = namedtuple("Pair", "left right")
+
+_DTYPES = [np.int64, np.int32, np.int16, np.uint8, np.float32, np.float64, np.bool_]
+
+arrays = st.sampled_from(_DTYPES).flatmap(
+    lambda dt: hnp.arrays(
+        dt,
+        hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5),
+        elements=(st.floats(-1e6, 1e6, width=32) if np.dtype(dt).kind == "f" else None),
+    )
+)
+leaves = st.one_of(
+    arrays,
+    arrays.map(torch.from_numpy),
+    st.lists(st.lists(st.integers(0, 2**40), max_size=6), min_size=1, max_size=5).filter(
+        lambda seqs: any(seqs)
+    ),
+    st.sampled_from(["text", 3, 2.5, None]),
+)
+batches = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(st.text("abcdef", min_size=1, max_size=3), children, max_size=4),
+        st.tuples(children, children).map(lambda t: Pair(*t)),
+    ),
+    max_leaves=12,
+)
+
+
+def is_ragged(obj) -> bool:
+    """The documented rule: integer lists (at least one non-empty) in a list or tuple."""
+    return (
+        isinstance(obj, list | tuple)
+        and len(obj) > 0
+        and all(isinstance(s, list | tuple) and all(type(v) is int for v in s) for s in obj)
+        and any(len(s) for s in obj)
+    )
+
+
+def assert_same(original, rebuilt):
+    """``rebuilt`` is ``original`` with arrays as tensors of the original dtype and values."""
+    if isinstance(original, np.ndarray):
+        original = torch.from_numpy(original)
+    if isinstance(original, torch.Tensor):
+        assert isinstance(rebuilt, torch.Tensor)
+        assert rebuilt.dtype == original.dtype and rebuilt.shape == original.shape
+        assert torch.equal(rebuilt.cpu(), original)
+    elif is_ragged(original):
+        assert isinstance(rebuilt, Ragged)
+        assert [rebuilt[i].tolist() for i in range(len(rebuilt))] == [list(s) for s in original]
+    elif isinstance(original, dict):
+        assert type(rebuilt) is type(original) and list(rebuilt) == list(original)
+        for key in original:
+            assert_same(original[key], rebuilt[key])
+    elif isinstance(original, list | tuple):
+        assert type(rebuilt) is type(original) and len(rebuilt) == len(original)
+        for a, b in zip(original, rebuilt, strict=True):
+            assert_same(a, b)
+    else:
+        assert rebuilt == original
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches, narrow=st.booleans())
+def test_round_trip_of_any_nested_batch(batch, narrow):
+    packed = pack(batch, narrow=narrow)
+    assert_same(batch, unpack(packed, "cpu"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=hnp.arrays(np.int64, st.integers(1, 200), elements=st.integers(-(2**62), 2**62)))
+def test_narrowing_never_changes_a_value(values):
+    packed = pack({"ids": values})
+    out = unpack(packed, "cpu")["ids"]
+    assert out.dtype == torch.int64
+    assert torch.equal(out, torch.from_numpy(values))
+
+
+@pytest.mark.parametrize(
+    ("values", "wire_bytes_per_item"),
+    [([0, 65535], 2), ([-1, 5], 4), ([0, 2**31 - 1], 4), ([0, 2**31], 8), ([-(2**40), 0], 8)],
+)
+def test_narrowing_picks_the_narrowest_type_that_holds_every_value(values, wire_bytes_per_item):
+    tensor = torch.tensor(values * 50, dtype=torch.int64)
+    plan = plan_pack(tensor)
+    assert plan.nbytes == -(-len(values) * 50 * wire_bytes_per_item // ALIGN) * ALIGN
+    assert torch.equal(unpack(pack(tensor), "cpu"), tensor)
+
+
+def test_narrowing_can_be_turned_off():
+    ids = torch.arange(1000)
+    assert plan_pack(ids).nbytes == 2000
+    assert plan_pack(ids, narrow=False).nbytes == 8000
+
+
+@pytest.mark.parametrize(("codec", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_lossy_floats_halve_the_bytes_and_come_back_as_float32(codec, dtype):
+    x = torch.randn(4096)
+    packed = pack({"x": x, "ids": torch.arange(8)}, lossy_float=codec)
+    assert packed.nbytes < packed.logical_nbytes / 1.9
+    out = unpack(packed, "cpu")["x"]
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x.to(dtype).float(), rtol=0, atol=0)
+    assert (out - x).abs().max() <= x.abs().max() * 2**-7  # bf16 keeps 8 bits of mantissa
+
+
+def test_fp16_refuses_values_it_would_turn_into_inf():
+    with pytest.raises(GpuflowError, match="beyond fp16's range"):
+        pack(torch.tensor([1.0, 1e6]), lossy_float="fp16")
+    pack(torch.tensor([1.0, 1e6]), lossy_float="bf16")
+
+
+def test_unknown_codec_is_refused():
+    with pytest.raises(GpuflowError, match="lossy_float must be one of"):
+        pack(torch.zeros(3), lossy_float="fp8")
+
+
+def test_uint8_and_bool_cross_as_they_are():
+    image = np.random.default_rng(0).integers(0, 256, (3, 32, 32), dtype=np.uint8)
+    mask = torch.rand(3, 32) > 0.5
+    packed = pack({"image": image, "mask": mask}, lossy_float="bf16")
+    assert packed.nbytes == packed.logical_nbytes
+    out = unpack(packed, "cpu")
+    assert out["image"].dtype == torch.uint8 and torch.equal(out["image"], torch.from_numpy(image))
+    assert torch.equal(out["mask"], mask)
+
+
+def test_unchanged_tensors_are_views_of_the_one_buffer():
+    batch = {"a": torch.randn(10), "b": [torch.ones(3, 3, dtype=torch.float64), torch.arange(5.0)]}
+    packed = pack(batch)
+    out = rebuild(packed.buffer, packed.spec)
+    base = packed.buffer.untyped_storage().data_ptr()
+    for t in (out["a"], *out["b"]):
+        assert t.untyped_storage().data_ptr() == base
+        assert (t.data_ptr() - base) % ALIGN == 0
+
+
+def test_ragged_sequences_pack_as_values_and_offsets():
+    seqs = [[5, 6, 7], [], [8], [9, 10]]
+    out = unpack(pack({"tokens": seqs}), "cpu")["tokens"]
+    assert isinstance(out, Ragged)
+    assert out.lengths() == [3, 0, 1, 2]
+    assert out.values.tolist() == [5, 6, 7, 8, 9, 10] and out.offsets.tolist() == [0, 3, 3, 4, 6]
+    assert out[3].tolist() == [9, 10]
+
+
+def test_mappings_keep_their_type_and_order():
+    batch = OrderedDict([("z", torch.zeros(1)), ("a", torch.ones(1))])
+    out = unpack(pack(batch), "cpu")
+    assert type(out) is OrderedDict and list(out) == ["z", "a"]
+
+
+def test_write_into_refuses_a_small_buffer():
+    plan = plan_pack(torch.zeros(100))
+    with pytest.raises(ValueError, match="400 bytes"):
+        plan.write_into(torch.empty(10, dtype=torch.uint8))

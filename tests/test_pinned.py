@@ -1,0 +1,156 @@
+"""PinnedPool: size classes, the byte cap, reuse only after a copy's event, cleanup."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gpuflow.errors import GpuflowError
+from gpuflow.pinned import PinnedPool, size_class
+
+
+class CopyInFlight:
+    """An event for a copy that finishes when the test says (or when someone waits on it)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_size_classes_are_powers_of_two_with_a_floor():
+    assert [size_class(n) for n in (0, 1, 4096, 4097, 5000, 1 << 20)] == [
+        4096,
+        4096,
+        4096,
+        8192,
+        8192,
+        1 << 20,
+    ]
+
+
+def test_a_returned_buffer_is_lent_again():
+    pool = PinnedPool("cpu", max_bytes=1 << 20)
+    first = pool.acquire(5000)
+    assert first.capacity == 8192
+    storage = first.bytes.data_ptr()
+    pool.release(first)
+    again = pool.acquire(6000)
+    assert again.bytes.data_ptr() == storage
+    stats = pool.stats
+    assert (stats.hits, stats.misses, stats.bytes_reserved, stats.bytes_in_use) == (
+        1,
+        1,
+        8192,
+        8192,
+    )
+
+
+def test_a_buffer_waits_for_its_copy_before_reuse():
+    pool = PinnedPool("cpu", max_bytes=1 << 20)
+    buf = pool.acquire(4096)
+    copy = CopyInFlight()
+    pool.release(buf, after=copy)
+    other = pool.acquire(4096)  # room under the cap: a new buffer, never the busy one
+    assert other.bytes.data_ptr() != buf.bytes.data_ptr()
+    assert pool.stats.bytes_in_use == 8192  # the busy one still counts
+    copy.done = True
+    pool.release(other)
+    reused = {pool.acquire(4096).bytes.data_ptr(), pool.acquire(4096).bytes.data_ptr()}
+    assert reused == {buf.bytes.data_ptr(), other.bytes.data_ptr()}
+    assert pool.stats.misses == 2
+
+
+def test_at_the_cap_the_pool_waits_for_an_in_flight_copy():
+    pool = PinnedPool("cpu", max_bytes=8192)
+    a, b = pool.acquire(4096), pool.acquire(4096)
+    copy = CopyInFlight()
+    pool.release(a, after=copy)
+    c = pool.acquire(4096)
+    assert copy.waited and c.bytes.data_ptr() == a.bytes.data_ptr()
+    assert pool.stats.waits == 1 and pool.stats.high_water_bytes == 8192
+    pool.release(b)
+    pool.release(c)
+
+
+def test_at_the_cap_with_nothing_to_wait_for_it_raises_instead_of_hanging():
+    pool = PinnedPool("cpu", max_bytes=8192)
+    held = [pool.acquire(4096), pool.acquire(4096)]
+    with pytest.raises(GpuflowError, match="would wait forever"):
+        pool.acquire(4096)
+    with pytest.raises(GpuflowError, match="more than the pool's cap"):
+        pool.acquire(9000)
+    assert pool.stats.bytes_reserved == 8192
+    for buf in held:
+        pool.release(buf)
+
+
+def test_idle_buffers_of_another_size_are_evicted_to_make_room():
+    pool = PinnedPool("cpu", max_bytes=16384)
+    pool.release(pool.acquire(8192))
+    big = pool.acquire(16384)
+    assert big.capacity == 16384
+    stats = pool.stats
+    assert (stats.evictions, stats.bytes_reserved) == (1, 16384)
+
+
+def test_another_thread_releasing_unblocks_a_waiting_acquire():
+    pool = PinnedPool("cpu", max_bytes=4096)
+    held = pool.acquire(4096)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(4096, timeout=None)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # still waiting: the only buffer is lent out
+    pool.release(held)
+    waiter.join(timeout=5)
+    assert got and got[0].bytes.data_ptr() == held.bytes.data_ptr()
+    with pytest.raises(GpuflowError, match="would wait forever"):
+        pool.acquire(4096, timeout=0.05)
+
+
+def test_releasing_twice_is_an_error():
+    pool = PinnedPool("cpu")
+    buf = pool.acquire(10)
+    pool.release(buf)
+    with pytest.raises(GpuflowError, match="already released"):
+        pool.release(buf)
+
+
+def test_per_size_retention_cap_unpins_the_extras():
+    pool = PinnedPool("cpu", max_cached_per_class=2)
+    bufs = [pool.acquire(4096) for _ in range(5)]
+    for buf in bufs:
+        pool.release(buf)
+    stats = pool.stats
+    assert (stats.bytes_reserved, stats.bytes_in_use) == (2 * 4096, 0)
+
+
+def test_close_waits_for_copies_and_frees_everything():
+    pool = PinnedPool("cpu", max_bytes=1 << 20)
+    copy = CopyInFlight()
+    pool.release(pool.acquire(4096), after=copy)
+    pool.release(pool.acquire(70000))
+    with pool:
+        pass
+    assert copy.waited
+    stats = pool.stats
+    assert (stats.bytes_reserved, stats.bytes_in_use) == (0, 0)
+    with pytest.raises(GpuflowError, match="closed"):
+        pool.acquire(10)
+
+
+def test_buffer_views_see_the_same_bytes():
+    pool = PinnedPool("cpu")
+    buf = pool.acquire(64)
+    buf.view(torch.float32, (4, 4)).fill_(1.5)
+    assert buf.bytes[:4].view(torch.float32).item() == 1.5

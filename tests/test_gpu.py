@@ -248,3 +248,23 @@ def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
     assert mirror.is_fresh()  # the replay did not bump the version: the mirror cannot know
     mirror.mark_dirty()
     assert mirror.numpy()[0] == before + 1
+
+
+def test_a_pinned_source_is_copied_directly_and_may_refill_its_buffer(accel):
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+    shared = torch.empty(1 << 20, dtype=torch.float32).pin_memory()  # 4 MB, refilled each time
+
+    def source():
+        for i in range(20):
+            shared.fill_(float(i))  # the loader must have finished reading the last batch
+            yield {"x": shared, "i": i}
+
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with DeviceLoader(source(), accel, depth=2) as loader:
+        for batch in loader:
+            _busy(accel, 1.0)
+            ok &= (batch["x"] == float(batch["i"])).all()
+    assert bool(ok.item())
+    stats = loader.stats
+    assert stats.copies == 20 and stats.bytes_moved == 20 * (4 << 20)  # no staging copy

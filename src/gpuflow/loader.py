@@ -3,10 +3,14 @@
 ``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
 (``gpuflow.pack``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``
 and queues its copy on a side stream into one of ``depth`` device slots, while the device
-computes on the batch before. The consumer's stream waits on the copy's event, so the host
-never blocks on a copy, and a slot is written again only after an event recorded on the
-consumer's stream says the consumer's work on it is done (an event, not ``record_stream``,
-so memory stays flat: cf. timm issue #2781).
+computes on the batch before. Large tensors that are already pinned are copied straight
+from the source, with no staging copy; the thread then waits for that copy before taking
+the next item, so a source may refill the same pinned buffer every time.
+
+The consumer's stream waits on the copy's event, so the host never blocks on a copy, and a
+slot is written again only after an event recorded on the consumer's stream says the
+consumer's work on it is done (an event, not ``record_stream``, so memory stays flat: cf.
+timm issue #2781).
 
     with DeviceLoader(batches, "cuda", depth=2) as loader:
         for batch in loader:          # the same structure, on the device
@@ -33,7 +37,7 @@ import torch
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.pack import PackPlan, plan_pack, rebuild
-from gpuflow.pinned import PinnedPool, size_class
+from gpuflow.pinned import PinnedBuffer, PinnedPool, size_class
 
 _POLL_S = 0.05  # how often blocked threads look up to see whether the loader is closing
 
@@ -131,7 +135,11 @@ class DeviceLoader:
         self.device = Device.resolve(device)
         self.depth = depth
         self._source = source
-        self._pack_options = {"narrow": narrow, "lossy_float": lossy_float}
+        self._pack_options = {
+            "narrow": narrow,
+            "lossy_float": lossy_float,
+            "direct_pinned": self.device.supports_pinned_memory,
+        }
         self._copy_stream = self.device.new_stream()
         self._slots = [_Slot(self.device, timing) for _ in range(depth)]
         self._pool = PinnedPool(self.device, max_bytes=pool_bytes or 1 << 46)
@@ -156,15 +164,22 @@ class DeviceLoader:
                 self.device.backend.set_device(self.device.index)
             for batch in self._source:
                 plan = plan_pack(batch, **self._pack_options)
-                host = self._pool.acquire(plan.nbytes, timeout=None)
-                plan.write_into(host.bytes)
+                host = None
+                if plan.has_staged:
+                    host = self._pool.acquire(plan.nbytes, timeout=None)
+                    plan.write_into(host.bytes)
                 index = self._wait_for_free_slot()
                 if index is None:  # closing
-                    self._pool.release(host)
+                    if host is not None:
+                        self._pool.release(host)
                     return
-                self._copy_into_slot(index, host, plan)
+                copied = self._copy_into_slot(index, host, plan)
                 if not self._offer((index, plan)):
                     return
+                if plan.has_direct:
+                    # Copied straight from the source's pinned memory: the source may refill
+                    # that memory for its next item, so wait until this copy has read it.
+                    copied.synchronize()
             self._offer(_END)
         except BaseException as exc:  # re-raised in the consumer, traceback and all
             self._offer(_Failure(exc))
@@ -186,29 +201,44 @@ class DeviceLoader:
                 continue
         return False
 
-    def _copy_into_slot(self, index: int, host: Any, plan: PackPlan) -> None:
+    def _copy_into_slot(self, index: int, host: PinnedBuffer | None, plan: PackPlan) -> Any:
+        """Queue the plan's copies into slot ``index`` on the copy stream; returns an event
+        recorded after them."""
         slot = self._slots[index]
         # The consumer's work on this slot's previous batch must be done before it is
         # overwritten (and before its timings can be read).
         slot.consumer_done.synchronize()
         self._harvest(slot)
-        n = plan.nbytes
+        segments = plan.segments()
         with self.device.use_stream(self._copy_stream):
-            if slot.buffer is None or slot.buffer.numel() < n:
+            if slot.buffer is None or slot.buffer.numel() < plan.nbytes:
                 # Allocated on the copy stream, so the caching allocator hands out a block
                 # that is free in this stream's order.
                 slot.buffer = torch.empty(
-                    size_class(n), dtype=torch.uint8, device=self.device.torch
+                    size_class(plan.nbytes), dtype=torch.uint8, device=self.device.torch
                 )
             if slot.timing:
                 slot.copy_start.record(self._copy_stream)
-            slot.buffer[:n].copy_(host.bytes[:n], non_blocking=True)
+            for seg in segments:
+                source = (
+                    host.bytes if seg.source is None else seg.source.reshape(-1).view(torch.uint8)
+                )
+                start = seg.offset if seg.source is None else 0
+                slot.buffer[seg.offset : seg.offset + seg.nbytes].copy_(
+                    source[start : start + seg.nbytes], non_blocking=True
+                )
             slot.copy_done.record(self._copy_stream)
-        self._pool.release(host, after=slot.copy_done)
+            # The pool gets an event of its own: the slot's is recorded again at the slot's
+            # next copy, and would keep this buffer looking busy until that one finished.
+            copied = self.device.new_event()
+            copied.record(self._copy_stream)
+        if host is not None:
+            self._pool.release(host, after=copied)
         with self._stats_lock:
-            self._counts["copies"] += 1
-            self._counts["bytes_moved"] += n
+            self._counts["copies"] += len(segments)
+            self._counts["bytes_moved"] += sum(seg.nbytes for seg in segments)
             self._counts["logical_bytes"] += plan.logical_nbytes
+        return copied
 
     def _harvest(self, slot: _Slot) -> None:
         """Add a finished batch's event timings to the stats (its events are complete)."""

@@ -35,6 +35,7 @@ ALIGN = 16  # bytes: every view aligned for any dtype and for 16-byte vector loa
 LOSSY_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_SOURCES = (torch.float32, torch.float64)
 _NARROWABLE = (torch.int64, torch.int32)
+DIRECT_MIN_BYTES = 1 << 20  # pinned tensors this large skip the staging copy (DeviceLoader)
 _UINT16_MAX = 65535
 
 
@@ -113,25 +114,64 @@ class _Node:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One host->device copy of a plan: layout bytes [offset, offset + nbytes), taken from the
+    staging buffer (``source`` None) or straight from a pinned source tensor."""
+
+    offset: int
+    nbytes: int
+    source: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class PackPlan:
     """A batch measured and laid out, ready to be written into any buffer of ``nbytes``."""
 
     spec: Any
     nbytes: int  # bytes that cross the bus
     logical_nbytes: int  # bytes the tensors occupy as given (before narrowing/compression)
-    # (leaf, a tensor, or a list of same-shape tensors to stack into the leaf)
-    _sources: tuple[tuple[Leaf, torch.Tensor | list[torch.Tensor]], ...]
+    # In layout order: (leaf, a tensor or a list of same-shape tensors to stack, direct?)
+    _layout: tuple[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool], ...]
 
     def write_into(self, buffer: torch.Tensor) -> None:
-        """Copy every tensor into ``buffer`` (uint8, at least ``nbytes``), converting codecs."""
+        """Copy every staged tensor into ``buffer`` (uint8, >= ``nbytes``), converting codecs."""
         if buffer.dtype != torch.uint8 or buffer.numel() < self.nbytes:
             raise ValueError(f"need a uint8 buffer of >= {self.nbytes} bytes")
-        for leaf, source in self._sources:
+        for leaf, source, direct in self._layout:
+            if direct:
+                continue
             target = _view(buffer, leaf, leaf.wire)
             if isinstance(source, list):
                 torch.stack(source, out=target)  # one call for the whole list
             else:
                 target.copy_(source)
+
+    @property
+    def has_staged(self) -> bool:
+        return any(not direct for _, _, direct in self._layout)
+
+    @property
+    def has_direct(self) -> bool:
+        return any(direct for _, _, direct in self._layout)
+
+    def segments(self) -> list[Segment]:
+        """The copies that move this plan: each run of staged leaves as one, each direct
+        (already pinned) leaf as one."""
+        out: list[Segment] = []
+        run_start = run_end = None
+        for leaf, source, direct in self._layout:
+            if direct:
+                if run_start is not None:
+                    out.append(Segment(run_start, run_end - run_start, None))
+                    run_start = None
+                out.append(Segment(leaf.offset, leaf.nbytes, source))
+                continue
+            if run_start is None:
+                run_start = leaf.offset
+            run_end = leaf.offset + leaf.nbytes
+        if run_start is not None:
+            out.append(Segment(run_start, run_end - run_start, None))
+        return out
 
 
 @dataclass(frozen=True)
@@ -193,7 +233,7 @@ def _looks_ragged(obj: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self, narrow: bool, lossy_float: str | None) -> None:
+    def __init__(self, narrow: bool, lossy_float: str | None, direct_pinned: bool = False) -> None:
         if lossy_float is not None and lossy_float not in LOSSY_FLOATS:
             raise GpuflowError(
                 f"lossy_float must be one of {sorted(LOSSY_FLOATS)} or None, got {lossy_float!r}"
@@ -202,7 +242,8 @@ class _Planner:
         self.lossy = LOSSY_FLOATS.get(lossy_float) if lossy_float else None
         self.offset = 0
         self.logical = 0
-        self.sources: list[tuple[Leaf, torch.Tensor]] = []
+        self.direct_pinned = direct_pinned
+        self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool]] = []
 
     def plan(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -243,7 +284,15 @@ class _Planner:
         )
 
     def _leaf(self, tensor: torch.Tensor) -> Leaf:
-        return self._place(tuple(tensor.shape), self._wire_dtype(tensor), tensor.dtype, tensor)
+        wire = self._wire_dtype(tensor)
+        direct = (
+            self.direct_pinned
+            and wire == tensor.dtype
+            and tensor.nbytes >= DIRECT_MIN_BYTES
+            and tensor.is_contiguous()
+            and tensor.is_pinned()
+        )
+        return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, direct)
 
     def _place(
         self,
@@ -251,12 +300,13 @@ class _Planner:
         wire: torch.dtype,
         dtype: torch.dtype,
         source: torch.Tensor | list[torch.Tensor],
+        direct: bool = False,
     ) -> Leaf:
         numel = math.prod(shape)
         leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype)
         self.offset = _aligned(self.offset + leaf.nbytes)
         self.logical += numel * dtype.itemsize
-        self.sources.append((leaf, source))
+        self.layout.append((leaf, source, direct))
         return leaf
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
@@ -279,11 +329,22 @@ class _Planner:
         return dtype
 
 
-def plan_pack(batch: Any, *, narrow: bool = True, lossy_float: str | None = None) -> PackPlan:
-    """Measure ``batch`` and choose each tensor's codec; nothing is copied yet."""
-    planner = _Planner(narrow, lossy_float)
+def plan_pack(
+    batch: Any,
+    *,
+    narrow: bool = True,
+    lossy_float: str | None = None,
+    direct_pinned: bool = False,
+) -> PackPlan:
+    """Measure ``batch`` and choose each tensor's codec; nothing is copied yet.
+
+    With ``direct_pinned``, tensors of ``DIRECT_MIN_BYTES`` or more that are already pinned
+    (and cross unchanged) are marked to be copied straight from where they are: staging them
+    would only add a host copy.
+    """
+    planner = _Planner(narrow, lossy_float, direct_pinned)
     spec = planner.plan(batch)
-    return PackPlan(spec, planner.offset, planner.logical, tuple(planner.sources))
+    return PackPlan(spec, planner.offset, planner.logical, tuple(planner.layout))
 
 
 def pack(

@@ -89,7 +89,7 @@ def test_closing_early_stops_the_thread_even_when_it_is_blocked():
     first = next(loader)
     assert first[0].item() == 0
     time.sleep(0.2)  # the thread fills every slot and blocks
-    assert len(produced) <= 2 + 2 + 1  # depth slots, a ready queue of depth, one packed
+    assert len(produced) <= 2 + 2 + 1  # depth slots, a packed queue of depth, one in hand
     loader.close()
     assert not loader._thread.is_alive()
     assert loader._pool.stats.bytes_reserved == 0
@@ -98,16 +98,23 @@ def test_closing_early_stops_the_thread_even_when_it_is_blocked():
 
 
 def test_a_dead_thread_never_leaves_the_consumer_hanging(monkeypatch):
-    loader = DeviceLoader(iter([np.zeros(3)]), "cpu")
+    release = threading.Event()
+
+    def source():
+        yield np.zeros(3)
+        release.wait()  # the real thread parks here, with nothing more to give
+
+    loader = DeviceLoader(source(), "cpu")
     next(loader)
-    # Simulate a thread killed from outside: it produced nothing more and is gone.
+    # Simulate the thread killed from outside: gone, with no result and no end marker.
     monkeypatch.setattr(loader, "_thread", threading.Thread(target=lambda: None))
     loader._thread.start()
     loader._thread.join()
-    while not loader._ready.empty():
-        loader._ready.get()
-    with pytest.raises(RuntimeError, match="died without a result"):
-        next(loader)
+    try:
+        with pytest.raises(RuntimeError, match="died without a result"):
+            next(loader)
+    finally:
+        release.set()
 
 
 def test_memory_is_flat_after_warm_up():

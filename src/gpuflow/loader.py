@@ -1,16 +1,14 @@
 """Host -> device movement of batches: ``DeviceLoader`` and one-off uploads.
 
 ``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
-(``gpuflow.pack``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``
-and queues its copy on a side stream into one of ``depth`` device slots, while the device
-computes on the batch before. Large tensors that are already pinned are copied straight
-from the source, with no staging copy; the thread then waits for that copy before taking
-the next item, so a source may refill the same pinned buffer every time.
-
-The consumer's stream waits on the copy's event, so the host never blocks on a copy, and a
-slot is written again only after an event recorded on the consumer's stream says the
-consumer's work on it is done (an event, not ``record_stream``, so memory stays flat: cf.
-timm issue #2781).
+(``gpuflow.pack``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``;
+large tensors that are already pinned are left where they are, with no staging copy. Each
+``next()`` queues the copies of the batches ``depth`` ahead on a side stream, into one of
+``depth`` device slots, and makes the consumer's stream wait on the copy of the batch it
+returns: the host never waits for a copy, and copies run back to back while the device
+computes. A slot is written again only after an event recorded on the consumer's stream
+says the consumer's work on its last batch is done (an event, not ``record_stream``, so
+memory stays flat: cf. timm issue #2781).
 
     with DeviceLoader(batches, "cuda", depth=2) as loader:
         for batch in loader:          # the same structure, on the device
@@ -19,7 +17,10 @@ timm issue #2781).
 
 A batch's tensors that crossed unchanged are views of a slot: they are valid until the
 next batch is taken (``clone()`` what must live longer). Narrowed or compressed tensors are
-fresh device tensors. On the cpu every step runs synchronously with the same API.
+fresh device tensors. A pinned source tensor is read asynchronously, as with
+``tensor.to(device, non_blocking=True)``: yield a fresh one per batch (as
+``DataLoader(pin_memory=True)`` does) rather than refilling one buffer. On the cpu every
+step runs synchronously with the same API.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +68,7 @@ class LoaderStats:
     copies: int
     bytes_moved: int  # as they crossed the bus
     logical_bytes: int  # as the source produced them
-    stall_s: float  # host time the consumer spent blocked waiting for the loader thread
+    stall_s: float  # host time the consumer spent blocked waiting for the packing thread
     transfer_ms: float
     exposed_ms: float
     compute_ms: float
@@ -88,18 +90,28 @@ class LoaderStats:
 
 
 class _Slot:
-    """One device buffer and the events that fence it."""
+    """One device buffer and the events that fence it (reused for every batch it holds)."""
 
-    def __init__(self, device: Device, timing: bool) -> None:
+    def __init__(self, device: Device) -> None:
         self.buffer: torch.Tensor | None = None
-        self.copy_done = device.new_event(timing)
-        self.consumer_done = device.new_event(timing)
-        self.timing = timing
-        if timing:
-            self.copy_start = device.new_event(True)
-            self.wait_start = device.new_event(True)
-            self.wait_end = device.new_event(True)
-        self.measured = False  # its events hold a batch's timings not yet read
+        self.copy_done = device.new_event()
+        self.consumer_done = device.new_event()
+
+
+class _Timing:
+    """One batch's timing events, recycled once read."""
+
+    def __init__(self, device: Device) -> None:
+        self.copy_start, self.copy_end, self.wait_start, self.wait_end, self.released = (
+            device.new_event(timing=True) for _ in range(5)
+        )
+
+
+@dataclass
+class _Issued:
+    slot: int
+    plan: PackPlan  # holds the source tensors of direct copies until the batch is consumed
+    timing: _Timing | None
 
 
 @dataclass(frozen=True)
@@ -113,10 +125,9 @@ _END = object()
 class DeviceLoader:
     """See the module docstring.
 
-    ``depth`` device slots are in flight at most (2: double buffering). ``narrow`` and
-    ``lossy_float`` are ``gpuflow.pack``'s codecs. ``pool_bytes`` caps the pinned memory
-    (default: no cap beyond what ``depth`` needs). ``timing`` records copy/wait events for
-    ``stats``; turn it off to save a few microseconds per batch.
+    ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
+    ``gpuflow.pack``'s codecs. ``pool_bytes`` caps the pinned staging memory (default: no
+    cap beyond what ``depth`` needs). ``timing`` records events for ``stats``' device times.
     """
 
     def __init__(
@@ -141,118 +152,51 @@ class DeviceLoader:
             "direct_pinned": self.device.supports_pinned_memory,
         }
         self._copy_stream = self.device.new_stream()
-        self._slots = [_Slot(self.device, timing) for _ in range(depth)]
+        self._slots = [_Slot(self.device) for _ in range(depth)]
+        self._next_slot = 0
+        self._issued: deque[_Issued] = deque()
+        self._held: _Issued | None = None
+        self._timing = timing
+        self._unread: deque[_Timing] = deque()  # timings of batches let go of, oldest first
+        self._spare_timings: list[_Timing] = []
         self._pool = PinnedPool(self.device, max_bytes=pool_bytes or 1 << 46)
-        self._free: queue.Queue[int] = queue.Queue()
-        for index in range(depth):
-            self._free.put(index)
-        self._ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._packed: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._pending_end: Any = None  # _END or a _Failure, once the packing thread sent it
         self._stop = threading.Event()
-        self._stats_lock = threading.Lock()
         self._counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
         self._times = {"stall_s": 0.0, "transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
-        self._held: int | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._produce, name="gpuflow-loader", daemon=True)
+        self._thread = threading.Thread(target=self._pack_all, name="gpuflow-loader", daemon=True)
         self._thread.start()
 
-    # ---- the loader thread ------------------------------------------------------------------
+    # ---- the packing thread: host work only -------------------------------------------------
 
-    def _produce(self) -> None:
+    def _pack_all(self) -> None:
         try:
-            if self.device.has_streams:  # this thread's current device, for its copies
-                self.device.backend.set_device(self.device.index)
             for batch in self._source:
                 plan = plan_pack(batch, **self._pack_options)
                 host = None
                 if plan.has_staged:
                     host = self._pool.acquire(plan.nbytes, timeout=None)
                     plan.write_into(host.bytes)
-                index = self._wait_for_free_slot()
-                if index is None:  # closing
+                if not self._offer((plan, host)):
                     if host is not None:
                         self._pool.release(host)
                     return
-                copied = self._copy_into_slot(index, host, plan)
-                if not self._offer((index, plan)):
-                    return
-                if plan.has_direct:
-                    # Copied straight from the source's pinned memory: the source may refill
-                    # that memory for its next item, so wait until this copy has read it.
-                    copied.synchronize()
             self._offer(_END)
         except BaseException as exc:  # re-raised in the consumer, traceback and all
             self._offer(_Failure(exc))
 
-    def _wait_for_free_slot(self) -> int | None:
-        while not self._stop.is_set():
-            try:
-                return self._free.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-        return None
-
     def _offer(self, item: Any) -> bool:
         while not self._stop.is_set():
             try:
-                self._ready.put(item, timeout=_POLL_S)
+                self._packed.put(item, timeout=_POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def _copy_into_slot(self, index: int, host: PinnedBuffer | None, plan: PackPlan) -> Any:
-        """Queue the plan's copies into slot ``index`` on the copy stream; returns an event
-        recorded after them."""
-        slot = self._slots[index]
-        # The consumer's work on this slot's previous batch must be done before it is
-        # overwritten (and before its timings can be read).
-        slot.consumer_done.synchronize()
-        self._harvest(slot)
-        segments = plan.segments()
-        with self.device.use_stream(self._copy_stream):
-            if slot.buffer is None or slot.buffer.numel() < plan.nbytes:
-                # Allocated on the copy stream, so the caching allocator hands out a block
-                # that is free in this stream's order.
-                slot.buffer = torch.empty(
-                    size_class(plan.nbytes), dtype=torch.uint8, device=self.device.torch
-                )
-            if slot.timing:
-                slot.copy_start.record(self._copy_stream)
-            for seg in segments:
-                source = (
-                    host.bytes if seg.source is None else seg.source.reshape(-1).view(torch.uint8)
-                )
-                start = seg.offset if seg.source is None else 0
-                slot.buffer[seg.offset : seg.offset + seg.nbytes].copy_(
-                    source[start : start + seg.nbytes], non_blocking=True
-                )
-            slot.copy_done.record(self._copy_stream)
-            # The pool gets an event of its own: the slot's is recorded again at the slot's
-            # next copy, and would keep this buffer looking busy until that one finished.
-            copied = self.device.new_event()
-            copied.record(self._copy_stream)
-        if host is not None:
-            self._pool.release(host, after=copied)
-        with self._stats_lock:
-            self._counts["copies"] += len(segments)
-            self._counts["bytes_moved"] += sum(seg.nbytes for seg in segments)
-            self._counts["logical_bytes"] += plan.logical_nbytes
-        return copied
-
-    def _harvest(self, slot: _Slot) -> None:
-        """Add a finished batch's event timings to the stats (its events are complete)."""
-        if not slot.measured:
-            return
-        slot.measured = False
-        if not slot.timing:
-            return
-        with self._stats_lock:
-            self._times["transfer_ms"] += slot.copy_start.elapsed_time(slot.copy_done)
-            self._times["exposed_ms"] += slot.wait_start.elapsed_time(slot.wait_end)
-            self._times["compute_ms"] += slot.wait_end.elapsed_time(slot.consumer_done)
-
-    # ---- the consumer -----------------------------------------------------------------------
+    # ---- the consumer: queues copies, never waits for them ----------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -262,63 +206,140 @@ class DeviceLoader:
             raise StopIteration
         stream = self.device.current_stream()
         self._let_go_of_held(stream)
-        started = time.perf_counter()
-        item = self._take_ready()
-        with self._stats_lock:
-            self._times["stall_s"] += time.perf_counter() - started
-        if item is _END:
+        self._issue_ahead()
+        if not self._issued:
+            end = self._pending_end
             self.close()
+            if isinstance(end, _Failure):
+                raise end.exc
             raise StopIteration
-        if isinstance(item, _Failure):
-            self.close()
-            raise item.exc
-        index, plan = item
-        slot = self._slots[index]
-        if slot.timing:
-            slot.wait_start.record(stream)
+        batch = self._issued.popleft()
+        slot = self._slots[batch.slot]
+        if batch.timing is not None:
+            batch.timing.wait_start.record(stream)
         stream.wait_event(slot.copy_done)  # the device waits for the copy; the host does not
-        if slot.timing:
-            slot.wait_end.record(stream)
-        slot.measured = True
-        self._held = index
-        with self._stats_lock:
-            self._counts["batches"] += 1
-        return rebuild(slot.buffer, plan.spec)
+        if batch.timing is not None:
+            batch.timing.wait_end.record(stream)
+        self._held = batch
+        self._counts["batches"] += 1
+        self._read_finished_timings()
+        return rebuild(slot.buffer, batch.plan.spec)
 
     def _let_go_of_held(self, stream: Any) -> None:
+        """The consumer has queued all its work on the batch it holds: mark the slot."""
         if self._held is None:
             return
-        self._slots[self._held].consumer_done.record(stream)
-        self._free.put(self._held)
+        self._slots[self._held.slot].consumer_done.record(stream)
+        if self._held.timing is not None:
+            self._held.timing.released.record(stream)
+            self._unread.append(self._held.timing)
         self._held = None
 
-    def _take_ready(self) -> Any:
-        while True:
+    def _issue_ahead(self) -> None:
+        """Queue copies for packed batches until ``depth`` are in flight; wait only when none
+        is, since the consumer needs one now."""
+        while len(self._issued) < self.depth and self._pending_end is None:
+            item = self._take_packed(block=not self._issued)
+            if item is None:
+                return
+            if item is _END or isinstance(item, _Failure):
+                self._pending_end = item  # raised once the batches before it are consumed
+                return
+            plan, host = item
+            self._issue(plan, host)
+
+    def _take_packed(self, block: bool) -> Any:
+        if not block:
             try:
-                return self._ready.get(timeout=_POLL_S)
+                return self._packed.get_nowait()
             except queue.Empty:
-                if not self._thread.is_alive() and self._ready.empty():
-                    return _Failure(RuntimeError("the DeviceLoader thread died without a result"))
+                return None
+        started = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return self._packed.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._packed.empty():
+                        return _Failure(
+                            RuntimeError("the DeviceLoader thread died without a result")
+                        )
+        finally:
+            self._times["stall_s"] += time.perf_counter() - started
+
+    def _issue(self, plan: PackPlan, host: PinnedBuffer | None) -> None:
+        index = self._next_slot
+        self._next_slot = (index + 1) % self.depth
+        slot = self._slots[index]
+        timing = self._new_timing() if self._timing else None
+        segments = plan.segments()
+        with self.device.use_stream(self._copy_stream):
+            # Overwrite the slot only after the consumer's work on its last batch.
+            self._copy_stream.wait_event(slot.consumer_done)
+            if slot.buffer is None or slot.buffer.numel() < plan.nbytes:
+                self._grow(slot, plan.nbytes)
+            if timing is not None:
+                timing.copy_start.record(self._copy_stream)
+            for seg in segments:
+                if seg.source is None:
+                    source = host.bytes[seg.offset : seg.offset + seg.nbytes]
+                else:
+                    source = seg.source.reshape(-1).view(torch.uint8)
+                slot.buffer[seg.offset : seg.offset + seg.nbytes].copy_(source, non_blocking=True)
+            slot.copy_done.record(self._copy_stream)
+            if timing is not None:
+                timing.copy_end.record(self._copy_stream)
+            if host is not None:
+                # The pool gets an event of its own: the slot's is recorded again at the
+                # slot's next copy and would keep this buffer looking busy until then.
+                copied = self.device.new_event()
+                copied.record(self._copy_stream)
+                self._pool.release(host, after=copied)
+        self._issued.append(_Issued(index, plan, timing))
+        self._counts["copies"] += len(segments)
+        self._counts["bytes_moved"] += sum(seg.nbytes for seg in segments)
+        self._counts["logical_bytes"] += plan.logical_nbytes
+
+    def _grow(self, slot: _Slot, nbytes: int) -> None:
+        """A bigger device buffer for ``slot``, allocated on the copy stream (so the caching
+        allocator hands out a block free in that stream's order) once the old one is idle."""
+        if slot.buffer is not None:
+            slot.consumer_done.synchronize()  # rare: only when batches grow
+        slot.buffer = torch.empty(size_class(nbytes), dtype=torch.uint8, device=self.device.torch)
+
+    # ---- timings ----------------------------------------------------------------------------
+
+    def _new_timing(self) -> _Timing:
+        return self._spare_timings.pop() if self._spare_timings else _Timing(self.device)
+
+    def _read_finished_timings(self, wait: bool = False) -> None:
+        while self._unread and (wait or self._unread[0].released.query()):
+            t = self._unread.popleft()
+            t.released.synchronize()
+            self._times["transfer_ms"] += t.copy_start.elapsed_time(t.copy_end)
+            self._times["exposed_ms"] += t.wait_start.elapsed_time(t.wait_end)
+            self._times["compute_ms"] += t.wait_end.elapsed_time(t.released)
+            self._spare_timings.append(t)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
     @property
     def stats(self) -> LoaderStats:
-        with self._stats_lock:
-            return LoaderStats(**self._counts, **self._times)
+        self._read_finished_timings()
+        return LoaderStats(**self._counts, **self._times)
 
     def close(self) -> None:
-        """Stop the loader thread, wait for queued copies and free pinned and device memory."""
+        """Stop the packing thread, wait for queued copies, free pinned and device memory."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
         self._thread.join()
-        if self._held is not None:
-            self._let_go_of_held(self.device.current_stream())
+        self._let_go_of_held(self.device.current_stream())
         self.device.synchronize()
+        self._read_finished_timings(wait=True)
+        self._issued.clear()
         for slot in self._slots:
-            self._harvest(slot)
             slot.buffer = None
         self._pool.close()
 

@@ -6,6 +6,7 @@ import os
 
 # As the CLI does (see gpuflow.cli.main): reproducible MKL results for in-process training.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 import json
 import shutil

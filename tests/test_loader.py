@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -149,3 +150,13 @@ def test_stats_count_bytes_stall_and_overlap():
 def test_depth_must_be_positive():
     with pytest.raises(GpuflowError, match="depth"):
         DeviceLoader([], "cpu", depth=0)
+
+
+def test_closing_wakes_a_thread_waiting_for_a_staging_buffer():
+    # A cap of one buffer: the thread packs one batch, then waits for the pool.
+    big = np.zeros(1 << 16, dtype=np.float32)
+    loader = DeviceLoader(itertools.repeat(big), "cpu", depth=1, pool_bytes=1 << 18)
+    time.sleep(0.2)
+    assert loader._thread.is_alive()
+    loader.close()
+    assert not loader._thread.is_alive()

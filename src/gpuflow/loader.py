@@ -126,8 +126,8 @@ class DeviceLoader:
     """See the module docstring.
 
     ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
-    ``gpuflow.pack``'s codecs. ``pool_bytes`` caps the pinned staging memory (default: no
-    cap beyond what ``depth`` needs). ``timing`` records events for ``stats``' device times.
+    ``gpuflow.pack``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
+    ``depth + 1`` batches). ``timing`` records events for ``stats``' device times.
     """
 
     def __init__(
@@ -159,7 +159,8 @@ class DeviceLoader:
         self._timing = timing
         self._unread: deque[_Timing] = deque()  # timings of batches let go of, oldest first
         self._spare_timings: list[_Timing] = []
-        self._pool = PinnedPool(self.device, max_bytes=pool_bytes or 1 << 46)
+        self._pool_bytes = pool_bytes
+        self._pool = PinnedPool(self.device, max_bytes=pool_bytes or size_class(0))
         self._packed: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._pending_end: Any = None  # _END or a _Failure, once the packing thread sent it
         self._stop = threading.Event()
@@ -177,6 +178,7 @@ class DeviceLoader:
                 plan = plan_pack(batch, **self._pack_options)
                 host = None
                 if plan.has_staged:
+                    self._size_pool_for(plan.nbytes)
                     host = self._pool.acquire(plan.nbytes, timeout=None)
                     plan.write_into(host.bytes)
                 if not self._offer((plan, host)):
@@ -186,6 +188,15 @@ class DeviceLoader:
             self._offer(_END)
         except BaseException as exc:  # re-raised in the consumer, traceback and all
             self._offer(_Failure(exc))
+
+    def _size_pool_for(self, nbytes: int) -> None:
+        """Cap the staging pool at ``depth + 1`` batches: ``depth`` copying or queued and one
+        being packed, enough to keep the copy stream busy. The cap is the back-pressure: when
+        the device falls behind, packing waits for copies to finish instead of pinning more
+        memory, and every buffer is pinned within the first few batches."""
+        if self._pool_bytes is None:
+            needed = (self.depth + 1) * size_class(nbytes)
+            self._pool.max_bytes = max(self._pool.max_bytes, needed)
 
     def _offer(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -334,6 +345,7 @@ class DeviceLoader:
             return
         self._closed = True
         self._stop.set()
+        self._pool.close()  # wakes the packing thread if it waits for a staging buffer
         self._thread.join()
         self._let_go_of_held(self.device.current_stream())
         self.device.synchronize()
@@ -341,7 +353,6 @@ class DeviceLoader:
         self._issued.clear()
         for slot in self._slots:
             slot.buffer = None
-        self._pool.close()
 
     def __enter__(self) -> DeviceLoader:
         return self

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
-# As the CLI does (see gpuflow.cli.main): reproducible MKL results for in-process training.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-
 import json
+import os
 import shutil
 import subprocess
 import sys

@@ -14,7 +14,7 @@ from gpuflow.linkprobe import probe_link
 from gpuflow.loader import DeviceLoader, upload_tokens
 from gpuflow.mirror import AsyncScalars, HostMirror, host_snapshot
 from gpuflow.model import GPT
-from gpuflow.pack import pack, unpack
+from gpuflow.packing import pack, unpack
 from gpuflow.pinned import PinnedPool
 from gpuflow.sample import SampleConfig, sample
 from gpuflow.train import checkpoint as ckpt

@@ -12,7 +12,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AsyncScalars": "gpuflow.mirror",
     "Device": "gpuflow.device",
+    "DeviceLoader": "gpuflow.loader",
     "GpuflowError": "gpuflow.errors",
+    "HostMirror": "gpuflow.mirror",
+    "PinnedPool": "gpuflow.pinned",
+    "Ragged": "gpuflow.packing",
+    "pack": "gpuflow.packing",
+    "unpack": "gpuflow.packing",
 }
 
 __all__ = ["__version__", *_EXPORTS]

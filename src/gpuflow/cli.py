@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -326,11 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # MKL may pick its thread count per call (MKL_DYNAMIC) and schedule GEMM work
-    # dynamically unless its reproducibility mode is on, so two cpu runs could differ in the
-    # last bit. Resume must reproduce a run exactly; both are read before torch calls MKL.
-    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-    os.environ.setdefault("MKL_DYNAMIC", "FALSE")
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

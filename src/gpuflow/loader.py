@@ -1,7 +1,7 @@
 """Host -> device movement of batches: ``DeviceLoader`` and one-off uploads.
 
 ``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
-(``gpuflow.pack``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``;
+(``gpuflow.packing``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``;
 large tensors that are already pinned are left where they are, with no staging copy. Each
 ``next()`` queues the copies of the batches ``depth`` ahead on a side stream, into one of
 ``depth`` device slots, and makes the consumer's stream wait on the copy of the batch it
@@ -38,7 +38,7 @@ import torch
 
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
-from gpuflow.pack import PackPlan, plan_pack, rebuild
+from gpuflow.packing import PackPlan, plan_pack, rebuild
 from gpuflow.pinned import PinnedBuffer, PinnedPool, size_class
 
 _POLL_S = 0.05  # how often blocked threads look up to see whether the loader is closing
@@ -126,7 +126,7 @@ class DeviceLoader:
     """See the module docstring.
 
     ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
-    ``gpuflow.pack``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
+    ``gpuflow.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
     ``depth + 1`` batches). ``timing`` records events for ``stats``' device times.
     """
 

@@ -26,7 +26,7 @@ from gpuflow.bench.common import device_ms, gb_per_s, wall_ms
 from gpuflow.console import err_console
 from gpuflow.device import Device
 from gpuflow.loader import DeviceLoader
-from gpuflow.pack import plan_pack, rebuild
+from gpuflow.packing import plan_pack, rebuild
 from gpuflow.pinned import PinnedPool, release_cached_host_memory
 
 KB, MB = 1 << 10, 1 << 20
@@ -325,10 +325,9 @@ def _memory_sample(device: Device, loader: DeviceLoader) -> dict[str, int]:
     if device.type == "cuda":
         sample["device_allocated_bytes"] = torch.cuda.memory_allocated(device.torch)
         sample["device_reserved_bytes"] = torch.cuda.memory_reserved(device.torch)
+        # Cumulative cudaMalloc calls: flat means the run allocated nothing new.
         stats = torch.cuda.memory_stats(device.torch)
-        sample["cudamalloc_calls"] = stats.get("num_alloc_retries", 0) + stats.get(
-            "segment.all.allocated", 0
-        )
+        sample["cudamalloc_calls"] = stats.get("segment.all.allocated", 0)
     return sample
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gpuflow.errors import GpuflowError
-from gpuflow.pack import ALIGN, Ragged, pack, plan_pack, rebuild, unpack
+from gpuflow.packing import ALIGN, Ragged, pack, plan_pack, rebuild, unpack
 
 Pair = namedtuple("Pair", "left right")
 
@@ -172,3 +172,22 @@ def test_write_into_refuses_a_small_buffer():
     plan = plan_pack(torch.zeros(100))
     with pytest.raises(ValueError, match="400 bytes"):
         plan.write_into(torch.empty(10, dtype=torch.uint8))
+
+
+def test_public_names_resolve():
+    import gpuflow
+
+    for name in (
+        "Device",
+        "PinnedPool",
+        "pack",
+        "unpack",
+        "DeviceLoader",
+        "HostMirror",
+        "AsyncScalars",
+        "Ragged",
+        "GpuflowError",
+    ):
+        assert getattr(gpuflow, name).__name__ == name
+    with pytest.raises(AttributeError):
+        gpuflow.NotAThing  # noqa: B018

@@ -1,0 +1,83 @@
+"""Probe: time each phase of DeviceLoader on pageable 64 MB batches (GPU machine)."""
+
+import itertools
+import time
+from collections import defaultdict
+
+import torch
+
+import gpuflow.loader as L
+from gpuflow.device import Device
+from gpuflow.packing import plan_pack as real_plan
+from gpuflow.pinned import PinnedPool
+
+MB = 1 << 20
+N = 96
+T = defaultdict(float)
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+L.plan_pack = timed("plan", real_plan)
+PinnedPool.acquire = timed("acquire", PinnedPool.acquire)
+L.PackPlan.write_into = timed("write", L.PackPlan.write_into)
+L.DeviceLoader._issue = timed("issue", L.DeviceLoader._issue)
+L.DeviceLoader._take_packed = timed("take_packed", L.DeviceLoader._take_packed)
+L.rebuild = timed("rebuild", L.rebuild)
+
+src = [torch.randn(16 * MB) for _ in range(4)]
+for kind, tensors in (("pageable", src), ("pinned", [t.pin_memory() for t in src])):
+    for _ in range(2):
+        T.clear()
+        acc = torch.zeros((), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with L.DeviceLoader(itertools.islice(itertools.cycle(tensors), N), Device("cuda")) as ld:
+            for b in ld:
+                acc += b.sum()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        print(
+            kind,
+            "GB/s",
+            round(N * 64 * MB / wall / 1e9, 1),
+            "wall ms",
+            round(wall * 1e3, 1),
+            {k: round(v * 1e3, 1) for k, v in T.items()},
+        )
+
+# Same, with events that sleep instead of spin when waited on.
+orig = Device.new_event
+
+
+def blocking_event(self, timing=False):
+    if self.has_streams:
+        return torch.cuda.Event(enable_timing=timing, blocking=True)
+    return orig(self, timing)
+
+
+Device.new_event = blocking_event
+for _ in range(2):
+    T.clear()
+    acc = torch.zeros((), device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with L.DeviceLoader(itertools.islice(itertools.cycle(src), N), Device("cuda")) as ld:
+        for b in ld:
+            acc += b.sum()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    print(
+        "pageable, blocking events GB/s",
+        round(N * 64 * MB / wall / 1e9, 1),
+        {k: round(v * 1e3, 1) for k, v in T.items()},
+    )

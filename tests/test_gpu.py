@@ -172,14 +172,14 @@ class _PoisoningLoader(DeviceLoader):
     """Before each reuse of a slot, fill it with 0xFF on the copy stream and stall that
     stream, so a consumer that read before the copy finished would see poison."""
 
-    def _issue(self, plan, host):
-        slot = self._slots[self._next_slot]
+    def _issue(self, index, plan, host):
+        slot = self._slots[index]
         if slot.buffer is not None:
             with self.device.use_stream(self._copy_stream):
                 self._copy_stream.wait_event(slot.consumer_done)
                 slot.buffer.fill_(255)
                 _busy(self.device, 20.0)
-        super()._issue(plan, host)
+        return super()._issue(index, plan, host)
 
 
 def test_the_consumer_never_sees_a_slot_before_its_copy_finished(accel):

@@ -31,7 +31,7 @@ L.plan_pack = timed("plan", real_plan)
 PinnedPool.acquire = timed("acquire", PinnedPool.acquire)
 L.PackPlan.write_into = timed("write", L.PackPlan.write_into)
 L.DeviceLoader._issue = timed("issue", L.DeviceLoader._issue)
-L.DeviceLoader._take_packed = timed("take_packed", L.DeviceLoader._take_packed)
+L.DeviceLoader._take_ready = timed("take_ready", L.DeviceLoader._take_ready)
 L.rebuild = timed("rebuild", L.rebuild)
 
 src = [torch.randn(16 * MB) for _ in range(4)]

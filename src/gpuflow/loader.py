@@ -1,14 +1,13 @@
 """Host -> device movement of batches: ``DeviceLoader`` and one-off uploads.
 
 ``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
-(``gpuflow.packing``: one buffer, integers narrowed) into pinned memory from a ``PinnedPool``;
-large tensors that are already pinned are left where they are, with no staging copy. Each
-``next()`` queues the copies of the batches ``depth`` ahead on a side stream, into one of
-``depth`` device slots, and makes the consumer's stream wait on the copy of the batch it
-returns: the host never waits for a copy, and copies run back to back while the device
-computes. A slot is written again only after an event recorded on the consumer's stream
-says the consumer's work on its last batch is done (an event, not ``record_stream``, so
-memory stays flat: cf. timm issue #2781).
+(``gpuflow.packing``: one buffer, integers narrowed) into pinned memory from a
+``PinnedPool`` (large tensors that are already pinned stay where they are, with no staging
+copy) and queues its copy on a side stream into one of ``depth`` device slots, while the
+device computes on earlier batches. Nothing waits on the host: the copy into a slot waits,
+on the device, for an event the consumer's stream recorded when it moved past the slot's
+last batch (an event, not ``record_stream``, so memory stays flat: cf. timm issue #2781),
+and the consumer's stream waits on the copy's event before the batch is used.
 
     with DeviceLoader(batches, "cuda", depth=2) as loader:
         for batch in loader:          # the same structure, on the device
@@ -68,7 +67,7 @@ class LoaderStats:
     copies: int
     bytes_moved: int  # as they crossed the bus
     logical_bytes: int  # as the source produced them
-    stall_s: float  # host time the consumer spent blocked waiting for the packing thread
+    stall_s: float  # host time the consumer spent blocked waiting for the loader thread
     transfer_ms: float
     exposed_ms: float
     compute_ms: float
@@ -109,9 +108,12 @@ class _Timing:
 
 @dataclass
 class _Issued:
+    """A batch whose copies are queued: what the consumer needs to use and account for it."""
+
     slot: int
-    plan: PackPlan  # holds the source tensors of direct copies until the batch is consumed
+    plan: PackPlan  # holds the source tensors of direct copies until the batch is let go
     timing: _Timing | None
+    copies: int
 
 
 @dataclass(frozen=True)
@@ -153,27 +155,29 @@ class DeviceLoader:
         }
         self._copy_stream = self.device.new_stream()
         self._slots = [_Slot(self.device) for _ in range(depth)]
-        self._next_slot = 0
-        self._issued: deque[_Issued] = deque()
+        self._free_slots: queue.Queue[int] = queue.Queue()
+        for index in range(depth):
+            self._free_slots.put(index)
+        self._ready: queue.Queue[Any] = queue.Queue()  # _Issued, then _END or a _Failure
         self._held: _Issued | None = None
         self._timing = timing
         self._unread: deque[_Timing] = deque()  # timings of batches let go of, oldest first
-        self._spare_timings: list[_Timing] = []
+        self._spare_timings: deque[_Timing] = deque()  # read; reused by the packing thread
         self._pool_bytes = pool_bytes
         self._pool = PinnedPool(self.device, max_bytes=pool_bytes or size_class(0))
-        self._packed: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._pending_end: Any = None  # _END or a _Failure, once the packing thread sent it
         self._stop = threading.Event()
         self._counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
         self._times = {"stall_s": 0.0, "transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
         self._closed = False
-        self._thread = threading.Thread(target=self._pack_all, name="gpuflow-loader", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name="gpuflow-loader", daemon=True)
         self._thread.start()
 
-    # ---- the packing thread: host work only -------------------------------------------------
+    # ---- the loader thread: packs, then queues copies -----------------------------------------
 
-    def _pack_all(self) -> None:
+    def _produce(self) -> None:
         try:
+            if self.device.has_streams:  # this thread's current device, for its copies
+                self.device.backend.set_device(self.device.index)
             for batch in self._source:
                 plan = plan_pack(batch, **self._pack_options)
                 host = None
@@ -181,111 +185,40 @@ class DeviceLoader:
                     self._size_pool_for(plan.nbytes)
                     host = self._pool.acquire(plan.nbytes, timeout=None)
                     plan.write_into(host.bytes)
-                if not self._offer((plan, host)):
+                index = self._take_free_slot()
+                if index is None:  # closing
                     if host is not None:
                         self._pool.release(host)
                     return
-            self._offer(_END)
+                self._ready.put(self._issue(index, plan, host))
+            self._ready.put(_END)
         except BaseException as exc:  # re-raised in the consumer, traceback and all
-            self._offer(_Failure(exc))
+            self._ready.put(_Failure(exc))
 
     def _size_pool_for(self, nbytes: int) -> None:
-        """Cap the staging pool at ``depth + 1`` batches: ``depth`` copying or queued and one
-        being packed, enough to keep the copy stream busy. The cap is the back-pressure: when
-        the device falls behind, packing waits for copies to finish instead of pinning more
+        """Cap the staging pool at ``depth + 1`` batches: ``depth`` copying and one being
+        packed, enough to keep the copy stream busy. The cap is the back-pressure: when the
+        device falls behind, packing waits for copies to finish instead of pinning more
         memory, and every buffer is pinned within the first few batches."""
         if self._pool_bytes is None:
             needed = (self.depth + 1) * size_class(nbytes)
             self._pool.max_bytes = max(self._pool.max_bytes, needed)
 
-    def _offer(self, item: Any) -> bool:
+    def _take_free_slot(self) -> int | None:
         while not self._stop.is_set():
             try:
-                self._packed.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    # ---- the consumer: queues copies, never waits for them ----------------------------------
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        stream = self.device.current_stream()
-        self._let_go_of_held(stream)
-        self._issue_ahead()
-        if not self._issued:
-            end = self._pending_end
-            self.close()
-            if isinstance(end, _Failure):
-                raise end.exc
-            raise StopIteration
-        batch = self._issued.popleft()
-        slot = self._slots[batch.slot]
-        if batch.timing is not None:
-            batch.timing.wait_start.record(stream)
-        stream.wait_event(slot.copy_done)  # the device waits for the copy; the host does not
-        if batch.timing is not None:
-            batch.timing.wait_end.record(stream)
-        self._held = batch
-        self._counts["batches"] += 1
-        self._read_finished_timings()
-        return rebuild(slot.buffer, batch.plan.spec)
-
-    def _let_go_of_held(self, stream: Any) -> None:
-        """The consumer has queued all its work on the batch it holds: mark the slot."""
-        if self._held is None:
-            return
-        self._slots[self._held.slot].consumer_done.record(stream)
-        if self._held.timing is not None:
-            self._held.timing.released.record(stream)
-            self._unread.append(self._held.timing)
-        self._held = None
-
-    def _issue_ahead(self) -> None:
-        """Queue copies for packed batches until ``depth`` are in flight; wait only when none
-        is, since the consumer needs one now."""
-        while len(self._issued) < self.depth and self._pending_end is None:
-            item = self._take_packed(block=not self._issued)
-            if item is None:
-                return
-            if item is _END or isinstance(item, _Failure):
-                self._pending_end = item  # raised once the batches before it are consumed
-                return
-            plan, host = item
-            self._issue(plan, host)
-
-    def _take_packed(self, block: bool) -> Any:
-        if not block:
-            try:
-                return self._packed.get_nowait()
+                return self._free_slots.get(timeout=_POLL_S)
             except queue.Empty:
-                return None
-        started = time.perf_counter()
-        try:
-            while True:
-                try:
-                    return self._packed.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if not self._thread.is_alive() and self._packed.empty():
-                        return _Failure(
-                            RuntimeError("the DeviceLoader thread died without a result")
-                        )
-        finally:
-            self._times["stall_s"] += time.perf_counter() - started
+                continue
+        return None
 
-    def _issue(self, plan: PackPlan, host: PinnedBuffer | None) -> None:
-        index = self._next_slot
-        self._next_slot = (index + 1) % self.depth
+    def _issue(self, index: int, plan: PackPlan, host: PinnedBuffer | None) -> _Issued:
+        """Queue the plan's copies into slot ``index`` on the copy stream, behind the
+        consumer's last use of the slot; the staging buffer goes back once they are done."""
         slot = self._slots[index]
         timing = self._new_timing() if self._timing else None
         segments = plan.segments()
         with self.device.use_stream(self._copy_stream):
-            # Overwrite the slot only after the consumer's work on its last batch.
             self._copy_stream.wait_event(slot.consumer_done)
             if slot.buffer is None or slot.buffer.numel() < plan.nbytes:
                 self._grow(slot, plan.nbytes)
@@ -306,10 +239,7 @@ class DeviceLoader:
                 copied = self.device.new_event()
                 copied.record(self._copy_stream)
                 self._pool.release(host, after=copied)
-        self._issued.append(_Issued(index, plan, timing))
-        self._counts["copies"] += len(segments)
-        self._counts["bytes_moved"] += sum(seg.nbytes for seg in segments)
-        self._counts["logical_bytes"] += plan.logical_nbytes
+        return _Issued(index, plan, timing, len(segments))
 
     def _grow(self, slot: _Slot, nbytes: int) -> None:
         """A bigger device buffer for ``slot``, allocated on the copy stream (so the caching
@@ -318,10 +248,69 @@ class DeviceLoader:
             slot.consumer_done.synchronize()  # rare: only when batches grow
         slot.buffer = torch.empty(size_class(nbytes), dtype=torch.uint8, device=self.device.torch)
 
-    # ---- timings ----------------------------------------------------------------------------
-
     def _new_timing(self) -> _Timing:
-        return self._spare_timings.pop() if self._spare_timings else _Timing(self.device)
+        try:
+            return self._spare_timings.pop()
+        except IndexError:
+            return _Timing(self.device)
+
+    # ---- the consumer: takes queued batches, never waits for a copy -------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        stream = self.device.current_stream()
+        self._let_go_of_held(stream)
+        item = self._take_ready()
+        if item is _END or isinstance(item, _Failure):
+            self.close()
+            if isinstance(item, _Failure):
+                raise item.exc
+            raise StopIteration
+        slot = self._slots[item.slot]
+        if item.timing is not None:
+            item.timing.wait_start.record(stream)
+        stream.wait_event(slot.copy_done)  # the device waits for the copy; the host does not
+        if item.timing is not None:
+            item.timing.wait_end.record(stream)
+        self._held = item
+        self._counts["batches"] += 1
+        self._counts["copies"] += item.copies
+        self._counts["bytes_moved"] += item.plan.nbytes
+        self._counts["logical_bytes"] += item.plan.logical_nbytes
+        self._read_finished_timings()
+        return rebuild(slot.buffer, item.plan.spec)
+
+    def _let_go_of_held(self, stream: Any) -> None:
+        """The consumer has queued all its work on the batch it holds: fence the slot with
+        an event on its stream, then hand the slot back for the next copy."""
+        if self._held is None:
+            return
+        self._slots[self._held.slot].consumer_done.record(stream)
+        if self._held.timing is not None:
+            self._held.timing.released.record(stream)
+            self._unread.append(self._held.timing)
+        self._free_slots.put(self._held.slot)
+        self._held = None
+
+    def _take_ready(self) -> Any:
+        started = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return self._ready.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._ready.empty():
+                        return _Failure(
+                            RuntimeError("the DeviceLoader thread died without a result")
+                        )
+        finally:
+            self._times["stall_s"] += time.perf_counter() - started
+
+    # ---- timings ----------------------------------------------------------------------------
 
     def _read_finished_timings(self, wait: bool = False) -> None:
         while self._unread and (wait or self._unread[0].released.query()):
@@ -345,12 +334,13 @@ class DeviceLoader:
             return
         self._closed = True
         self._stop.set()
-        self._pool.close()  # wakes the packing thread if it waits for a staging buffer
+        self._pool.close()  # wakes the loader thread if it waits for a staging buffer
         self._thread.join()
         self._let_go_of_held(self.device.current_stream())
         self.device.synchronize()
         self._read_finished_timings(wait=True)
-        self._issued.clear()
+        while not self._ready.empty():  # batches copied but never taken
+            self._ready.get()
         for slot in self._slots:
             slot.buffer = None
 

@@ -35,49 +35,37 @@ L.DeviceLoader._take_ready = timed("take_ready", L.DeviceLoader._take_ready)
 L.rebuild = timed("rebuild", L.rebuild)
 
 src = [torch.randn(16 * MB) for _ in range(4)]
-for kind, tensors in (("pageable", src), ("pinned", [t.pin_memory() for t in src])):
-    for _ in range(2):
-        T.clear()
-        acc = torch.zeros((), device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with L.DeviceLoader(itertools.islice(itertools.cycle(tensors), N), Device("cuda")) as ld:
-            for b in ld:
-                acc += b.sum()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        print(
-            kind,
-            "GB/s",
-            round(N * 64 * MB / wall / 1e9, 1),
-            "wall ms",
-            round(wall * 1e3, 1),
-            {k: round(v * 1e3, 1) for k, v in T.items()},
-        )
 
-# Same, with events that sleep instead of spin when waited on.
-orig = Device.new_event
+
+def measure(label, tensors):
+    T.clear()
+    acc = torch.zeros((), device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with L.DeviceLoader(itertools.islice(itertools.cycle(tensors), N), Device("cuda")) as ld:
+        for b in ld:
+            acc += b.sum()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    phases = {k: round(v * 1e3, 1) for k, v in T.items()}
+    print(label, "GB/s", round(N * 64 * MB / wall / 1e9, 1), "phases ms", phases)
+
+
+pinned = [t.pin_memory() for t in src]
+for _ in range(2):
+    measure("pageable", src)
+    measure("pinned", pinned)
+
+# Events that sleep instead of spin when waited on.
+plain_event = Device.new_event
 
 
 def blocking_event(self, timing=False):
     if self.has_streams:
         return torch.cuda.Event(enable_timing=timing, blocking=True)
-    return orig(self, timing)
+    return plain_event(self, timing)
 
 
 Device.new_event = blocking_event
 for _ in range(2):
-    T.clear()
-    acc = torch.zeros((), device="cuda")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with L.DeviceLoader(itertools.islice(itertools.cycle(src), N), Device("cuda")) as ld:
-        for b in ld:
-            acc += b.sum()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    print(
-        "pageable, blocking events GB/s",
-        round(N * 64 * MB / wall / 1e9, 1),
-        {k: round(v * 1e3, 1) for k, v in T.items()},
-    )
+    measure("pageable, blocking events", src)

@@ -144,6 +144,11 @@ class Device:
             )
         return device
 
+    @classmethod
+    def of(cls, device: torch.device) -> Device:
+        """The ``Device`` of a torch device (a tensor's ``.device``), no availability check."""
+        return cls(device.type, device.index or 0)
+
     # ---- identity -------------------------------------------------------------------------
 
     @property

@@ -55,7 +55,7 @@ class HostMirror:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.device = Device(tensor.device.type, tensor.device.index or 0)
+        self.device = Device.of(tensor.device)
         self._host: torch.Tensor | None = None
         self._host_version: int | None = None  # tensor._version when _host was copied
         self._staged: tuple[Any, int] | None = None  # (event, version) of a refresh in flight
@@ -228,7 +228,7 @@ def host_snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
         host.copy_(tensor, non_blocking=True)
         out[name] = host
     if device is not None:
-        Device(device.type, device.index or 0).synchronize()
+        Device.of(device).synchronize()
     return out
 
 

@@ -218,8 +218,7 @@ class PinnedPool:
             self._reserved = self._lent = 0
             self._closed = True
             self._lock.notify_all()
-        if self.device.supports_pinned_memory:
-            release_cached_host_memory()
+        release_cached_host_memory(self.device)
 
     def __enter__(self) -> PinnedPool:
         return self
@@ -228,8 +227,11 @@ class PinnedPool:
         self.close()
 
 
-def release_cached_host_memory() -> None:
-    """Hand torch's cached pinned blocks back to the OS (torch keeps freed ones for reuse)."""
+def release_cached_host_memory(device: Device) -> None:
+    """Hand torch's cached pinned blocks back to the OS (torch keeps freed ones for reuse);
+    nothing to do where ``device`` has no pinned memory."""
+    if not device.supports_pinned_memory:
+        return
     for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
         empty = getattr(torch._C, name, None)
         if empty is not None:

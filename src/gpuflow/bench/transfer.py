@@ -114,7 +114,7 @@ class TransferBench:
             on_device.copy_(source)
 
         def fresh_pinned() -> None:
-            _unpin_cached(device)
+            release_cached_host_memory(device)  # so the next pin is really fresh
             staging = device.pinned_empty(source.numel())
             staging.copy_(source)
             on_device.copy_(staging, non_blocking=True)
@@ -138,7 +138,7 @@ class TransferBench:
             target.copy_(on_device)
 
         def fresh_pinned() -> None:
-            _unpin_cached(device)
+            release_cached_host_memory(device)  # so the next pin is really fresh
             landing = device.pinned_empty(on_device.numel())
             landing.copy_(on_device, non_blocking=True)
             device.synchronize()
@@ -329,12 +329,6 @@ def _memory_sample(device: Device, loader: DeviceLoader) -> dict[str, int]:
         stats = torch.cuda.memory_stats(device.torch)
         sample["cudamalloc_calls"] = stats.get("segment.all.allocated", 0)
     return sample
-
-
-def _unpin_cached(device: Device) -> None:
-    """Empty torch's pinned-block cache, so the next pinned allocation is really fresh."""
-    if device.supports_pinned_memory:
-        release_cached_host_memory()
 
 
 # ---- the run, its targets and its tables ------------------------------------------------------

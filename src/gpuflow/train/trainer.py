@@ -2,8 +2,9 @@
 
 The steady-state step queues device work only: token ids cross as uint16 through a
 ``DeviceLoader`` (packed and copied on a side stream while the previous step computes),
-scalars come back through ``AsyncScalars``, and the learning rate is set before the step. Ctrl-C is
-honoured at the next step boundary with a checkpoint, so an interrupted run resumes exactly.
+scalars come back through ``AsyncScalars``, and the learning rate is set before the step.
+Ctrl-C is honoured at the next step boundary with a checkpoint, so an interrupted run
+resumes exactly.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.device = device
         self.tokens_per_step = config.train.batch_size * config.model.max_len
+        self._flops_per_token = flops_per_token(config.model)
         self._peak_flops = device.peak_bf16_flops()
 
     # ---- setup ------------------------------------------------------------------------------
@@ -140,6 +142,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg.model).to(device.torch)
         self.optimizer = build_optimizer(self.model, cfg.train, device)
+        self._no_clip = torch.zeros((), device=device.torch)  # the grad norm without clipping
         self.start_step = 0
         latest = ckpt.latest_checkpoint(self.run_dir) if resume else None
         if latest is not None:
@@ -193,7 +196,7 @@ class Trainer:
         if tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         else:
-            grad_norm = torch.zeros((), device=self.device.torch)
+            grad_norm = self._no_clip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
@@ -226,7 +229,7 @@ class Trainer:
     def _mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or not self._peak_flops:
             return None
-        return tokens_per_s * flops_per_token(self.config.model) / self._peak_flops
+        return tokens_per_s * self._flops_per_token / self._peak_flops
 
     # ---- the loop ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import torch
 
 from gpuflow.errors import GpuflowError
 from gpuflow.loader import DeviceLoader
+from gpuflow.pinned import size_class
 
 
 def token_batches(n: int, shape=(4, 9)):
@@ -128,6 +129,8 @@ def test_memory_is_flat_after_warm_up():
                 seen.append((loader._pool.stats.bytes_reserved, slots))
     assert seen[0] == seen[1]  # the same pinned bytes and the same two device slots
     assert seen[0][0] > 0 and len(set(seen[0][1])) == 2
+    # Staging never pinned more than one buffer per slot (more was slower: NOTES.md).
+    assert loader._pool.stats.high_water_bytes <= 2 * size_class(64 * 129 * 2)
 
 
 def test_stats_count_bytes_stall_and_overlap():

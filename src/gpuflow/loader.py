@@ -129,7 +129,7 @@ class DeviceLoader:
 
     ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
     ``gpuflow.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
-    ``depth + 1`` batches). ``timing`` records events for ``stats``' device times.
+    ``depth`` batches). ``timing`` records events for ``stats``' device times.
     """
 
     def __init__(
@@ -196,12 +196,13 @@ class DeviceLoader:
             self._ready.put(_Failure(exc))
 
     def _size_pool_for(self, nbytes: int) -> None:
-        """Cap the staging pool at ``depth + 1`` batches: ``depth`` copying and one being
-        packed, enough to keep the copy stream busy. The cap is the back-pressure: when the
-        device falls behind, packing waits for copies to finish instead of pinning more
-        memory, and every buffer is pinned within the first few batches."""
+        """Cap the staging pool at ``depth`` batches: one being packed while the others'
+        copies run. The cap is the back-pressure (when the device falls behind, packing waits
+        for copies to finish instead of pinning more memory) and it keeps the staging memory
+        small, which is faster: on an H100 host, staging 64 MiB batches through 2 rotating
+        pinned buffers ran at 53 GB/s and through 3 at 43 (benchmarks/NOTES.md)."""
         if self._pool_bytes is None:
-            needed = (self.depth + 1) * size_class(nbytes)
+            needed = self.depth * size_class(nbytes)
             self._pool.max_bytes = max(self._pool.max_bytes, needed)
 
     def _take_free_slot(self) -> int | None:

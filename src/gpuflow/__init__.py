@@ -11,12 +11,15 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncScalars": "gpuflow.mirror",
+    "BudgetExceeded": "gpuflow.budgets",
     "Device": "gpuflow.device",
     "DeviceLoader": "gpuflow.loader",
     "GpuflowError": "gpuflow.errors",
     "HostMirror": "gpuflow.mirror",
     "PinnedPool": "gpuflow.pinned",
     "Ragged": "gpuflow.packing",
+    "TransferLedger": "gpuflow.ledger",
+    "budget": "gpuflow.budgets",
     "pack": "gpuflow.packing",
     "unpack": "gpuflow.packing",
 }

@@ -1,4 +1,4 @@
-"""The ``gpuflow`` command: info, prepare, train, sample, bench.
+"""The ``gpuflow`` command: info, prepare, train, sample, bench, profile.
 
 Every command turns bad input into one line on stderr (``error: ...``) and exit status 2;
 heavy imports (torch) happen inside commands so that ``--help`` is instant.
@@ -171,6 +171,71 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
+# ---- profile --------------------------------------------------------------------------------
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpuflow.console import out_console
+    from gpuflow.device import Device
+    from gpuflow.train.config import apply_overrides, parse_set, resolve_config
+    from gpuflow.train.profile import profile_training
+    from gpuflow.train.run import RUNS_DIR
+
+    device = Device.resolve(args.device)
+    config = resolve_config(args.preset, args.config)
+    for assignment in args.set or ():
+        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
+    out = Path(args.out) if args.out else RUNS_DIR / f"profile-{config.preset}"
+    out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
+    result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)
+    _print_profile(result)
+    out_console.print(f"wrote {out}/trace.json, {out}/timeline.png and {out}/profile.json")
+    return 0
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from gpuflow.console import out_console
+
+    m, totals, steps = result["metrics"], result["ledger"]["totals"], result["steps"]
+
+    def fraction(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    table = Table("metric", "value", title=f"{result['preset']}: {steps} profiled steps")
+    rows = [
+        ("step time (device)", f"{m['step_ms']:.2f} ms"),
+        ("host->device per step", f"{totals['h2d_bytes'] / steps:,.0f} B"),
+        ("device->host per step", f"{totals['d2h_bytes'] / steps:,.0f} B"),
+        ("host syncs per step", f"{totals['syncs'] / steps:g}"),
+        ("cudaMalloc per step", f"{totals['device_allocs'] / steps:g}"),
+        ("link utilisation", fraction(m["link_utilisation"])),
+        ("transfer overhead", fraction(m["transfer_overhead"])),
+        (
+            "memory efficiency",
+            "-" if m["memory_efficiency"] is None else f"{m['memory_efficiency']:.2f}",
+        ),
+        ("overlap efficiency", fraction(m["overlap_efficiency"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    out_console.print(table)
+    table = Table("copies", "ledger", "profiler", "agree", title="cross-check")
+    for row in result["crosscheck"]:
+        table.add_row(
+            row["kind"],
+            f"{row['ledger_copies']} / {row['ledger_bytes']:,} B",
+            f"{row['profiler_copies']} / {row['profiler_bytes']:,} B",
+            ("yes" if row["agrees"] else "[bold red]no[/]")
+            if row["compared"]
+            else "(not compared)",
+        )
+    out_console.print(table)
+
+
 # ---- sample ---------------------------------------------------------------------------------
 
 
@@ -301,6 +366,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
     p.add_argument("--out", help="results folder (default: benchmarks/results)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "profile",
+        help="training steps under the profiler and the transfer ledger: trace, timeline, metrics",
+    )
+    p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
+    p.add_argument(
+        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+    )
+    p.add_argument("--steps", type=int, default=10, help="steps to profile (default 10)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--out", help="output folder (default: runs/profile-<preset>)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")

@@ -39,6 +39,7 @@ from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.packing import PackPlan, plan_pack, rebuild
 from gpuflow.pinned import PinnedBuffer, PinnedPool, size_class
+from gpuflow.tally import report_copy
 
 _POLL_S = 0.05  # how often blocked threads look up to see whether the loader is closing
 
@@ -113,7 +114,7 @@ class _Issued:
     slot: int
     plan: PackPlan  # holds the source tensors of direct copies until the batch is let go
     timing: _Timing | None
-    copies: int
+    copy_sizes: tuple[int, ...]  # bytes of each host->device copy
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class DeviceLoader:
                 copied = self.device.new_event()
                 copied.record(self._copy_stream)
                 self._pool.release(host, after=copied)
-        return _Issued(index, plan, timing, len(segments))
+        return _Issued(index, plan, timing, tuple(seg.nbytes for seg in segments))
 
     def _grow(self, slot: _Slot, nbytes: int) -> None:
         """A bigger device buffer for ``slot``, allocated on the copy stream (so the caching
@@ -279,7 +280,9 @@ class DeviceLoader:
             item.timing.wait_end.record(stream)
         self._held = item
         self._counts["batches"] += 1
-        self._counts["copies"] += item.copies
+        self._counts["copies"] += len(item.copy_sizes)
+        for nbytes in item.copy_sizes:  # counted by the ledgers open on this thread
+            report_copy("h2d", nbytes, "DeviceLoader batch", "uint8", True)
         self._counts["bytes_moved"] += item.plan.nbytes
         self._counts["logical_bytes"] += item.plan.logical_nbytes
         self._read_finished_timings()
@@ -316,7 +319,8 @@ class DeviceLoader:
     def _read_finished_timings(self, wait: bool = False) -> None:
         while self._unread and (wait or self._unread[0].released.query()):
             t = self._unread.popleft()
-            t.released.synchronize()
+            if wait:
+                t.released.synchronize()
             self._times["transfer_ms"] += t.copy_start.elapsed_time(t.copy_end)
             self._times["exposed_ms"] += t.wait_start.elapsed_time(t.wait_end)
             self._times["compute_ms"] += t.wait_end.elapsed_time(t.released)

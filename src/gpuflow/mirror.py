@@ -203,9 +203,11 @@ class AsyncScalars:
         out = []
         while self._pending:
             slot, tag, event, count = self._pending[0]
-            if len(out) >= wait_for and not event.query():
+            done = event.query()
+            if len(out) >= wait_for and not done:
                 break
-            event.synchronize()
+            if not done:  # a wait only where the copy is still running
+                event.synchronize()
             self._pending.pop(0)
             values = self._host[slot].tolist()
             out.append((tag, {n: v / count for n, v in zip(self.names, values, strict=True)}))

@@ -5,6 +5,11 @@ The steady-state step queues device work only: token ids cross as uint16 through
 scalars come back through ``AsyncScalars``, and the learning rate is set before the step.
 Ctrl-C is honoured at the next step boundary with a checkpoint, so an interrupted run
 resumes exactly.
+
+The first step of each logging interval runs under a ``TransferLedger`` (and is left out of
+tokens/s, the ledger slowing it): its host->device and device->host bytes, host syncs and
+cudaMalloc calls go into metrics.jsonl and the progress display, the interval's scalar
+readback spread over the interval's steps.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
+from gpuflow.ledger import StepTotals, TransferLedger
 from gpuflow.loader import DeviceLoader, upload_tokens
 from gpuflow.mirror import AsyncScalars, read_now
 from gpuflow.model import GPT, flops_per_token
@@ -119,6 +125,16 @@ class _Throughput:
         return statistics.median(steady) if steady else None
 
 
+def _bus_fields(totals: StepTotals) -> dict[str, float]:
+    """What one sampled step moved, waited for and allocated (metrics.jsonl fields)."""
+    return {
+        "h2d_bytes_per_step": float(totals.h2d_bytes),
+        "d2h_bytes_per_step": float(totals.d2h_bytes),
+        "syncs_per_step": float(totals.syncs),
+        "device_allocs_per_step": float(totals.device_allocs),
+    }
+
+
 class Trainer:
     """One run: builds the model, restores its checkpoint, trains, logs and saves."""
 
@@ -134,7 +150,7 @@ class Trainer:
 
     # ---- setup ------------------------------------------------------------------------------
 
-    def _build(self, resume: bool) -> Path | None:
+    def build(self, resume: bool) -> Path | None:
         """Model, optimizer and data; the checkpoint restored if resuming. Returns it."""
         cfg, device = self.config, self.device
         data = open_training_data(cfg)
@@ -178,12 +194,12 @@ class Trainer:
 
     # ---- the pieces of a run ----------------------------------------------------------------
 
-    def _token_batches(self) -> Iterator[np.ndarray]:
+    def token_batches(self) -> Iterator[np.ndarray]:
         """The run's batches from its current step on: (B, T+1) uint16 windows."""
         for step in range(self.start_step, self.config.train.steps):
             yield self.sampler.batch(step)
 
-    def _train_step(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on ``batch`` (B, T+1) token ids on the device; queues device
         work only and returns (loss, grad norm), still on the device."""
         tc = self.config.train
@@ -236,7 +252,7 @@ class Trainer:
     def run(self, resume: bool = False) -> TrainResult:
         tc = self.config.train
         started = time.perf_counter()
-        latest = self._build(resume)
+        latest = self.build(resume)
         scalars = AsyncScalars(self.SCALARS, self.device)
         throughput = _Throughput(self.tokens_per_step)
         # Per logging step, its lr and timing, held until its scalars land on the host.
@@ -247,7 +263,7 @@ class Trainer:
         with (
             TrainDisplay(tc.steps, self.start_step) as display,
             MetricsLog(self.run_dir) as metrics,
-            DeviceLoader(self._token_batches(), self.device, depth=2) as loader,
+            DeviceLoader(self.token_batches(), self.device, depth=2) as loader,
             stop.installed(),
         ):
 
@@ -266,24 +282,40 @@ class Trainer:
             throughput.restart()  # time training, not setup
 
             batches = iter(loader)
+            bus: dict[str, float] = {}  # the interval's sampled step, per _BusSample
             while step < tc.steps:
-                loss, grad_norm = self._train_step(step, next(batches))
-                scalars.add(loss=loss, grad_norm=grad_norm)
+                if tc.log_interval > 1 and step % tc.log_interval == 0:
+                    # One step per interval runs under the ledger, untimed (it is slower).
+                    with throughput.paused(), TransferLedger(self.device) as ledger:
+                        loss, grad_norm = self.train_step(step, next(batches))
+                        scalars.add(loss=loss, grad_norm=grad_norm)
+                    bus = _bus_fields(ledger.summary().totals)
+                else:
+                    loss, grad_norm = self.train_step(step, next(batches))
+                    scalars.add(loss=loss, grad_norm=grad_norm)
+                    throughput.step()
                 step += 1
-                throughput.step()
                 is_last = step == tc.steps
                 stopping = stop.requested  # read once: a Ctrl-C may land mid-iteration
                 # A checkpoint also closes a logging interval: metrics are whole up to it.
                 checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
                 if step % tc.log_interval == 0 or checkpoint_now:
                     rate = throughput.close_interval()
+                    with TransferLedger(self.device) as flush_ledger:
+                        results = scalars.flush(step)
+                    if bus:  # the readback is paid once per interval: spread it over it
+                        flushed = flush_ledger.summary().totals
+                        bus["d2h_bytes_per_step"] += flushed.d2h_bytes / tc.log_interval
+                        bus["syncs_per_step"] += flushed.syncs / tc.log_interval
                     pending[step] = {
                         "lr": lr_at(step - 1, tc),
                         "tokens_per_s": rate,
                         "mfu": self._mfu(rate),
                         "elapsed_s": time.perf_counter() - started,
+                        **bus,
                     }
-                    publish(scalars.flush(step))
+                    bus = {}
+                    publish(results)
                     display.step(step)
                 with throughput.paused():
                     if step % tc.eval_interval == 0 or is_last:

@@ -1,0 +1,120 @@
+"""Transfer budgets: fail loudly when a region moves, waits or allocates more than it may.
+
+    with gpuflow.budget(h2d_bytes=2 * tokens, syncs=0):
+        train_step(batch)             # BudgetExceeded lists each offending operation
+
+    @gpuflow.budget(d2h_bytes=0)      # checked on every call
+    def step(): ...
+
+A budget is a ``TransferLedger`` over the region with limits on its totals; ``None`` means
+no limit. For tests, ``gpuflow.testing`` (a pytest plugin, loaded automatically) adds the
+``transfer_budget`` marker and the ``transfer_ledger`` fixture.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gpuflow.device import Device
+from gpuflow.errors import GpuflowError
+from gpuflow.ledger import StepTotals, TransferEvent, TransferLedger
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_SHOWN = 10  # offending operations listed per exceeded limit
+
+# limit name -> (the total it bounds, which events make it up)
+_LIMITS: dict[str, tuple[str, Callable[[TransferEvent], bool]]] = {
+    "h2d_bytes": ("h2d_bytes", lambda e: e.kind == "h2d"),
+    "d2h_bytes": ("d2h_bytes", lambda e: e.kind == "d2h"),
+    "d2d_bytes": ("d2d_bytes", lambda e: e.kind == "d2d"),
+    "syncs": ("syncs", lambda e: e.kind == "sync"),
+    "device_allocs": ("device_allocs", lambda e: False),  # from allocator counters
+}
+
+
+class BudgetExceeded(GpuflowError):
+    """A region went over its transfer budget; ``over`` maps each limit to (used, allowed)
+    and ``events`` holds the operations that count against the exceeded limits."""
+
+    def __init__(self, over: dict[str, tuple[int, int]], events: list[TransferEvent]) -> None:
+        self.over = over
+        self.events = events
+        lines = ["transfer budget exceeded:"]
+        for name, (used, allowed) in over.items():
+            lines.append(f"  {name}: {used:,} > {allowed:,}")
+            offending = [e for e in events if _LIMITS[name][1](e)]
+            lines += [f"    {e.describe()}" for e in offending[:_SHOWN]]
+            if len(offending) > _SHOWN:
+                lines.append(f"    ... and {len(offending) - _SHOWN} more")
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Budget:
+    h2d_bytes: int | None = None
+    d2h_bytes: int | None = None
+    d2d_bytes: int | None = None
+    syncs: int | None = None
+    device_allocs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in _LIMITS:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise GpuflowError(f"budget {name} must be a whole number >= 0, got {value!r}")
+
+    def check(self, totals: StepTotals, events: list[TransferEvent]) -> None:
+        over = {}
+        for name, (total, _) in _LIMITS.items():
+            allowed = getattr(self, name)
+            used = getattr(totals, total)
+            if allowed is not None and used > allowed:
+                over[name] = (used, allowed)
+        if over:
+            raise BudgetExceeded(over, events)
+
+
+class budget:  # lower case: used like a function, ``with budget(...)`` or ``@budget(...)``
+    """See the module docstring. ``device`` is whose allocator counts ``device_allocs``."""
+
+    def __init__(
+        self,
+        *,
+        h2d_bytes: int | None = None,
+        d2h_bytes: int | None = None,
+        d2d_bytes: int | None = None,
+        syncs: int | None = None,
+        device_allocs: int | None = None,
+        device: Device | str = "auto",
+    ) -> None:
+        self.limits = Budget(h2d_bytes, d2h_bytes, d2d_bytes, syncs, device_allocs)
+        self.device = device
+        self.ledger: TransferLedger | None = None  # the last checked region's ledger
+
+    @contextmanager
+    def _region(self) -> Iterator[TransferLedger]:
+        ledger = TransferLedger(self.device)
+        self.ledger = ledger
+        with ledger:
+            yield ledger
+        summary = ledger.summary()
+        self.limits.check(summary.totals, ledger.events)
+
+    def __enter__(self) -> TransferLedger:
+        self._active = self._region()
+        return self._active.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._active.__exit__(*exc)
+
+    def __call__(self, fn: _F) -> _F:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            with self._region():
+                return fn(*args, **kwargs)
+
+        return checked  # type: ignore[return-value]

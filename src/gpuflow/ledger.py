@@ -1,0 +1,464 @@
+"""Every bus crossing, host sync and device allocation in a region, counted with its source.
+
+    with gpuflow.TransferLedger() as ledger:
+        for step in range(20):
+            train_step()
+            ledger.step()                 # closes one step
+    print(ledger.summary().table())      # totals, per-step medians, top locations
+
+What it sees, and how:
+- copies (``.to``, ``.cpu()``, ``copy_``, ``.item()``) and host-waiting operations
+  (``.item()``, ``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, blocking
+  copies) through a ``TorchDispatchMode``: every aten operation of the ledger's thread passes
+  through it while the ledger is open, including those inside composite torch functions;
+- explicit waits (``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``,
+  ``torch.accelerator.synchronize`` and ``gpuflow.Device``'s host stand-ins) by wrapping
+  those functions while a ledger is open;
+- ``DeviceLoader`` batches, which its own thread copies: the loader reports each batch's
+  bytes when the consumer takes it, so they count in the step that uses them;
+- device allocator activity from ``torch.cuda.memory_stats``: cudaMalloc and cudaFree calls,
+  allocation retries, reserved bytes, and requests served from the cache.
+
+What it cannot see: copies made by other threads (a DataLoader's pin thread, a user's own
+worker), copies that C++ code makes without going through the dispatcher (inside custom
+kernels or extensions, CUDA-graph replays, NCCL), and waits inside C++. The profiler mode
+(``gpuflow.crosscheck``) reads the device's real memcpy events and shows any difference.
+
+Each event carries the source location of the first frame outside torch and gpuflow's
+transfer layer, so a stray ``.item()`` in a training step points at its own line. While a
+ledger is open every aten operation pays a Python call (a few microseconds): use it on the
+steps you measure, not on a whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpuflow import tally
+from gpuflow.device import Device, HostEvent, HostStream
+
+COPY_KINDS = ("h2d", "d2h", "d2d")
+
+# Operations whose result size depends on device data: the host waits for the device.
+_DATA_DEPENDENT = {
+    "aten.nonzero.default": "nonzero",
+    "aten.masked_select.default": "masked_select",
+    "aten._unique2.default": "unique",
+    "aten.unique_dim.default": "unique",
+    "aten.unique_consecutive.default": "unique_consecutive",
+    "aten.repeat_interleave.Tensor": "repeat_interleave without output_size",
+}
+_MASK_INDEXING = ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_GPUFLOW_DIR = Path(__file__).parent
+# gpuflow's transfer layer: its frames are skipped when locating an event. Training code,
+# the CLI and user code count as the caller.
+_INTERNAL = tuple(
+    str(_GPUFLOW_DIR / name)
+    for name in (
+        "ledger.py",
+        "budgets.py",
+        "crosscheck.py",
+        "device.py",
+        "loader.py",
+        "mirror.py",
+        "packing.py",
+        "pinned.py",
+        "tally.py",
+        "testing.py",
+    )
+)
+_SKIPPED = (_TORCH_DIR, f"{os.sep}contextlib.py", "<frozen ")
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """One counted operation: a copy (``kind`` h2d/d2h/d2d) or a host ``sync``."""
+
+    kind: str
+    op: str
+    location: str  # "file:line" of the caller
+    step: int
+    nbytes: int = 0
+    dtype: str | None = None
+    pinned: bool | None = None  # host memory of a copy: page-locked?
+    blocking: bool = False  # did the host wait for it?
+
+    def describe(self) -> str:
+        if self.kind == "sync":
+            return f"sync  {self.op}  at {self.location}"
+        memory = {True: "pinned", False: "pageable", None: "device"}[self.pinned]
+        mode = "blocking" if self.blocking else "async"
+        return (
+            f"{self.kind}  {self.nbytes:,} B {self.dtype} {memory} {mode} ({self.op})  "
+            f"at {self.location}"
+        )
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What one step (or a whole region) did."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    d2d_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    d2d_copies: int = 0
+    syncs: int = 0
+    device_allocs: int = 0  # cudaMalloc calls
+    device_frees: int = 0  # cudaFree calls
+    alloc_retries: int = 0  # allocations that had to free cached blocks and retry
+    allocator_requests: int = 0  # tensors served by the caching allocator
+    reserved_bytes: int = 0  # device memory the allocator holds at the step's end
+
+    @classmethod
+    def of(cls, events: list[TransferEvent], allocator: dict[str, int]) -> StepTotals:
+        counts: dict[str, int] = dict.fromkeys(f.name for f in fields(cls)) | dict(allocator)
+        for name in counts:
+            counts[name] = counts[name] or 0
+        for e in events:
+            if e.kind == "sync":
+                counts["syncs"] += 1
+            else:
+                counts[f"{e.kind}_bytes"] += e.nbytes
+                counts[f"{e.kind}_copies"] += 1
+        return cls(**counts)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class LedgerSummary:
+    totals: StepTotals
+    steps: list[StepTotals]
+    top_by_bytes: list[tuple[str, int]]  # (location, bytes copied)
+    top_by_syncs: list[tuple[str, int]]  # (location, syncs)
+
+    def median(self, name: str) -> float:
+        values = [getattr(s, name) for s in self.steps]
+        return statistics.median(values) if values else 0.0
+
+    def table(self) -> str:
+        """A plain-text report: totals, per-step medians and the busiest locations."""
+        names = [f.name for f in fields(StepTotals)]
+        width = max(map(len, names))
+        lines = [f"{'':{width}}  {'total':>14}  {'per-step median':>16}"]
+        for name in names:
+            lines.append(
+                f"{name:{width}}  {getattr(self.totals, name):>14,}  {self.median(name):>16,.1f}"
+            )
+        lines.append(f"steps: {len(self.steps)}")
+        for title, rows, unit in (
+            ("top locations by bytes", self.top_by_bytes, "B"),
+            ("top locations by syncs", self.top_by_syncs, "syncs"),
+        ):
+            if rows:
+                lines.append(title + ":")
+                lines += [f"  {count:>14,} {unit}  {where}" for where, count in rows]
+        return "\n".join(lines)
+
+
+class _Allocator:
+    """Cumulative device allocator counters, read at step boundaries (cuda only)."""
+
+    KEYS: ClassVar[dict[str, str]] = {
+        "device_allocs": "segment.all.allocated",
+        "device_frees": "segment.all.freed",
+        "alloc_retries": "num_alloc_retries",
+        "allocator_requests": "allocation.all.allocated",
+    }
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.active = device.type == "cuda" and torch.cuda.is_available()
+        self.last = self.read()
+
+    def read(self) -> dict[str, int]:
+        if not self.active:
+            return {}
+        stats = torch.cuda.memory_stats(self.device.torch)
+        return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()} | {
+            "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0))
+        }
+
+    def delta(self) -> dict[str, int]:
+        now = self.read()
+        out = {k: v - self.last.get(k, 0) for k, v in now.items() if k != "reserved_bytes"}
+        if now:
+            out["reserved_bytes"] = now["reserved_bytes"]
+        self.last = now
+        return out
+
+
+def caller_location() -> str:
+    """``file:line`` of the innermost frame outside torch and gpuflow's transfer layer."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_INTERNAL) and not any(s in name for s in _SKIPPED):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+# ---- the recorder: one dispatch mode and one set of wrappers, shared by nested ledgers ------
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.ledgers: list[TransferLedger] = []
+        self.mode: _Dispatch | None = None
+        self.inside_wait = False
+
+
+_state = _State()
+_patch_lock = threading.Lock()
+_patched: dict[tuple[Any, str], Callable[..., Any]] = {}
+_patch_users = 0
+
+
+def _emit(make: Callable[[TransferLedger], TransferEvent]) -> None:
+    for ledger in _state.ledgers:
+        ledger._events.append(make(ledger))
+
+
+def _record_reported(
+    kind: str, nbytes: int, op: str, dtype: str | None, pinned: bool | None
+) -> None:
+    """A copy another thread made for this one (``gpuflow.tally``)."""
+    where = caller_location()
+    _emit(
+        lambda ledger: TransferEvent(
+            kind, op, where, ledger._step, nbytes=nbytes, dtype=dtype, pinned=pinned
+        )
+    )
+
+
+def _record_sync(op: str) -> None:
+    where = caller_location()
+    _emit(lambda ledger: TransferEvent("sync", op, where, ledger._step))
+
+
+def _is_device(t: Any) -> bool:
+    """Tensors off the host. Meta tensors count too, so the accounting can be exercised
+    without an accelerator (a copy to meta moves nothing but is counted like one)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
+def _host_pinned(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:  # no accelerator to ask
+        return False
+
+
+class _Dispatch(TorchDispatchMode):
+    """Looks at every aten operation of its thread and counts copies and host waits."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name == "aten._local_scalar_dense.default" and _is_device(args[0]):
+            self._copy("d2h", args[0], args[0].element_size(), "item", True, False)
+        elif name in _DATA_DEPENDENT and any(_is_device(a) for a in args):
+            _record_sync(_DATA_DEPENDENT[name])
+        elif name in _MASK_INDEXING and _is_device(args[0]) and _has_mask(args[1]):
+            _record_sync("boolean-mask indexing")
+        out = func(*args, **kwargs)
+        if name == "aten._to_copy.default":
+            self._transfer(args[0], out, kwargs.get("non_blocking", False), "to")
+        elif name == "aten.copy_.default":
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            self._transfer(args[1], args[0], non_blocking, "copy_")
+        return out
+
+    def _transfer(self, src: Any, dst: Any, non_blocking: bool, op: str) -> None:
+        """Count ``src`` -> ``dst`` if it crosses between host and device or between two
+        devices (a dtype conversion on one device is compute, not a transfer)."""
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            return
+        s, d = _is_device(src), _is_device(dst)
+        if (not s and not d) or (s and d and src.device == dst.device):
+            return
+        kind = "d2d" if s and d else "h2d" if d else "d2h"
+        pinned = None if kind == "d2d" else _host_pinned(src if kind == "h2d" else dst)
+        # Without non_blocking, torch waits for a copy to or from the host to finish.
+        blocking = kind != "d2d" and not non_blocking
+        self._copy(kind, dst, dst.numel() * dst.element_size(), op, blocking, pinned)
+
+    @staticmethod
+    def _copy(
+        kind: str,
+        t: torch.Tensor,
+        nbytes: int,
+        op: str,
+        blocking: bool,
+        pinned: bool | None = None,
+    ) -> None:
+        where = caller_location()
+        dtype = str(t.dtype).removeprefix("torch.")
+        _emit(
+            lambda ledger: TransferEvent(
+                kind, op, where, ledger._step, nbytes, dtype, pinned, blocking
+            )
+        )
+        if blocking:
+            label = f"blocking {kind} {op}"
+            _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step))
+
+
+def _has_mask(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in (indices or ())
+    )
+
+
+def _wait_targets() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, label) of every explicit host wait the ledger wraps."""
+    targets = [
+        (Device, "synchronize", "Device.synchronize"),
+        (HostEvent, "synchronize", "Event.synchronize"),
+        (HostStream, "synchronize", "Stream.synchronize"),
+    ]
+    if torch.cuda.is_available():
+        targets += [
+            (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+            (torch.cuda.Event, "synchronize", "Event.synchronize"),
+            (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+        ]
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        targets.append((accelerator, "synchronize", "torch.accelerator.synchronize"))
+    return targets
+
+
+def _counted_wait(original: Callable[..., Any], label: str) -> Callable[..., Any]:
+    def wait(*args: Any, **kwargs: Any) -> Any:
+        if _state.ledgers and not _state.inside_wait:
+            _record_sync(label)
+            _state.inside_wait = True  # one wait that calls another counts once
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _state.inside_wait = False
+        return original(*args, **kwargs)
+
+    wait.__wrapped__ = original  # type: ignore[attr-defined]
+    return wait
+
+
+def _install_waits() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        for owner, attr, label in _wait_targets():
+            original = getattr(owner, attr)
+            _patched[(owner, attr)] = original
+            setattr(owner, attr, _counted_wait(original, label))
+
+
+def _remove_waits() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users > 0:
+            return
+        for (owner, attr), original in _patched.items():
+            setattr(owner, attr, original)
+        _patched.clear()
+
+
+# ---- the public ledger ------------------------------------------------------------------------
+
+
+@dataclass
+class TransferLedger:
+    """See the module docstring. Ledgers nest: an operation counts in every open ledger of
+    its thread. ``device`` is whose allocator statistics are read."""
+
+    device: Device | str = "auto"
+    _events: list[TransferEvent] = field(default_factory=list, init=False, repr=False)
+    _steps: list[StepTotals] = field(default_factory=list, init=False, repr=False)
+    _step: int = field(default=0, init=False, repr=False)
+    _step_start: int = field(default=0, init=False, repr=False)
+    _open: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.device = Device.resolve(self.device)
+
+    def __enter__(self) -> TransferLedger:
+        if self._open:
+            raise RuntimeError("this TransferLedger is already open")
+        self._open = True
+        self._allocator = _Allocator(self.device)
+        self._region_start = dict(self._allocator.last)
+        _install_waits()
+        _state.ledgers.append(self)
+        if _state.mode is None:
+            _state.mode = _Dispatch()
+            _state.mode.__enter__()
+            tally.listen(_record_reported)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _state.ledgers.remove(self)
+        if not _state.ledgers and _state.mode is not None:
+            mode, _state.mode = _state.mode, None
+            mode.__exit__(None, None, None)
+            tally.stop_listening(_record_reported)
+        _remove_waits()
+        self._region_end = self._allocator.read()
+        if self._step_start < len(self._events) or not self._steps:
+            self.step()  # the events since the last step() form a last step
+        self._open = False
+
+    def step(self) -> StepTotals:
+        """Close the current step; returns its totals."""
+        events = self._events[self._step_start :]
+        totals = StepTotals.of(events, self._allocator.delta() if self._open else {})
+        self._steps.append(totals)
+        self._step += 1
+        self._step_start = len(self._events)
+        return totals
+
+    @property
+    def events(self) -> list[TransferEvent]:
+        return list(self._events)
+
+    def summary(self, top: int = 5) -> LedgerSummary:
+        start, end = self._region_start, getattr(self, "_region_end", None)
+        if end is None:
+            end = self._allocator.read()
+        allocator = {k: v - start.get(k, 0) for k, v in end.items() if k != "reserved_bytes"}
+        if end:
+            allocator["reserved_bytes"] = end["reserved_bytes"]
+        by_bytes: Counter[str] = Counter()
+        by_syncs: Counter[str] = Counter()
+        for e in self._events:
+            if e.kind == "sync":
+                by_syncs[e.location] += 1
+            else:
+                by_bytes[e.location] += e.nbytes
+        return LedgerSummary(
+            StepTotals.of(self._events, allocator),
+            list(self._steps),
+            by_bytes.most_common(top),
+            by_syncs.most_common(top),
+        )

@@ -1,0 +1,39 @@
+"""Where transfer-layer code reports copies that the ledger cannot see for itself.
+
+A ``TorchDispatchMode`` sees the operations of its own thread only. ``DeviceLoader`` copies
+on a thread of its own, so it reports each batch here when the consumer takes it, and the
+ledgers open on the consumer's thread count it. This module sits below the transfer layer
+so that the layer can report without importing the ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+# (kind, nbytes, op, dtype, pinned) -> None
+CopyListener = Callable[[str, int, str, str | None, bool | None], None]
+
+
+class _Listeners(threading.local):
+    def __init__(self) -> None:
+        self.items: list[CopyListener] = []
+
+
+_listeners = _Listeners()
+
+
+def listen(listener: CopyListener) -> None:
+    _listeners.items.append(listener)
+
+
+def stop_listening(listener: CopyListener) -> None:
+    _listeners.items.remove(listener)
+
+
+def report_copy(
+    kind: str, nbytes: int, op: str, dtype: str | None = None, pinned: bool | None = None
+) -> None:
+    """Count a copy made on this thread's behalf in every ledger open on this thread."""
+    for listener in _listeners.items:
+        listener(kind, nbytes, op, dtype, pinned)

@@ -1,0 +1,149 @@
+"""``gpuflow profile``: training steps under the profiler and the ledger, then a report.
+
+Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's streamed training loop
+inside a ``ProfiledLedger``, and writes to the output folder:
+- ``trace.json``: the profiler's trace (Perfetto / chrome://tracing);
+- ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
+- ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
+  the transfer metrics (``gpuflow.metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gpuflow.atomic import write_text_atomic
+from gpuflow.crosscheck import Interval, ProfiledLedger
+from gpuflow.device import Device
+from gpuflow.errors import GpuflowError
+from gpuflow.linkprobe import probe_link
+from gpuflow.loader import DeviceLoader
+from gpuflow.metrics import TransferMetrics, from_activity
+from gpuflow.mirror import AsyncScalars
+from gpuflow.train.config import RunConfig, apply_overrides
+from gpuflow.train.trainer import Trainer
+
+
+def profile_training(
+    config: RunConfig, out_dir: Path, device: Device, steps: int = 10, warmup: int = 5
+) -> dict[str, Any]:
+    if steps < 1 or warmup < 0:
+        raise GpuflowError(f"profile needs --steps >= 1 and --warmup >= 0, got {steps}, {warmup}")
+    config = apply_overrides(config, {"train": {"steps": warmup + steps}}, "profile")
+    out_dir = Path(out_dir)
+    trainer = Trainer(config, out_dir, device)
+    trainer.build(resume=False)
+    scalars = AsyncScalars(Trainer.SCALARS, device)
+    peak = probe_link(device).get("h2d_pinned")
+    with DeviceLoader(trainer.token_batches(), device, depth=2) as loader:
+        batches = iter(loader)
+        for step in range(warmup):
+            loss, grad_norm = trainer.train_step(step, next(batches))
+            scalars.add(loss=loss, grad_norm=grad_norm)
+        scalars.drain(warmup)
+        with ProfiledLedger(out_dir / "trace.json", device) as run:
+            for step in range(warmup, warmup + steps):
+                loss, grad_norm = trainer.train_step(step, next(batches))
+                scalars.add(loss=loss, grad_norm=grad_norm)
+                if step == warmup + steps - 1:
+                    scalars.flush(step + 1)  # as the logging step does, once per interval
+                run.step()
+        scalars.drain(warmup + steps)
+
+    summary = run.ledger.summary()
+    totals = summary.totals
+    span = _device_span(run.activity)
+    metrics = from_activity(
+        run.activity,
+        wall_us=span,
+        steps=steps,
+        bytes_moved=totals.h2d_bytes + totals.d2h_bytes,
+        useful_bytes=steps * config.train.batch_size * (config.model.max_len + 1) * 2,
+        peak_h2d_gb_s=peak,
+    )
+    result = {
+        "preset": config.preset,
+        "device": device.describe(),
+        "steps": steps,
+        "warmup": warmup,
+        "ledger": {
+            "totals": totals.as_dict(),
+            "per_step": [s.as_dict() for s in summary.steps],
+            "top_by_bytes": summary.top_by_bytes,
+            "top_by_syncs": summary.top_by_syncs,
+        },
+        "crosscheck": [asdict(row) | {"agrees": row.agrees} for row in run.comparison()],
+        "metrics": _metrics_dict(metrics, summary),
+    }
+    write_text_atomic(out_dir / "profile.json", json.dumps(result, indent=2) + "\n")
+    _plot(run.activity, result["ledger"]["per_step"], out_dir / "timeline.png")
+    return result
+
+
+def _device_span(activity: list[Interval]) -> float:
+    if not activity:
+        return 0.0
+    return max(a.end for a in activity) - min(a.start for a in activity)
+
+
+def _metrics_dict(m: TransferMetrics, summary: Any) -> dict[str, Any]:
+    return {
+        "step_ms": m.step_us / 1e3,
+        "transfer_ms": m.transfer_us / 1e3,
+        "exposed_transfer_ms": m.exposed_transfer_us / 1e3,
+        "compute_ms": m.compute_us / 1e3,
+        "link_utilisation": m.link_utilisation,
+        "achieved_h2d_gb_s": m.achieved_h2d_gb_s,
+        "peak_h2d_gb_s": m.peak_h2d_gb_s,
+        "transfer_overhead": m.transfer_overhead,
+        "memory_efficiency": m.memory_efficiency,
+        "overlap_efficiency": m.overlap_efficiency,
+        "transfer_bytes_per_batch": summary.median("h2d_bytes") + summary.median("d2h_bytes"),
+        "syncs_per_batch": summary.median("syncs"),
+        "device_allocs_per_batch": summary.median("device_allocs"),
+        "allocator_requests_per_batch": summary.median("allocator_requests"),
+    }
+
+
+def _plot(activity: list[Interval], per_step: list[dict[str, int]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), height_ratios=(2, 1))
+    colours = {"kernel": "tab:blue", "h2d": "tab:orange", "d2h": "tab:red", "d2d": "tab:gray"}
+    streams = sorted({a.stream for a in activity})
+    origin = min((a.start for a in activity), default=0.0)
+    for row, stream in enumerate(streams):
+        for kind, colour in colours.items():
+            spans = [
+                ((a.start - origin) / 1e3, max((a.end - a.start) / 1e3, 1e-3))
+                for a in activity
+                if a.stream == stream and a.kind == kind
+            ]
+            if spans:
+                top.broken_barh(spans, (row - 0.4, 0.8), color=colour, label=kind)
+    handles = {h.get_label(): h for h in top.get_legend_handles_labels()[0]}
+    top.legend(handles.values(), handles.keys(), loc="upper right")
+    top.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    top.set_xlabel("ms")
+    top.set_title("device activity: kernels (compute) and copies, per stream")
+    steps = range(1, len(per_step) + 1)
+    bottom.bar(steps, [s["h2d_bytes"] for s in per_step], label="host→device", color="tab:orange")
+    bottom.bar(
+        steps,
+        [s["d2h_bytes"] for s in per_step],
+        bottom=[s["h2d_bytes"] for s in per_step],
+        label="device→host",
+        color="tab:red",
+    )
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("bytes")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -17,6 +17,8 @@ from gpuflow.device import Device
 
 SMALL_VOCAB = 512
 
+pytest_plugins = ["pytester"]  # runs pytest on generated test files (the budget marker)
+
 
 def _has_accelerator() -> bool:
     return Device.resolve("auto").is_accelerator

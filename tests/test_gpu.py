@@ -267,3 +267,96 @@ def test_a_pinned_source_is_copied_directly_without_staging(accel):
     stats = loader.stats
     assert stats.copies == 20 and stats.bytes_moved == 20 * (4 << 20)  # one copy each, direct
     assert loader._pool.stats.misses == 0  # nothing was staged
+
+
+# ---- the transfer ledger against the device's own record ------------------------------------
+
+
+def test_ledger_agrees_with_the_profilers_memcpy_events(accel, tmp_path):
+    from gpuflow.crosscheck import ProfiledLedger
+
+    pinned = torch.randn(1 << 18).pin_memory()  # 1 MiB
+    pageable = torch.randn(1024)  # 4 KiB
+    on_device = torch.randn(1 << 14, device=accel.torch)  # 64 KiB
+    landing = torch.empty(1 << 14).pin_memory()
+    accel.synchronize()
+    with ProfiledLedger(tmp_path / "trace.json", accel) as run:
+        pinned.to(accel.torch, non_blocking=True)
+        pageable.to(accel.torch)  # blocking: a sync
+        landing.copy_(on_device, non_blocking=True)
+        for i in range(3):
+            on_device[i].item()  # 4 bytes down and a sync, each
+    rows = {row.kind: row for row in run.comparison()}
+    assert (rows["h2d"].ledger_copies, rows["h2d"].ledger_bytes) == (2, (1 << 20) + 4096)
+    assert (rows["d2h"].ledger_copies, rows["d2h"].ledger_bytes) == (4, (1 << 16) + 12)
+    assert rows["h2d"].agrees and rows["d2h"].agrees, rows
+    assert run.ledger.summary().totals.syncs == 4
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def _streaming_trainer(accel, prepared, workdir):
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=12"])
+    trainer = Trainer(config, workdir / "runs" / "budget", accel)
+    trainer.build(resume=False)
+    return trainer, config.train.batch_size * (config.model.max_len + 1)
+
+
+def test_streamed_step_budget_holds_on_the_device(accel, prepared, workdir):
+    from gpuflow.budgets import budget
+
+    trainer, ids = _streaming_trainer(accel, prepared, workdir)
+    with DeviceLoader(trainer.token_batches(), accel) as loader:
+        batches = iter(loader)
+        for step in range(3):  # warm-up: the allocator fills its cache
+            trainer.train_step(step, next(batches))
+        accel.synchronize()
+        for step in range(3, 8):
+            limits = budget(
+                h2d_bytes=(2 * ids + 15) // 16 * 16, d2h_bytes=0, syncs=0, device_allocs=0
+            )
+            with limits:
+                trainer.train_step(step, next(batches))
+            totals = limits.ledger.summary().totals
+            assert totals.h2d_bytes == 2 * ids and totals.h2d_copies == 1
+
+
+def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, workdir):
+    from gpuflow.budgets import BudgetExceeded, budget
+
+    trainer, _ = _streaming_trainer(accel, prepared, workdir)
+
+    def leaky_step(step, batch):
+        loss, grad_norm = trainer.train_step(step, batch)
+        print(f"loss {loss.item():.3f}")  # the stray read
+        return loss, grad_norm
+
+    with DeviceLoader(trainer.token_batches(), accel) as loader:
+        batches = iter(loader)
+        trainer.train_step(0, next(batches))
+        with pytest.raises(BudgetExceeded) as caught, budget(syncs=0):
+            leaky_step(1, next(batches))
+    line = next(
+        n
+        for n, text in enumerate(open(__file__).read().splitlines(), start=1)
+        if "# the stray read" in text and "text" not in text
+    )
+    assert f"test_gpu.py:{line}" in str(caught.value)
+    assert caught.value.over == {"syncs": (1, 0)}
+
+
+def test_profile_command_writes_a_trace_and_its_copies_agree(accel, prepared, workdir):
+    import json
+
+    from gpuflow.train.profile import profile_training
+
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}"])
+    out = workdir / "profile"
+    result = profile_training(config, out, accel, steps=4, warmup=2)
+    for name in ("trace.json", "timeline.png", "profile.json"):
+        assert (out / name).stat().st_size > 0
+    rows = {row["kind"]: row for row in result["crosscheck"]}
+    assert rows["h2d"]["agrees"] and rows["h2d"]["ledger_copies"] == 4, rows
+    m = result["metrics"]
+    assert m["syncs_per_batch"] == 0 and m["device_allocs_per_batch"] == 0
+    assert 0 < m["link_utilisation"] <= 1.2 and 0 <= m["transfer_overhead"] <= 1
+    assert json.loads((out / "profile.json").read_text())["steps"] == 4

@@ -200,18 +200,20 @@ def _print_profile(result: dict[str, Any]) -> None:
 
     from gpuflow.console import out_console
 
-    m, totals, steps = result["metrics"], result["ledger"]["totals"], result["steps"]
+    m, steps = result["metrics"], result["steps"]
 
     def fraction(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
 
-    table = Table("metric", "value", title=f"{result['preset']}: {steps} profiled steps")
+    table = Table(
+        "metric", "value", title=f"{result['preset']}: {steps} profiled steps (per-step medians)"
+    )
     rows = [
         ("step time (device)", f"{m['step_ms']:.2f} ms"),
-        ("host->device per step", f"{totals['h2d_bytes'] / steps:,.0f} B"),
-        ("device->host per step", f"{totals['d2h_bytes'] / steps:,.0f} B"),
-        ("host syncs per step", f"{totals['syncs'] / steps:g}"),
-        ("cudaMalloc per step", f"{totals['device_allocs'] / steps:g}"),
+        ("host->device per step", f"{m['h2d_bytes_per_batch']:,.0f} B"),
+        ("device->host per step", f"{m['d2h_bytes_per_batch']:,.0f} B"),
+        ("host syncs per step", f"{m['syncs_per_batch']:g}"),
+        ("cudaMalloc per step", f"{m['device_allocs_per_batch']:g}"),
         ("link utilisation", fraction(m["link_utilisation"])),
         ("transfer overhead", fraction(m["transfer_overhead"])),
         (

@@ -5,7 +5,8 @@ inside a ``ProfiledLedger``, and writes to the output folder:
 - ``trace.json``: the profiler's trace (Perfetto / chrome://tracing);
 - ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
 - ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
-  the transfer metrics (``gpuflow.metrics``).
+  the transfer metrics (``gpuflow.metrics``); per-batch figures are medians over the steps
+  (the loader's closing wait lands in a step of its own after the last).
 """
 
 from __future__ import annotations
@@ -38,20 +39,27 @@ def profile_training(
     trainer.build(resume=False)
     scalars = AsyncScalars(Trainer.SCALARS, device)
     peak = probe_link(device).get("h2d_pinned")
-    with DeviceLoader(trainer.token_batches(), device, depth=2) as loader:
-        batches = iter(loader)
-        for step in range(warmup):
-            loss, grad_norm = trainer.train_step(step, next(batches))
+    total = warmup + steps
+    with DeviceLoader(trainer.token_batches(), device) as loader:
+        for step, batch in zip(range(warmup), loader, strict=False):
+            loss, grad_norm = trainer.train_step(step, batch)
             scalars.add(loss=loss, grad_norm=grad_norm)
-        scalars.drain(warmup)
-        with ProfiledLedger(out_dir / "trace.json", device) as run:
-            for step in range(warmup, warmup + steps):
-                loss, grad_norm = trainer.train_step(step, next(batches))
-                scalars.add(loss=loss, grad_norm=grad_norm)
-                if step == warmup + steps - 1:
-                    scalars.flush(step + 1)  # as the logging step does, once per interval
-                run.step()
-        scalars.drain(warmup + steps)
+    scalars.drain(warmup)
+    # The profiled steps get a loader of their own, so that every copy they use is made
+    # inside the trace (a loader prefetches: one running since warm-up would have copied
+    # the first batches before the profiler started).
+    profiled = (trainer.sampler.batch(step) for step in range(warmup, total))
+    with (
+        ProfiledLedger(out_dir / "trace.json", device) as run,
+        DeviceLoader(profiled, device) as loader,
+    ):
+        for step, batch in zip(range(warmup, total), loader, strict=True):
+            loss, grad_norm = trainer.train_step(step, batch)
+            scalars.add(loss=loss, grad_norm=grad_norm)
+            if step == total - 1:
+                scalars.flush(total)  # as the logging step does, once per interval
+            run.step()
+    scalars.drain(total)
 
     summary = run.ledger.summary()
     totals = summary.totals
@@ -101,6 +109,8 @@ def _metrics_dict(m: TransferMetrics, summary: Any) -> dict[str, Any]:
         "transfer_overhead": m.transfer_overhead,
         "memory_efficiency": m.memory_efficiency,
         "overlap_efficiency": m.overlap_efficiency,
+        "h2d_bytes_per_batch": summary.median("h2d_bytes"),
+        "d2h_bytes_per_batch": summary.median("d2h_bytes"),
         "transfer_bytes_per_batch": summary.median("h2d_bytes") + summary.median("d2h_bytes"),
         "syncs_per_batch": summary.median("syncs"),
         "device_allocs_per_batch": summary.median("device_allocs"),

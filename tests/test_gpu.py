@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,7 +338,7 @@ def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, 
             leaky_step(1, next(batches))
     line = next(
         n
-        for n, text in enumerate(open(__file__).read().splitlines(), start=1)
+        for n, text in enumerate(Path(__file__).read_text().splitlines(), start=1)
         if "# the stray read" in text and "text" not in text
     )
     assert f"test_gpu.py:{line}" in str(caught.value)

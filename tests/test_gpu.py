@@ -361,3 +361,39 @@ def test_profile_command_writes_a_trace_and_its_copies_agree(accel, prepared, wo
     assert m["syncs_per_batch"] == 0 and m["device_allocs_per_batch"] == 0
     assert 0 < m["link_utilisation"] <= 1.2 and 0 <= m["transfer_overhead"] <= 1
     assert json.loads((out / "profile.json").read_text())["steps"] == 4
+
+
+def test_every_kind_of_host_wait_is_counted_on_the_device(accel):
+    from gpuflow.ledger import TransferLedger
+
+    x = torch.arange(8, device=accel.torch, dtype=torch.float32)
+    stream, event = torch.cuda.Stream(), torch.cuda.Event()
+    with TransferLedger(accel) as ledger:
+        x.tolist()  # wait-tolist
+        x.cpu()  # wait-cpu
+        x.nonzero()
+        x[x > 3]
+        event.record()
+        event.synchronize()
+        stream.synchronize()
+        torch.cuda.synchronize()
+        accel.synchronize()
+        x.sum()  # compute: nothing counted
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    lines = Path(__file__).read_text().splitlines()
+
+    def at(marker: str) -> list[str]:
+        line = next(n for n, t in enumerate(lines, 1) if marker in t and "at(" not in t)
+        return [e.op for e in syncs if e.location.endswith(f":{line}")]
+
+    assert at("# wait-tolist") and at("# wait-cpu") == ["blocking d2h to"]
+    assert [e.op for e in syncs][-6:] == [
+        "nonzero",
+        "boolean-mask indexing",
+        "Event.synchronize",
+        "Stream.synchronize",
+        "torch.cuda.synchronize",
+        "Device.synchronize",
+    ]
+    downloads = [e for e in ledger.events if e.kind == "d2h"]
+    assert sum(e.nbytes for e in downloads) >= 2 * 32  # tolist and cpu: 32 bytes each

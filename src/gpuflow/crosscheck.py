@@ -84,22 +84,46 @@ class CopyComparison:
         )
 
 
-class ProfiledLedger:
-    """A ``TransferLedger`` inside a ``torch.profiler`` run; see the module docstring."""
+class DeviceTrace:
+    """A ``torch.profiler`` run over a region: the trace written to ``trace_path`` and the
+    device's kernels and copies read back from it into ``activity``."""
 
     def __init__(self, trace_path: str | Path, device: Device | str = "auto") -> None:
         self.trace_path = Path(trace_path)
         self.device = Device.resolve(device)
-        self.ledger = TransferLedger(self.device)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities)
         self.activity: list[Interval] = []
 
-    def __enter__(self) -> ProfiledLedger:
-        self.device.synchronize()  # earlier work stays out of both records
+    def __enter__(self) -> DeviceTrace:
+        self.device.synchronize()  # earlier work stays out of the record
         self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.device.synchronize()  # every queued kernel and copy lands in the trace
+        self._profiler.__exit__(None, None, None)
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        self._profiler.export_chrome_trace(str(self.trace_path))
+        self.activity = device_activity(json.loads(self.trace_path.read_text()))
+
+
+class ProfiledLedger:
+    """A ``TransferLedger`` inside a ``DeviceTrace``; see the module docstring."""
+
+    def __init__(self, trace_path: str | Path, device: Device | str = "auto") -> None:
+        self.device = Device.resolve(device)
+        self.trace = DeviceTrace(trace_path, self.device)
+        self.ledger = TransferLedger(self.device)
+
+    @property
+    def activity(self) -> list[Interval]:
+        return self.trace.activity
+
+    def __enter__(self) -> ProfiledLedger:
+        self.trace.__enter__()
         self.ledger.__enter__()
         return self
 
@@ -108,11 +132,7 @@ class ProfiledLedger:
 
     def __exit__(self, *exc: object) -> None:
         self.ledger.__exit__(*exc)
-        self.device.synchronize()  # every queued copy lands in the trace
-        self._profiler.__exit__(None, None, None)
-        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-        self._profiler.export_chrome_trace(str(self.trace_path))
-        self.activity = device_activity(json.loads(self.trace_path.read_text()))
+        self.trace.__exit__(*exc)
 
     def comparison(self) -> list[CopyComparison]:
         totals = self.ledger.summary().totals

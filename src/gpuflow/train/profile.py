@@ -1,8 +1,9 @@
 """``gpuflow profile``: training steps under the profiler and the ledger, then a report.
 
 Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's streamed training loop
-inside a ``ProfiledLedger``, and writes to the output folder:
-- ``trace.json``: the profiler's trace (Perfetto / chrome://tracing);
+under the ledger and the profiler (the cross-check and the per-step counts), then ``steps``
+more under the profiler alone (the timing: the ledger slows the host), and writes:
+- ``trace.json``: the profiler's trace of the timed steps (Perfetto / chrome://tracing);
 - ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
 - ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
   the transfer metrics (``gpuflow.metrics``); per-batch figures are medians over the steps
@@ -12,12 +13,14 @@ inside a ``ProfiledLedger``, and writes to the output folder:
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from gpuflow.atomic import write_text_atomic
-from gpuflow.crosscheck import Interval, ProfiledLedger
+from gpuflow.crosscheck import DeviceTrace, Interval, ProfiledLedger
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.linkprobe import probe_link
@@ -33,40 +36,43 @@ def profile_training(
 ) -> dict[str, Any]:
     if steps < 1 or warmup < 0:
         raise GpuflowError(f"profile needs --steps >= 1 and --warmup >= 0, got {steps}, {warmup}")
-    config = apply_overrides(config, {"train": {"steps": warmup + steps}}, "profile")
+    config = apply_overrides(config, {"train": {"steps": warmup + 2 * steps}}, "profile")
     out_dir = Path(out_dir)
     trainer = Trainer(config, out_dir, device)
     trainer.build(resume=False)
     scalars = AsyncScalars(Trainer.SCALARS, device)
     peak = probe_link(device).get("h2d_pinned")
-    total = warmup + steps
-    with DeviceLoader(trainer.token_batches(), device) as loader:
-        for step, batch in zip(range(warmup), loader, strict=False):
-            loss, grad_norm = trainer.train_step(step, batch)
-            scalars.add(loss=loss, grad_norm=grad_norm)
-    scalars.drain(warmup)
-    # The profiled steps get a loader of their own, so that every copy they use is made
-    # inside the trace (a loader prefetches: one running since warm-up would have copied
-    # the first batches before the profiler started).
-    profiled = (trainer.sampler.batch(step) for step in range(warmup, total))
-    with (
-        ProfiledLedger(out_dir / "trace.json", device) as run,
-        DeviceLoader(profiled, device) as loader,
-    ):
-        for step, batch in zip(range(warmup, total), loader, strict=True):
-            loss, grad_norm = trainer.train_step(step, batch)
-            scalars.add(loss=loss, grad_norm=grad_norm)
-            if step == total - 1:
-                scalars.flush(total)  # as the logging step does, once per interval
-            run.step()
-    scalars.drain(total)
 
-    summary = run.ledger.summary()
+    def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
+        """Steps ``first`` .. ``first + count - 1`` through a loader of their own, so that
+        every copy they use is made inside the region (a loader running since an earlier
+        region would have prefetched its first batches before the profiler started)."""
+        batches = (trainer.sampler.batch(step) for step in range(first, first + count))
+        with DeviceLoader(batches, device) as loader:
+            for step, batch in zip(range(first, first + count), loader, strict=True):
+                loss, grad_norm = trainer.train_step(step, batch)
+                scalars.add(loss=loss, grad_norm=grad_norm)
+                if step == first + count - 1:
+                    scalars.flush(step + 1)  # as the logging step does, once per interval
+                after_step()
+        scalars.drain(first + count)
+
+    train(0, warmup)
+    # Counting every operation slows the host, so the ledger and the timing get a pass each:
+    # first the ledger inside the profiler (the cross-check), then the profiler alone.
+    with tempfile.TemporaryDirectory() as scratch:
+        counted = ProfiledLedger(Path(scratch) / "trace.json", device)
+        with counted:
+            train(warmup, steps, counted.step)
+    timed = DeviceTrace(out_dir / "trace.json", device)
+    with timed:
+        train(warmup + steps, steps)
+
+    summary = counted.ledger.summary()
     totals = summary.totals
-    span = _device_span(run.activity)
     metrics = from_activity(
-        run.activity,
-        wall_us=span,
+        timed.activity,
+        wall_us=_device_span(timed.activity),
         steps=steps,
         bytes_moved=totals.h2d_bytes + totals.d2h_bytes,
         useful_bytes=steps * config.train.batch_size * (config.model.max_len + 1) * 2,
@@ -83,11 +89,11 @@ def profile_training(
             "top_by_bytes": summary.top_by_bytes,
             "top_by_syncs": summary.top_by_syncs,
         },
-        "crosscheck": [asdict(row) | {"agrees": row.agrees} for row in run.comparison()],
+        "crosscheck": [asdict(row) | {"agrees": row.agrees} for row in counted.comparison()],
         "metrics": _metrics_dict(metrics, summary),
     }
     write_text_atomic(out_dir / "profile.json", json.dumps(result, indent=2) + "\n")
-    _plot(run.activity, result["ledger"]["per_step"], out_dir / "timeline.png")
+    _plot(timed.activity, result["ledger"]["per_step"], out_dir / "timeline.png")
     return result
 
 

@@ -204,13 +204,22 @@ class _Allocator:
         return out
 
 
+def _shorter(path: str) -> str:
+    """``path`` relative to the working folder when it lies inside it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if relative.startswith("..") else relative
+
+
 def caller_location() -> str:
     """``file:line`` of the innermost frame outside torch and gpuflow's transfer layer."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_INTERNAL) and not any(s in name for s in _SKIPPED):
-            return f"{name}:{frame.f_lineno}"
+            return f"{_shorter(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
 

@@ -251,7 +251,8 @@ class TransferBench:
         return out
 
     def _stream(self, tensors: list[torch.Tensor]) -> dict[str, Any]:
-        """Each loader over the same batches. The rate is the steady state: device events on
+        """Each loader over the same batches, in alternating rounds; the median round counts.
+        The rate is the steady state: device events on
         the consumer's stream from the start of batch ``warm`` to the end of the last one,
         with no host sync in between (a sync would drain the prefetched batches and count
         them as free). Start-up (thread, first pinning, first batch) is timed apart, from
@@ -295,18 +296,25 @@ class TransferBench:
             last[:] = [loader]
             return timed
 
-        n, runs = cfg.stream_batches, 3
+        n, rounds = cfg.stream_batches, 5
         steady_bytes = (n - warm) * cfg.stream_batch_bytes
-        out: dict[str, Any] = {}
-        for name, run in (("dataloader", dataloader), ("deviceloader", deviceloader)):
+        loaders = {"dataloader": dataloader, "deviceloader": deviceloader}
+        for run in loaders.values():
             run(2 * warm)  # untimed: kernels, allocator and threads warmed up
-            timings = []
-            for _ in range(runs):
+        # Rounds alternate the two loaders: the host's copy speed drifts within a process
+        # (benchmarks/NOTES.md), and back-to-back runs of one loader would take the drift
+        # for a difference between them.
+        timings: dict[str, list[tuple[float, float]]] = {name: [] for name in loaders}
+        for _ in range(rounds):
+            for name, run in loaders.items():
                 release_cached_host_memory(device)
                 device.synchronize()
-                timings.append(run(n))
-            out[f"{name}_startup_ms"] = statistics.median(t[0] for t in timings)
-            out[f"{name}_gb_s"] = gb_per_s(steady_bytes, statistics.median(t[1] for t in timings))
+                timings[name].append(run(n))
+        out: dict[str, Any] = {}
+        for name, runs in timings.items():
+            out[f"{name}_startup_ms"] = statistics.median(t[0] for t in runs)
+            out[f"{name}_gb_s"] = gb_per_s(steady_bytes, statistics.median(t[1] for t in runs))
+            out[f"{name}_gb_s_per_round"] = [gb_per_s(steady_bytes, t[1]) for t in runs]
         stats = last[0].stats
         return {
             **out,

@@ -301,12 +301,14 @@ class Trainer:
                 checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
                 if step % tc.log_interval == 0 or checkpoint_now:
                     rate = throughput.close_interval()
-                    with TransferLedger(self.device) as flush_ledger:
-                        results = scalars.flush(step)
                     if bus:  # the readback is paid once per interval: spread it over it
+                        with TransferLedger(self.device) as flush_ledger:
+                            results = scalars.flush(step)
                         flushed = flush_ledger.summary().totals
                         bus["d2h_bytes_per_step"] += flushed.d2h_bytes / tc.log_interval
                         bus["syncs_per_step"] += flushed.syncs / tc.log_interval
+                    else:
+                        results = scalars.flush(step)
                     pending[step] = {
                         "lr": lr_at(step - 1, tc),
                         "tokens_per_s": rate,

@@ -1,0 +1,255 @@
+"""``ResidentTokens``: the training corpus in device memory, batches drawn on the device.
+
+The token shards cross the bus once, at start-up: read into pinned buffers and copied in
+64 MiB chunks (a progress bar for large corpora). After that a training step moves 0 bytes:
+window starts come from a counter-based hash of (seed, step, row) computed on the device,
+the windows are gathered there, and inputs and targets are slices of them.
+
+    tokens = ResidentTokens(data.train, device, batch_size=32, seq_len=128, seed=1337)
+    x, y = tokens.sample()        # (B, T) int64 each, on the device; no host work, no sync
+
+Sampling depends only on the step counter (a device tensor that ``sample`` advances in
+place), so it is the same eagerly and inside a CUDA graph, the same on every device, and a
+checkpoint restores it with ``set_step``. Each of ``world_size`` ranks draws from its own
+contiguous slice of the corpus, so ranks never share a window.
+
+When the corpus is larger than ``budget_bytes`` (default: half the device's free memory),
+it is split into chunks of half the budget that take turns: the model trains on the active
+chunk while the next one uploads on a side stream into a second buffer, and every
+``steps_per_chunk`` steps ``advance`` copies the new chunk into the active buffer (on the
+device, so a captured graph that reads the active buffer stays valid).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import DownloadColumn
+
+from gpuflow.console import progress_bar
+from gpuflow.data.shards import Shard
+from gpuflow.device import Device
+from gpuflow.errors import GpuflowError
+from gpuflow.pinned import PinnedPool
+
+UPLOAD_CHUNK_BYTES = 64 << 20
+_PROGRESS_MIN_BYTES = 256 << 20  # smaller corpora upload too fast for a bar to help
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, no overflow.
+_MIX = (0x7FEB352D, 0x2C1B3C6D)
+_STREAMS = (0x9E3779B1, 0x85EBCA77)  # two independent hash streams, for high and low bits
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX[1]) & _MASK32
+    return x ^ (x >> 16)
+
+
+def window_starts(
+    seed: int, step: torch.Tensor, rows: torch.Tensor, n_starts: torch.Tensor
+) -> torch.Tensor:
+    """Start positions in [0, n_starts) for ``rows`` of batch ``step``: (B,) int64.
+
+    A pure function of its inputs, so eager, captured and resumed runs draw the same windows.
+    """
+    key = (step * rows.numel() + rows) & _MASK32  # (B,)
+    base = _hash32(torch.full_like(key, seed & _MASK32) ^ _STREAMS[0])
+    high = _hash32(_hash32(key ^ base) ^ _STREAMS[0]) >> 1  # 31 bits: keeps the sum < 2**63
+    low = _hash32(_hash32(key ^ base) ^ _STREAMS[1])
+    return ((high << 32) | low) % n_starts
+
+
+class ResidentTokens:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        device: Device | str,
+        batch_size: int,
+        seq_len: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        budget_bytes: int | None = None,
+        show_progress: bool = True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
+        self.device = Device.resolve(device)
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.window = seq_len + 1
+        dtypes = {s.dtype for s in shards}
+        if len(dtypes) != 1:
+            raise GpuflowError("the train shards mix uint16 and uint32 tokens; prepare them again")
+        self.token_dtype = np.dtype(dtypes.pop())
+        self._shards = list(shards)
+        # This rank's contiguous slice of the corpus (all shards end to end).
+        total = sum(s.n_tokens for s in shards)
+        self._first = total * rank // world_size
+        self._last = total * (rank + 1) // world_size
+        if self._last - self._first < self.window:
+            raise GpuflowError(
+                f"the train split gives rank {rank} of {world_size} {self._last - self._first} "
+                f"tokens, fewer than one window of {self.window} (model.max_len + 1)"
+            )
+        self.budget_bytes = (
+            budget_bytes if budget_bytes is not None else _default_budget(self.device)
+        )
+        itemsize = self.token_dtype.itemsize
+        corpus_bytes = (self._last - self._first) * itemsize
+        if corpus_bytes <= self.budget_bytes:
+            self.chunk_tokens = self._last - self._first
+        else:
+            self.chunk_tokens = max(self.window, self.budget_bytes // (2 * itemsize))
+        self.n_chunks = math.ceil((self._last - self._first) / self.chunk_tokens)
+        self.steps_per_chunk = max(1, self.chunk_tokens // (batch_size * seq_len))
+        self._show_progress = show_progress and corpus_bytes >= _PROGRESS_MIN_BYTES
+        self._pool = PinnedPool(self.device, max_bytes=2 * UPLOAD_CHUNK_BYTES)
+        self._copy_stream = self.device.new_stream()
+        torch_device = self.device.torch
+        # Signed views of the unsigned ids (gather works on them; ids are masked back).
+        wire = torch.int16 if itemsize == 2 else torch.int32
+        self._active = torch.empty(self.chunk_tokens, dtype=wire, device=torch_device)
+        self._staged = (
+            torch.empty(self.chunk_tokens, dtype=wire, device=torch_device)
+            if self.n_chunks > 1
+            else None
+        )
+        self._staged_chunk: int | None = None
+        self._staged_ready = None
+        self._id_mask = (1 << (8 * itemsize)) - 1
+        self.step = torch.zeros((), dtype=torch.int64, device=torch_device)
+        self.n_starts = torch.zeros((), dtype=torch.int64, device=torch_device)
+        self._rows = torch.arange(batch_size, device=torch_device)  # (B,)
+        self._offsets = torch.arange(self.window, device=torch_device)  # (T+1,)
+        self.chunk = -1
+        self.set_step(0)
+
+    # ---- sampling: device work only -------------------------------------------------------
+
+    def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of the current step, (B, T) int64 each, then the step counter
+        moves on. Queues device work only: no copy, no sync (safe inside a CUDA graph)."""
+        starts = window_starts(self.seed, self.step, self._rows, self.n_starts)  # (B,)
+        index = starts[:, None] + self._offsets  # (B, T+1)
+        windows = self._active[index].long() & self._id_mask  # (B, T+1) int64 token ids
+        self.step += 1
+        return windows[:, :-1], windows[:, 1:]
+
+    # ---- position: host work between steps ------------------------------------------------
+
+    def chunk_of(self, step: int) -> int:
+        return (step // self.steps_per_chunk) % self.n_chunks
+
+    def set_step(self, step: int) -> None:
+        """Continue from ``step`` (a resumed run): its chunk is made active, the next one
+        starts uploading."""
+        self.step.fill_(step)
+        self._activate(self.chunk_of(step))
+
+    def advance(self, step: int) -> None:
+        """Call before step ``step`` is sampled (outside any captured graph): switches to
+        the next chunk when its turn has come. Costs nothing while the corpus fits."""
+        if self.n_chunks > 1 and self.chunk_of(step) != self.chunk:
+            self._activate(self.chunk_of(step))
+
+    def _activate(self, chunk: int) -> None:
+        if chunk == self.chunk:
+            return
+        stream = self.device.current_stream()
+        if self._staged is not None and self._staged_chunk == chunk:
+            stream.wait_event(self._staged_ready)  # the upload ran while we trained
+            self._active[: self._staged.numel()].copy_(self._staged)
+        else:
+            self._upload(chunk, self._active)
+        self.n_starts.fill_(self._chunk_length(chunk) - self.window + 1)
+        self.chunk = chunk
+        if self._staged is not None:
+            done = self.device.new_event()
+            done.record(stream)  # the staged buffer is free once the copy above has run
+            self._copy_stream.wait_event(done)
+            self._staged_chunk = (chunk + 1) % self.n_chunks
+            self._staged_ready = self._upload(self._staged_chunk, self._staged, self._copy_stream)
+
+    def _chunk_length(self, chunk: int) -> int:
+        start = self._first + chunk * self.chunk_tokens
+        return min(self.chunk_tokens, self._last - start)
+
+    def _upload(self, chunk: int, target: torch.Tensor, stream: Any = None) -> Any:
+        """Copy ``chunk`` of this rank's tokens into ``target`` through pinned buffers, on
+        ``stream`` (default: the current one). Returns the event of its last copy."""
+        stream = stream or self.device.current_stream()
+        start = self._first + chunk * self.chunk_tokens
+        length = self._chunk_length(chunk)
+        if length < self.window:
+            raise GpuflowError(
+                f"chunk {chunk} of the corpus holds {length} tokens, fewer than one window "
+                f"({self.window}); raise the device-memory budget"
+            )
+        itemsize = self.token_dtype.itemsize
+        per_copy = UPLOAD_CHUNK_BYTES // itemsize
+        done = self.device.new_event()
+        pieces = list(self._pieces(start, length, per_copy))
+        bar = progress_bar(counter=DownloadColumn()) if self._show_progress else None
+        task = bar.add_task("uploading tokens", total=length * itemsize) if bar else None
+        if bar:
+            bar.start()
+        try:
+            with self.device.use_stream(stream):
+                for into, array in pieces:
+                    host = self._pool.acquire(array.nbytes, timeout=None)
+                    view = host.bytes[: array.nbytes].view(target.dtype)  # (n,)
+                    view.numpy()[:] = array.view(view.numpy().dtype)
+                    target[into : into + array.size].copy_(view, non_blocking=True)
+                    copied = self.device.new_event()
+                    copied.record(stream)
+                    self._pool.release(host, after=copied)
+                    if bar:
+                        bar.update(task, advance=array.nbytes)
+                done.record(stream)
+        finally:
+            if bar:
+                bar.stop()
+        return done
+
+    def _pieces(self, start: int, length: int, per_copy: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(offset in the chunk, host array) pieces of at most ``per_copy`` tokens."""
+        into = 0
+        position = 0
+        for shard in self._shards:
+            lo, hi = position, position + shard.n_tokens
+            position = hi
+            a, b = max(lo, start), min(hi, start + length)
+            if a >= b:
+                continue
+            body = shard.tokens
+            for piece in range(a, b, per_copy):
+                end = min(b, piece + per_copy)
+                yield into, np.asarray(body[piece - lo : end - lo])
+                into += end - piece
+
+    @property
+    def nbytes(self) -> int:
+        return self._active.nbytes + (self._staged.nbytes if self._staged is not None else 0)
+
+    def close(self) -> None:
+        self.device.synchronize()
+        self._pool.close()
+
+
+def _default_budget(device: Device) -> int:
+    """Half the device's free memory (everything the host has on the cpu)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device.torch)
+        return free // 2
+    return 1 << 62

@@ -309,14 +309,14 @@ def test_streamed_step_budget_holds_on_the_device(accel, prepared, workdir):
     with DeviceLoader(trainer.token_batches(), accel) as loader:
         batches = iter(loader)
         for step in range(3):  # warm-up: the allocator fills its cache
-            trainer.train_step(step, next(batches))
+            trainer.train_step_on_tokens(step, next(batches))
         accel.synchronize()
         for step in range(3, 8):
             limits = budget(
                 h2d_bytes=(2 * ids + 15) // 16 * 16, d2h_bytes=0, syncs=0, device_allocs=0
             )
             with limits:
-                trainer.train_step(step, next(batches))
+                trainer.train_step_on_tokens(step, next(batches))
             totals = limits.ledger.summary().totals
             assert totals.h2d_bytes == 2 * ids and totals.h2d_copies == 1
 
@@ -327,13 +327,13 @@ def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, 
     trainer, _ = _streaming_trainer(accel, prepared, workdir)
 
     def leaky_step(step, batch):
-        loss, grad_norm = trainer.train_step(step, batch)
+        loss, grad_norm = trainer.train_step_on_tokens(step, batch)
         print(f"loss {loss.item():.3f}")  # the stray read
         return loss, grad_norm
 
     with DeviceLoader(trainer.token_batches(), accel) as loader:
         batches = iter(loader)
-        trainer.train_step(0, next(batches))
+        trainer.train_step_on_tokens(0, next(batches))
         with pytest.raises(BudgetExceeded) as caught, budget(syncs=0):
             leaky_step(1, next(batches))
     line = next(

@@ -275,15 +275,24 @@ def test_streamed_training_step_moves_only_its_token_ids(prepared, workdir):
     ids = config.train.batch_size * (config.model.max_len + 1)
     with DeviceLoader(trainer.token_batches(), "cpu") as loader:
         batches = iter(loader)
-        trainer.train_step(0, next(batches))  # warm-up
+        trainer.train_step_on_tokens(0, next(batches))  # warm-up
         for step in range(1, 4):
             with budget(h2d_bytes=(2 * ids + 15) // 16 * 16, d2h_bytes=0, syncs=0, device="cpu"):
-                trainer.train_step(step, next(batches))
+                trainer.train_step_on_tokens(step, next(batches))
 
 
-def test_metrics_log_carries_bus_traffic_per_step(prepared, workdir):
+@pytest.mark.parametrize(("data_path", "bytes_per_id"), [("streamed", 2), ("resident", 0)])
+def test_metrics_log_carries_bus_traffic_per_step(prepared, workdir, data_path, bytes_per_id):
     config = resolve_config(
-        "tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=8", "train.log_interval=4"]
+        "tiny",
+        None,
+        [
+            *FAST,
+            f"data.dir={prepared}",
+            "train.steps=8",
+            "train.log_interval=4",
+            f"train.data_path={data_path}",
+        ],
     )
     result = Trainer(config, workdir / "runs" / "m", Device("cpu")).run()
     records = [
@@ -293,6 +302,6 @@ def test_metrics_log_carries_bus_traffic_per_step(prepared, workdir):
     assert [r["step"] for r in logged] == [4, 8]
     ids = config.train.batch_size * (config.model.max_len + 1)
     for r in logged:
-        assert r["h2d_bytes_per_step"] == 2 * ids  # uint16 ids, one batch
+        assert r["h2d_bytes_per_step"] == bytes_per_id * ids  # uint16 ids, or none at all
         assert r["syncs_per_step"] == 0 and r["device_allocs_per_step"] == 0
         assert r["tokens_per_s"] > 0

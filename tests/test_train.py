@@ -200,3 +200,22 @@ def test_the_largest_preset_trains_on_the_builtin_corpus_shapes(tmp_path, stdlib
     folder = TokenFolder.open(out)
     batches = validation_windows(folder.val, batch_size=64, seq_len=512, max_batches=20)
     assert batches and batches[0].shape == (64, 513)
+
+
+@pytest.mark.parametrize("data_path", ["standard", "streamed", "resident", "resident-graph"])
+def test_every_data_path_trains_tiny_to_a_lower_loss(prepared, workdir, data_path, capsys):
+    config = _config(
+        prepared, "train.steps=30", "train.eval_interval=30", f"train.data_path={data_path}"
+    )
+    result = _train(config, workdir / "runs" / data_path)
+    val = [r["val_loss"] for r in read_metrics(result.run_dir) if "val_loss" in r]
+    assert val[-1] < val[0] - 0.3
+    if data_path == "resident-graph":  # no CUDA graphs on the cpu: said, then run eagerly
+        assert (
+            "resident-graph needs CUDA graphs; running resident eagerly" in capsys.readouterr().err
+        )
+
+
+def test_an_unknown_data_path_is_refused(prepared):
+    with pytest.raises(GpuflowError, match=r"train\.data_path must be one of"):
+        _config(prepared, "train.data_path=teleport")

@@ -217,10 +217,11 @@ class Device:
         elif self.type == "mps":
             torch.mps.synchronize()
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast where the hardware has bf16 matrix units, else a no-op."""
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
+        """bf16 autocast where the hardware has bf16 matrix units, else a no-op. ``cache``
+        False for code captured in a CUDA graph (cached casts would outlive the capture)."""
         if self.supports_bf16_autocast:
-            return torch.autocast(device_type=self.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.type, dtype=torch.bfloat16, cache_enabled=cache)
         return contextlib.nullcontext()
 
     # ---- streams and events ---------------------------------------------------------------

@@ -164,10 +164,19 @@ class AsyncScalars:
 
     def add(self, **values: torch.Tensor) -> None:
         """Accumulate one 0-d device tensor per name; queues device work only, never syncs."""
+        self.accumulate(**values)
+        self._count += 1
+
+    def accumulate(self, **values: torch.Tensor) -> None:
+        """``add`` without counting it: the device work alone, for a CUDA graph to capture;
+        ``count`` then tells how many times it ran."""
         if set(values) != set(self.names):
             raise ValueError(f"add() takes exactly {self.names}, got {tuple(values)}")
         self._sums += torch.stack([values[name].detach().float() for name in self.names])
-        self._count += 1
+
+    def count(self, n: int = 1) -> None:
+        """``n`` more steps were summed by ``accumulate`` (or a graph replaying it)."""
+        self._count += n
 
     def flush(self, tag: int) -> list[tuple[int, dict[str, float]]]:
         """Start copying the means since the last flush (labelled ``tag``) to the host, and

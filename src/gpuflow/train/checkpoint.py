@@ -95,7 +95,7 @@ def save_checkpoint(
         save_file(host_snapshot(model.state_dict()), str(tmp / "model.safetensors"))
         save_file(host_snapshot(optim_tensors), str(tmp / "optimizer.safetensors"))
         groups = [
-            {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            {k: _json_value(v) for k, v in g.items() if k != "params"}
             for g in optim_state["param_groups"]
         ]
         record = {"step": step, "param_groups": groups, **state}
@@ -112,6 +112,13 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _json_value(value: Any) -> Any:
+    """A hyper-parameter as JSON holds it (a learning rate may be a device tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

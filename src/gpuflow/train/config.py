@@ -24,6 +24,8 @@ from typing import Any
 from gpuflow.errors import GpuflowError
 from gpuflow.model import ModelConfig
 
+DATA_PATHS = ("auto", "standard", "streamed", "resident", "resident-graph")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -42,6 +44,9 @@ class TrainConfig:
     checkpoint_interval: int = 1000  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3
     seed: int = 1337
+    # How batches reach the device: auto (resident-graph on CUDA, else resident), standard,
+    # streamed, resident or resident-graph; see gpuflow.train.datapath.
+    data_path: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -59,6 +64,10 @@ class TrainConfig:
             ),
             non_negative=("warmup_steps", "weight_decay", "grad_clip", "seed"),
         )
+        if self.data_path not in DATA_PATHS:
+            raise GpuflowError(
+                f"train.data_path must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise GpuflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
@@ -69,6 +78,15 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     dir: str = ""  # a prepared token folder; empty: the built-in corpus, prepared on first use
+    # Device memory the resident corpus may use, in MB; past it, it streams in chunks.
+    # 0: half the device's free memory.
+    device_budget_mb: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.device_budget_mb < 0:
+            raise GpuflowError(
+                f"data.device_budget_mb must be >= 0 (0: automatic), got {self.device_budget_mb}"
+            )
 
     def resolved_dir(self, vocab_size: int) -> Path:
         from gpuflow.data.prepare import default_data_dir

@@ -50,7 +50,7 @@ def profile_training(
         batches = (trainer.sampler.batch(step) for step in range(first, first + count))
         with DeviceLoader(batches, device) as loader:
             for step, batch in zip(range(first, first + count), loader, strict=True):
-                loss, grad_norm = trainer.train_step(step, batch)
+                loss, grad_norm = trainer.train_step_on_tokens(step, batch)
                 scalars.add(loss=loss, grad_norm=grad_norm)
                 if step == first + count - 1:
                     scalars.flush(step + 1)  # as the logging step does, once per interval

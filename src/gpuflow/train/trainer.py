@@ -1,8 +1,9 @@
 """The pretraining loop: sample, forward, backward, clip, step; log, evaluate, checkpoint.
 
-The steady-state step queues device work only: token ids cross as uint16 through a
-``DeviceLoader`` (packed and copied on a side stream while the previous step computes),
-scalars come back through ``AsyncScalars``, and the learning rate is set before the step.
+The steady-state step queues device work only. Batches come by the run's data path
+(``gpuflow.train.datapath``): by default the corpus is resident on the device and, on CUDA,
+the whole step is one CUDA graph replay (``gpuflow.train.capture``); streamed, token ids
+cross as uint16 through a ``DeviceLoader``. Scalars come back through ``AsyncScalars``.
 Ctrl-C is honoured at the next step boundary with a checkpoint, so an interrupted run
 resumes exactly.
 
@@ -17,8 +18,8 @@ from __future__ import annotations
 import signal
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,13 @@ from gpuflow.data.tokens import TokenFolder
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.ledger import StepTotals, TransferLedger
-from gpuflow.loader import DeviceLoader, upload_tokens
+from gpuflow.loader import upload_tokens
 from gpuflow.mirror import AsyncScalars, read_now
 from gpuflow.model import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, lr_tensor
 from gpuflow.train.config import RunConfig
+from gpuflow.train.datapath import Batches, open_batches, resolve_data_path
 from gpuflow.train.display import TrainDisplay
 from gpuflow.train.optim import build_optimizer, lr_at
 from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
@@ -154,6 +157,7 @@ class Trainer:
         """Model, optimizer and data; the checkpoint restored if resuming. Returns it."""
         cfg, device = self.config, self.device
         data = open_training_data(cfg)
+        self.data = data
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg.model).to(device.torch)
@@ -199,16 +203,32 @@ class Trainer:
         for step in range(self.start_step, self.config.train.steps):
             yield self.sampler.batch(step)
 
-    def train_step(self, step: int, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on ``batch`` (B, T+1) token ids on the device; queues device
-        work only and returns (loss, grad norm), still on the device."""
-        tc = self.config.train
+    @property
+    def resident_budget(self) -> int | None:
+        mb = self.config.data.device_budget_mb
+        return int(mb * 1e6) if mb > 0 else None
+
+    def train_step(
+        self, step: int, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on (B, T) int64 ``inputs`` and ``targets`` on the device;
+        queues device work only and returns (loss, grad norm), still on the device."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, tc)
-        tokens = batch.long()  # (B, T+1) int64: widened on the device, never on the bus
+            group["lr"] = lr_at(step, self.config.train)
         with self.device.autocast():
-            loss = self.model(tokens[:, :-1], tokens[:, 1:])
+            loss = self.model(inputs, targets)
+        return self._backward_and_update(loss)
+
+    def train_step_on_tokens(
+        self, step: int, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``train_step`` on a (B, T+1) batch of token ids (any integer type) on the device."""
+        tokens = batch.long()  # widened on the device, never on the bus
+        return self.train_step(step, tokens[:, :-1], tokens[:, 1:])
+
+    def _backward_and_update(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss.backward()
+        tc = self.config.train
         if tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         else:
@@ -216,6 +236,61 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def stepper(
+        self,
+        mode: str,
+        batches: Batches,
+        scalars: AsyncScalars,
+        draw: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> Callable[[int], None]:
+        """A function that runs training step ``step`` of ``mode`` (device work only; the
+        loss of eager steps is kept in ``last_loss``). ``draw`` replaces the batches with
+        fixed (inputs, targets): the benchmark's pre-placed synthetic batch."""
+        self.last_loss: torch.Tensor | None = None
+        if mode != "resident-graph":
+
+            def eager(step: int) -> None:
+                inputs, targets = draw() if draw else batches.inputs(step)
+                self.last_loss, grad_norm = self.train_step(step, inputs, targets)
+                scalars.add(loss=self.last_loss, grad_norm=grad_norm)
+
+            return eager
+
+        # The optimizer reads the learning rate from a device tensor the step itself writes,
+        # from a device step counter: the resident corpus's, or one of its own.
+        self._lr = torch.zeros((), device=self.device.torch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        tokens = getattr(batches, "tokens", None)
+        counter = torch.full((), self.start_step, dtype=torch.int64, device=self.device.torch)
+
+        def body() -> None:
+            step_now = tokens.step if draw is None else counter
+            self._lr.copy_(lr_tensor(step_now, self.config.train))
+            inputs, targets = tokens.sample() if draw is None else draw()
+            if draw is not None:
+                counter.add_(1)
+            with self.device.autocast(cache=False):
+                loss = self.model(inputs, targets)
+            loss, grad_norm = self._backward_and_update(loss)
+            scalars.accumulate(loss=loss, grad_norm=grad_norm)
+
+        graph = CapturedStep(body)
+
+        def captured(step: int) -> None:
+            """The first few steps eagerly on a side stream, then one capture, then replays."""
+            if tokens is not None and draw is None:
+                tokens.advance(step)  # a chunk switch happens here, outside the graph
+            if step - self.start_step < WARMUP_STEPS:
+                graph.warm_up(1)
+            else:
+                if graph.graph is None:
+                    graph.capture()
+                graph.replay()
+            scalars.count()
+
+        return captured
 
     def _evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read)."""
@@ -235,7 +310,8 @@ class Trainer:
                 "torch": ckpt.encode_tensor(torch.get_rng_state()),
                 "device": ckpt.encode_tensor(device_rng) if device_rng is not None else None,
             },
-            "data": {"sampler": "window-v1", "seed": tc.seed, "next_step": step},
+            # Every data path draws step s's batch from (seed, s): the step is the position.
+            "data": {"path": self._mode, "seed": tc.seed, "next_step": step},
             "tokens_seen": step * self.tokens_per_step,
         }
         return ckpt.save_checkpoint(
@@ -259,11 +335,14 @@ class Trainer:
         pending: dict[int, dict[str, Any]] = {}
         stop = _StopFlag()
         step = self.start_step
+        device = self.device
+        mode, why = resolve_data_path(tc.data_path, device)
+        self._mode = mode
 
         with (
             TrainDisplay(tc.steps, self.start_step) as display,
             MetricsLog(self.run_dir) as metrics,
-            DeviceLoader(self.token_batches(), self.device, depth=2) as loader,
+            open_batches(mode, self, step, tc.steps) as batches,
             stop.installed(),
         ):
 
@@ -275,24 +354,26 @@ class Trainer:
                 for tag, means in results:
                     emit({"step": tag, **means, **pending.pop(tag)})
 
+            display.note(f"data path: {mode}" + (f" ({why})" if why else ""))
             if latest is not None:
                 display.note(f"resumed {self.run_dir} at step {step} from {latest.name}")
             else:  # the untrained baseline, so the curve shows what was learnt
                 emit({"step": 0, "val_loss": self._evaluate()})
             throughput.restart()  # time training, not setup
 
-            batches = iter(loader)
-            bus: dict[str, float] = {}  # the interval's sampled step, per _BusSample
+            step_fn = self.stepper(mode, batches, scalars)
+            bus: dict[str, float] = {}  # the interval's sampled step, per _bus_fields
             while step < tc.steps:
-                if tc.log_interval > 1 and step % tc.log_interval == 0:
-                    # One step per interval runs under the ledger, untimed (it is slower).
-                    with throughput.paused(), TransferLedger(self.device) as ledger:
-                        loss, grad_norm = self.train_step(step, next(batches))
-                        scalars.add(loss=loss, grad_norm=grad_norm)
+                sampled = tc.log_interval > 1 and step % tc.log_interval == 0
+                # One step per interval runs under the ledger, untimed (it is slower).
+                with (
+                    throughput.paused() if sampled else nullcontext(),
+                    TransferLedger(device) if sampled else nullcontext() as ledger,
+                ):
+                    step_fn(step)
+                if sampled:
                     bus = _bus_fields(ledger.summary().totals)
                 else:
-                    loss, grad_norm = self.train_step(step, next(batches))
-                    scalars.add(loss=loss, grad_norm=grad_norm)
                     throughput.step()
                 step += 1
                 is_last = step == tc.steps
@@ -301,14 +382,15 @@ class Trainer:
                 checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
                 if step % tc.log_interval == 0 or checkpoint_now:
                     rate = throughput.close_interval()
-                    if bus:  # the readback is paid once per interval: spread it over it
-                        with TransferLedger(self.device) as flush_ledger:
-                            results = scalars.flush(step)
+                    # The logging step's readback is paid once per interval: spread over it.
+                    with TransferLedger(device) if bus else nullcontext() as flush_ledger:
+                        if batches.reads_loss_each_log and self.last_loss is not None:
+                            self.last_loss.item()  # what a standard loop does to print it
+                        results = scalars.flush(step)
+                    if bus:
                         flushed = flush_ledger.summary().totals
                         bus["d2h_bytes_per_step"] += flushed.d2h_bytes / tc.log_interval
                         bus["syncs_per_step"] += flushed.syncs / tc.log_interval
-                    else:
-                        results = scalars.flush(step)
                     pending[step] = {
                         "lr": lr_at(step - 1, tc),
                         "tokens_per_s": rate,

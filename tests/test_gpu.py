@@ -397,3 +397,83 @@ def test_every_kind_of_host_wait_is_counted_on_the_device(accel):
     ]
     downloads = [e for e in ledger.events if e.kind == "d2h"]
     assert sum(e.nbytes for e in downloads) >= 2 * 32  # tolist and cpu: 32 bytes each
+
+
+# ---- the resident corpus and the captured step ------------------------------------------------
+
+
+def _losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def test_captured_and_eager_steps_give_the_same_losses(accel, prepared, workdir):
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
+    runs = {}
+    for mode in ("resident", "resident-graph"):
+        config = resolve_config("tiny", None, [*sets, f"train.data_path={mode}"])
+        trainer = Trainer(config, workdir / "runs" / mode, accel)
+        trainer.run()
+        runs[mode] = trainer
+    eager, captured = (_losses(workdir / "runs" / m) for m in ("resident", "resident-graph"))
+    assert len(eager) == len(captured) == 20
+    assert captured == pytest.approx(eager, rel=2e-2)  # bf16 autocast: same kernels, same data
+    # The schedule kept moving inside the graph: the device learning rate is the last step's.
+    from gpuflow.train.optim import lr_at
+
+    graph_lr = runs["resident-graph"]._lr.item()
+    tc = runs["resident-graph"].config.train
+    assert graph_lr == pytest.approx(lr_at(19, tc), rel=1e-5)
+    assert graph_lr != pytest.approx(lr_at(3, tc), rel=1e-3)  # the lr at capture time
+
+
+def test_resident_graph_steps_move_nothing_and_never_wait(accel, prepared, workdir):
+    from gpuflow.budgets import budget
+    from gpuflow.mirror import AsyncScalars
+    from gpuflow.train.datapath import open_batches
+
+    config = resolve_config(
+        "tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=40", "train.log_interval=5"]
+    )
+    trainer = Trainer(config, workdir / "runs" / "g", accel)
+    result = trainer.run()
+    logged = [r for r in read_metrics(result.run_dir) if "loss" in r]
+    assert logged and all(r["h2d_bytes_per_step"] == 0 for r in logged)
+    assert all(r["syncs_per_step"] == 0 and r["device_allocs_per_step"] == 0 for r in logged)
+
+    trainer = Trainer(config, workdir / "runs" / "g2", accel)
+    trainer.build(resume=False)
+    scalars = AsyncScalars(Trainer.SCALARS, accel)
+    with open_batches("resident-graph", trainer, 0, 40) as batches:
+        step_fn = trainer.stepper("resident-graph", batches, scalars)
+        for step in range(6):  # warm-up and capture
+            step_fn(step)
+        for step in range(6, 12):
+            with budget(h2d_bytes=0, d2h_bytes=0, syncs=0, device_allocs=0):
+                step_fn(step)
+
+
+def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdir):
+    from gpuflow.data.resident import ResidentTokens
+    from gpuflow.data.tokens import TokenFolder
+
+    # 10,240 bytes: two buffers of 2,560 uint16 tokens, 10 steps of 8 x 32 tokens each.
+    budget_mb = 0.01024
+    shards = TokenFolder.open(prepared).train
+    tokens = ResidentTokens(shards, accel, 8, 32, budget_bytes=int(budget_mb * 1e6))
+    assert (tokens.chunk_tokens, tokens.steps_per_chunk) == (2560, 10) and tokens.n_chunks > 6
+    for mode in ("resident", "resident-graph"):
+        config = resolve_config(
+            "tiny",
+            None,
+            [
+                *FAST,
+                f"data.dir={prepared}",
+                "train.steps=60",
+                "train.eval_interval=60",
+                f"train.data_path={mode}",
+                f"data.device_budget_mb={budget_mb}",
+            ],
+        )
+        result = Trainer(config, workdir / "runs" / mode, accel).run()  # six chunk switches
+        val = [r["val_loss"] for r in read_metrics(result.run_dir) if "val_loss" in r]
+        assert val[-1] < val[0] - 0.3, mode

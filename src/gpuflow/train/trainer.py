@@ -262,6 +262,7 @@ class Trainer:
         self._lr = torch.zeros((), device=self.device.torch)
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr
+            group["capturable"] = True  # fused AdamW keeps its step counts on the device
         tokens = getattr(batches, "tokens", None)
         counter = torch.full((), self.start_step, dtype=torch.int64, device=self.device.torch)
 

@@ -284,3 +284,30 @@ def test_bench_transfer_runs_and_writes_json(workdir):
     assert record["small_tensors"]["tensors"] == 200
     assert record["flat_memory"]["flat"] is True
     assert "targets" in result.stdout and str(files[0].relative_to(workdir)) in result.stdout
+
+
+def test_bench_train_measures_each_data_path_and_writes_json(workdir, prepared):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    result = gpuflow_cli(
+        "bench", "train", "--preset", "tiny", "--modes", "streamed,resident",
+        "--steps", "3", "--warmup", "1", "--device", "cpu", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [path] = (workdir / "benchmarks" / "results").glob("train-*.json")
+    record = json.loads(path.read_text())
+    rows = {row["mode"]: row for row in record["rows"]}
+    assert set(rows) == {"streamed", "resident", "resident (synthetic batch)"}
+    ids = 8 * 33  # FAST: batch 8, windows of 32 + 1
+    assert rows["streamed"]["h2d_bytes_per_step"] == 2 * ids
+    assert rows["resident"]["h2d_bytes_per_step"] == 0
+    assert all(row["tokens_per_s"] > 0 and row["syncs_per_step"] == 0 for row in rows.values())
+    assert str(path.relative_to(workdir)) in result.stdout
+
+
+def test_bench_train_refuses_an_unknown_mode(workdir):
+    result = gpuflow_cli("bench", "train", "--modes", "teleport", "--device", "cpu", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: unknown data path 'teleport' in --modes; choose from standard, streamed, "
+        "resident, resident-graph"
+    )

@@ -261,20 +261,42 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from gpuflow.bench.common import write_result
-    from gpuflow.bench.transfer import (
-        TransferBenchConfig,
-        print_transfer_tables,
-        run_transfer_bench,
-    )
     from gpuflow.console import out_console
     from gpuflow.device import Device
 
     device = Device.resolve(args.device)
-    config = TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
-    out_console.print(f"bench transfer on {device} ({device.name()})")
-    results = run_transfer_bench(device, config)
-    print_transfer_tables(results)
-    path = write_result("transfer", device, results, args.out)
+    out_console.print(f"bench {args.bench} on {device} ({device.name()})")
+    if args.bench == "transfer":
+        from gpuflow.bench.transfer import (
+            TransferBenchConfig,
+            print_transfer_tables,
+            run_transfer_bench,
+        )
+
+        config = TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
+        results = run_transfer_bench(device, config)
+        print_transfer_tables(results)
+    else:
+        from gpuflow.bench.train import MODES, TrainBenchConfig, print_train_table, run_train_bench
+
+        modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else MODES
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise GpuflowError(
+                f"unknown data path {unknown[0]!r} in --modes; choose from {', '.join(MODES)}"
+            )
+        if args.steps < 1:
+            raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+        bench = TrainBenchConfig(
+            preset=args.preset,
+            modes=modes,
+            timed=args.steps,
+            warmup=args.warmup,
+            overrides=tuple(args.set or ()),
+        )
+        results = run_train_bench(device, bench)
+        print_train_table(results)
+    path = write_result(args.bench, device, results, args.out)
     out_console.print(f"results: {path}")
     return 0
 
@@ -366,6 +388,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.set_defaults(func=cmd_bench)
+    p = bench.add_parser(
+        "train",
+        help="each data path (standard, streamed, resident, resident-graph) on one model: "
+        "tokens/s, MFU, bytes, syncs and cudaMalloc per step",
+    )
+    p.add_argument("--preset", default="seed-d384", help="the model and batch (default seed-d384)")
+    p.add_argument("--modes", help="comma-separated data paths (default: all of them)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per mode (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument(
+        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.add_argument("--out", help="results folder (default: benchmarks/results)")
     p.set_defaults(func=cmd_bench)
 

@@ -1,0 +1,180 @@
+"""``gpuflow bench train``: every data path on the same model and data, in one process.
+
+For each mode (``gpuflow.train.datapath``) a fresh model from the same seed trains
+``warmup`` untimed steps, ``timed`` steps between two device synchronisations (tokens/s and
+MFU), then one logging interval under the transfer ledger (bytes each way, host syncs and
+cudaMalloc calls per step, the interval's scalar readback included). The same step on a
+pre-placed synthetic batch (the batch drawn once and reused: no data path at all), eager and
+captured, shows each mode's data-path overhead as a percentage.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuflow.console import err_console
+from gpuflow.device import Device
+from gpuflow.ledger import TransferLedger
+from gpuflow.mirror import AsyncScalars
+from gpuflow.train.config import RunConfig, resolve_config
+from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.trainer import Trainer
+
+MODES = ("standard", "streamed", "resident", "resident-graph")
+
+
+@dataclass(frozen=True)
+class TrainBenchConfig:
+    preset: str = "seed-d384"
+    modes: tuple[str, ...] = MODES
+    warmup: int = 10
+    timed: int = 50
+    overrides: tuple[str, ...] = ()
+
+
+def _measure(
+    config: RunConfig,
+    device: Device,
+    mode: str,
+    run_dir: Path,
+    warmup: int,
+    timed: int,
+    synthetic: bool = False,
+) -> dict[str, Any]:
+    tc = config.train
+    trainer = Trainer(config, run_dir, device)
+    trainer.build(resume=False)
+    scalars = AsyncScalars(Trainer.SCALARS, device)
+    counted = tc.log_interval
+    total = warmup + timed + counted
+    with open_batches(mode, trainer, 0, total) as batches:
+        draw: Callable[[], Any] | None = None
+        if synthetic:  # one batch, drawn before the clock starts and reused by every step
+            fixed = tuple(t.clone() for t in batches.inputs(0))
+            draw = lambda: fixed  # noqa: E731
+        step_fn = trainer.stepper(mode, batches, scalars, draw)
+
+        def one(step: int) -> None:
+            step_fn(step)
+            if (step + 1) % tc.log_interval == 0:  # the logging step, as train does it
+                if batches.reads_loss_each_log and trainer.last_loss is not None:
+                    trainer.last_loss.item()
+                scalars.flush(step + 1)
+
+        for step in range(warmup):
+            one(step)
+        device.synchronize()
+        started = time.perf_counter()
+        for step in range(warmup, warmup + timed):
+            one(step)
+        device.synchronize()
+        seconds = time.perf_counter() - started
+        with TransferLedger(device) as ledger:
+            for step in range(warmup + timed, total):
+                one(step)
+        scalars.drain(total)
+    totals = ledger.summary().totals
+    rate = timed * trainer.tokens_per_step / seconds
+    return {
+        "mode": mode + (" (synthetic batch)" if synthetic else ""),
+        "tokens_per_s": rate,
+        "step_ms": seconds * 1e3 / timed,
+        "mfu": trainer._mfu(rate),
+        "h2d_bytes_per_step": totals.h2d_bytes / counted,
+        "d2h_bytes_per_step": totals.d2h_bytes / counted,
+        "syncs_per_step": totals.syncs / counted,
+        "device_allocs_per_step": totals.device_allocs / counted,
+    }
+
+
+def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
+    steps = bench.warmup + bench.timed + 100  # the schedule's length: every step in warmup+cosine
+    config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        plan = [(mode, False) for mode in bench.modes]
+        plan += [("resident", True)]
+        if device.type == "cuda":
+            plan += [("resident-graph", True)]
+        for mode, synthetic in plan:
+            run_mode, why = resolve_data_path(mode, device)
+            if why:
+                skipped[mode] = why
+                continue
+            label = f"{mode}{' on a synthetic batch' if synthetic else ''}"
+            with err_console.status(f"measuring {label}..."):
+                rows.append(
+                    _measure(
+                        config,
+                        device,
+                        run_mode,
+                        Path(scratch) / f"{mode}-{synthetic}",
+                        bench.warmup,
+                        bench.timed,
+                        synthetic,
+                    )
+                )
+    by_mode = {row["mode"]: row for row in rows}
+    standard = by_mode.get("standard")
+    for row in rows:
+        if standard:
+            row["vs_standard"] = row["tokens_per_s"] / standard["tokens_per_s"]
+        base = "resident-graph" if row["mode"].startswith("resident-graph") else "resident"
+        reference = by_mode.get(f"{base} (synthetic batch)")
+        if reference and "synthetic" not in row["mode"]:
+            row["data_path_overhead"] = reference["tokens_per_s"] / row["tokens_per_s"] - 1
+    return {
+        "preset": bench.preset,
+        "config": {"warmup": bench.warmup, "timed": bench.timed, "overrides": bench.overrides},
+        "batch_size": config.train.batch_size,
+        "seq_len": config.model.max_len,
+        "rows": rows,
+        "skipped": skipped,
+        "not_built": {"naive": "the seed's before-pipeline is not rebuilt yet"},
+    }
+
+
+def print_train_table(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from gpuflow.console import out_console
+
+    table = Table(
+        "data path",
+        "tokens/s",
+        "MFU",
+        "h2d B/step",
+        "d2h B/step",
+        "syncs/step",
+        "cudaMalloc/step",
+        "vs standard",
+        "data-path overhead",
+        title=(
+            f"{result['preset']} (B {result['batch_size']}, T {result['seq_len']}): "
+            "each data path, same model and data"
+        ),
+    )
+    for row in result["rows"]:
+        mfu = row.get("mfu")
+        overhead = row.get("data_path_overhead")
+        vs = row.get("vs_standard")
+        table.add_row(
+            row["mode"],
+            f"{row['tokens_per_s']:,.0f}",
+            f"{mfu:.1%}" if mfu is not None else "-",
+            f"{row['h2d_bytes_per_step']:,.0f}",
+            f"{row['d2h_bytes_per_step']:,.1f}",
+            f"{row['syncs_per_step']:g}",
+            f"{row['device_allocs_per_step']:g}",
+            f"{vs:.2f}x" if vs is not None else "-",
+            f"{overhead:+.1%}" if overhead is not None else "",
+        )
+    out_console.print(table)
+    for mode, why in {**result["skipped"], **result["not_built"]}.items():
+        out_console.print(f"{mode}: {why}")

@@ -47,6 +47,9 @@ class TrainConfig:
     # How batches reach the device: auto (resident-graph on CUDA, else resident), standard,
     # streamed, resident or resident-graph; see gpuflow.train.datapath.
     data_path: str = "auto"
+    # Compile the model's forward and backward with torch.compile (CUDA only: it needs
+    # Triton). It takes a minute at start-up and pays off in long runs.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -161,6 +161,15 @@ class Trainer:
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg.model).to(device.torch)
+        # The training step's forward (and so its backward); evaluation stays eager.
+        self.forward = self.model
+        if cfg.train.compile:
+            if device.type != "cuda":
+                raise GpuflowError(
+                    f"train.compile needs CUDA (torch.compile's Triton kernels); {device} "
+                    "trains eagerly without it: drop --set train.compile=true"
+                )
+            self.forward = torch.compile(self.model)
         self.optimizer = build_optimizer(self.model, cfg.train, device)
         self._no_clip = torch.zeros((), device=device.torch)  # the grad norm without clipping
         self.start_step = 0
@@ -216,7 +225,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.config.train)
         with self.device.autocast():
-            loss = self.model(inputs, targets)
+            loss = self.forward(inputs, targets)
         return self._backward_and_update(loss)
 
     def train_step_on_tokens(
@@ -273,7 +282,7 @@ class Trainer:
             if draw is not None:
                 counter.add_(1)
             with self.device.autocast(cache=False):
-                loss = self.model(inputs, targets)
+                loss = self.forward(inputs, targets)
             loss, grad_norm = self._backward_and_update(loss)
             scalars.accumulate(loss=loss, grad_norm=grad_norm)
 

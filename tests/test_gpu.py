@@ -480,3 +480,16 @@ def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdi
         result = Trainer(config, workdir / "runs" / mode, accel).run()  # six chunk switches
         val = [r["val_loss"] for r in read_metrics(result.run_dir) if "val_loss" in r]
         assert val[-1] < val[0] - 0.3, mode
+
+
+def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, workdir):
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
+    losses = {}
+    for name, extra in (("eager", ["train.data_path=resident"]),
+                        ("compiled", ["train.data_path=resident-graph", "train.compile=true"])):  # fmt: skip
+        config = resolve_config("tiny", None, [*sets, *extra])
+        trainer = Trainer(config, workdir / "runs" / name, accel)
+        trainer.run()
+        assert (trainer.forward is not trainer.model) == (name == "compiled")
+        losses[name] = _losses(workdir / "runs" / name)
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=5e-2)

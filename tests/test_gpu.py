@@ -485,8 +485,11 @@ def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdi
 def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, workdir):
     sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
     losses = {}
-    for name, extra in (("eager", ["train.data_path=resident"]),
-                        ("compiled", ["train.data_path=resident-graph", "train.compile=true"])):  # fmt: skip
+    runs = {
+        "eager": ["train.data_path=resident"],
+        "compiled": ["train.data_path=resident-graph", "train.compile=true"],
+    }
+    for name, extra in runs.items():
         config = resolve_config("tiny", None, [*sets, *extra])
         trainer = Trainer(config, workdir / "runs" / name, accel)
         trainer.run()

@@ -18,6 +18,7 @@ _EXPORTS = {
     "HostMirror": "gpuflow.mirror",
     "PinnedPool": "gpuflow.pinned",
     "Ragged": "gpuflow.packing",
+    "ResidentTokens": "gpuflow.data.resident",
     "TransferLedger": "gpuflow.ledger",
     "budget": "gpuflow.budgets",
     "pack": "gpuflow.packing",

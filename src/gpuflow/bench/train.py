@@ -20,7 +20,7 @@ from typing import Any
 from gpuflow.console import err_console
 from gpuflow.device import Device
 from gpuflow.ledger import TransferLedger
-from gpuflow.mirror import AsyncScalars
+from gpuflow.mirror import AsyncScalars, read_now
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
@@ -63,7 +63,7 @@ def _measure(
             step_fn(step)
             if (step + 1) % tc.log_interval == 0:  # the logging step, as train does it
                 if batches.reads_loss_each_log and trainer.last_loss is not None:
-                    trainer.last_loss.item()
+                    read_now(trainer.last_loss)
                 scalars.flush(step + 1)
 
         for step in range(warmup):
@@ -84,7 +84,7 @@ def _measure(
         "mode": mode + (" (synthetic batch)" if synthetic else ""),
         "tokens_per_s": rate,
         "step_ms": seconds * 1e3 / timed,
-        "mfu": trainer._mfu(rate),
+        "mfu": trainer.mfu(rate),
         "h2d_bytes_per_step": totals.h2d_bytes / counted,
         "d2h_bytes_per_step": totals.d2h_bytes / counted,
         "syncs_per_step": totals.syncs / counted,

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from gpuflow.atomic import fsync_dir
 from gpuflow.errors import GpuflowError
-from gpuflow.mirror import host_snapshot
+from gpuflow.mirror import host_snapshot, read_now
 from gpuflow.model import check_state_shapes
 
 STEP_PREFIX = "step_"
@@ -117,7 +117,7 @@ def save_checkpoint(
 def _json_value(value: Any) -> Any:
     """A hyper-parameter as JSON holds it (a learning rate may be a device tensor)."""
     if isinstance(value, torch.Tensor):
-        return value.item()
+        return read_now(value)[0]
     return list(value) if isinstance(value, tuple) else value
 
 

@@ -326,7 +326,7 @@ class Trainer:
             self.run_dir, step, self.model, self.optimizer, state, tc.keep_checkpoints
         )
 
-    def _mfu(self, tokens_per_s: float | None) -> float | None:
+    def mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or not self._peak_flops:
             return None
         return tokens_per_s * self._flops_per_token / self._peak_flops
@@ -393,7 +393,7 @@ class Trainer:
                     # The logging step's readback is paid once per interval: spread over it.
                     with TransferLedger(device) if bus else nullcontext() as flush_ledger:
                         if batches.reads_loss_each_log and self.last_loss is not None:
-                            self.last_loss.item()  # what a standard loop does to print it
+                            read_now(self.last_loss)  # what a standard loop does to print it
                         results = scalars.flush(step)
                     if bus:
                         flushed = flush_ledger.summary().totals
@@ -402,7 +402,7 @@ class Trainer:
                     pending[step] = {
                         "lr": lr_at(step - 1, tc),
                         "tokens_per_s": rate,
-                        "mfu": self._mfu(rate),
+                        "mfu": self.mfu(rate),
                         "elapsed_s": time.perf_counter() - started,
                         **bus,
                     }
@@ -432,5 +432,5 @@ class Trainer:
             device=self.device.describe(),
             parameters=self.model.parameter_count(),
             tokens_per_s=median_rate,
-            mfu=self._mfu(median_rate),
+            mfu=self.mfu(median_rate),
         )

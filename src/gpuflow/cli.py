@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "profile",
-        help="training steps under the profiler and the transfer ledger: trace, timeline, metrics",
+        help="streamed training steps under the profiler and the transfer ledger: trace, "
+        "timeline, metrics",
     )
     p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")

@@ -1,6 +1,7 @@
 """``gpuflow profile``: training steps under the profiler and the ledger, then a report.
 
-Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's streamed training loop
+Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's training loop on the
+streamed data path (the one whose batches cross the bus, whatever ``train.data_path`` says)
 under the ledger and the profiler (the cross-check and the per-step counts), then ``steps``
 more under the profiler alone (the timing: the ledger slows the host), and writes:
 - ``trace.json``: the profiler's trace of the timed steps (Perfetto / chrome://tracing);

@@ -308,6 +308,6 @@ def test_bench_train_refuses_an_unknown_mode(workdir):
     result = gpuflow_cli("bench", "train", "--modes", "teleport", "--device", "cpu", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: unknown data path 'teleport' in --modes; choose from standard, streamed, "
+        "error: unknown data path 'teleport' in --modes; choose from naive, standard, streamed, "
         "resident, resident-graph"
     )

@@ -496,3 +496,25 @@ def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, wor
         assert (trainer.forward is not trainer.model) == (name == "compiled")
         losses[name] = _losses(workdir / "runs" / name)
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=5e-2)
+
+
+def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared, workdir):
+    from gpuflow.ledger import TransferLedger
+    from gpuflow.mirror import AsyncScalars
+    from gpuflow.train.datapath import open_batches
+
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=4"])
+    trainer = Trainer(config, workdir / "runs" / "naive", accel)
+    trainer.build(resume=False)
+    scalars = AsyncScalars(Trainer.SCALARS, accel)
+    with open_batches("naive", trainer, 0, 4) as batches:
+        step_fn = trainer.stepper("naive", batches, scalars)
+        step_fn(0)
+        with TransferLedger(accel) as ledger:
+            step_fn(1)
+    totals = ledger.summary().totals
+    B, T, C = 8, 32, 64
+    tables = (512 + 32) * C * 4  # both embedding tables in fp32, every sequence
+    assert totals.d2h_bytes >= B * tables
+    assert totals.h2d_bytes >= B * T * C * 4  # the embeddings go up, one sequence at a time
+    assert totals.syncs >= 3 * B  # two downloads and a loss read per sequence, at least

@@ -202,7 +202,9 @@ def test_the_largest_preset_trains_on_the_builtin_corpus_shapes(tmp_path, stdlib
     assert batches and batches[0].shape == (64, 513)
 
 
-@pytest.mark.parametrize("data_path", ["standard", "streamed", "resident", "resident-graph"])
+@pytest.mark.parametrize(
+    "data_path", ["naive", "standard", "streamed", "resident", "resident-graph"]
+)
 def test_every_data_path_trains_tiny_to_a_lower_loss(prepared, workdir, data_path, capsys):
     config = _config(
         prepared, "train.steps=30", "train.eval_interval=30", f"train.data_path={data_path}"

@@ -243,6 +243,12 @@ def host_snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def host_copy_now(tensor: torch.Tensor) -> torch.Tensor:
+    """A blocking host copy of a whole device tensor, into pageable memory: what a naive
+    loop does to look at device data (kept for baselines; never in the hot path)."""
+    return tensor.detach().to("cpu")
+
+
 def read_now(tensor: torch.Tensor) -> list:
     """A blocking read of a small device tensor as a flat Python list: for evaluation and
     end-of-run results, never for the training step's hot path."""

@@ -107,9 +107,19 @@ class GPT(nn.Module):
         """Final hidden states for token ids ``idx`` of shape (B, T), T <= max_len."""
         T = idx.shape[1]
         x = self.wte(idx) + self.wpe(self.positions[:T])  # (B, T, C): the lookup is on-device
+        return self.trunk(x)
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks and final norm on embeddings ``x`` (B, T, C)."""
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)  # (B, T, C)
+
+    def loss_from_embeddings(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``forward`` from embeddings computed elsewhere (the naive data path's host
+        lookup): x (B, T, C), targets (B, T)."""
+        logits = F.linear(self.trunk(x), self.wte.weight)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of ``idx`` (B, T) against ``targets``."""

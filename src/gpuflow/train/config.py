@@ -24,7 +24,7 @@ from typing import Any
 from gpuflow.errors import GpuflowError
 from gpuflow.model import ModelConfig
 
-DATA_PATHS = ("auto", "standard", "streamed", "resident", "resident-graph")
+DATA_PATHS = ("auto", "naive", "standard", "streamed", "resident", "resident-graph")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class TrainConfig:
     checkpoint_interval: int = 1000  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3
     seed: int = 1337
-    # How batches reach the device: auto (resident-graph on CUDA, else resident), standard,
-    # streamed, resident or resident-graph; see gpuflow.train.datapath.
+    # How batches reach the device: auto (resident-graph on CUDA, else resident), naive,
+    # standard, streamed, resident or resident-graph; see gpuflow.train.datapath.
     data_path: str = "auto"
     # Compile the model's forward and backward with torch.compile where it can run (CUDA:
     # Triton kernels); elsewhere the model runs eagerly. Costs tens of seconds at start-up.

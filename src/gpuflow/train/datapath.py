@@ -1,5 +1,8 @@
 """How each training step gets its batch: the data-path modes of ``train.data_path``.
 
+- ``naive``: the pipeline this project replaces (``gpuflow.train.naive``): each sequence on
+  its own, the embedding tables downloaded and the lookup done on the host, blocking
+  uploads, the loss read after every sequence, no device memory caching.
 - ``standard``: what most PyTorch code does (nanoGPT's ``get_batch``): the batch sampled on
   the host, widened to int64 there (8 bytes per token), pinned per batch, copied with
   ``non_blocking``; the loss read with ``.item()`` at every logging step.
@@ -61,6 +64,16 @@ class StandardBatches(Batches):
         return tokens[:, :-1], tokens[:, 1:]
 
 
+class NaiveBatches(Batches):
+    reads_loss_each_log = True
+
+    def __init__(self, sampler: WindowSampler) -> None:
+        self.sampler = sampler
+
+    def host_tokens(self, step: int) -> np.ndarray:
+        return self.sampler.batch(step).astype(np.int64)  # (B, T+1), on the host
+
+
 class StreamedBatches(Batches):
     def __init__(self, sampler: WindowSampler, device: Device, start: int, stop: int) -> None:
         self.loader = DeviceLoader((sampler.batch(s) for s in range(start, stop)), device)
@@ -95,6 +108,8 @@ class ResidentBatches(Batches):
 def open_batches(mode: str, trainer: Any, start: int, stop: int) -> Batches:
     """The ``Batches`` of ``mode`` for ``trainer``'s data, from step ``start``."""
     cfg = trainer.config
+    if mode == "naive":
+        return NaiveBatches(trainer.sampler)
     if mode == "standard":
         return StandardBatches(trainer.sampler, trainer.device)
     if mode == "streamed":

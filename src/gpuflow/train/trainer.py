@@ -42,6 +42,7 @@ from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, lr_tensor
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import Batches, open_batches, resolve_data_path
 from gpuflow.train.display import TrainDisplay
+from gpuflow.train.naive import naive_gradients
 from gpuflow.train.optim import build_optimizer, lr_at
 from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
 
@@ -235,6 +236,10 @@ class Trainer:
 
     def _backward_and_update(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         loss.backward()
+        return loss, self._update()
+
+    def _update(self) -> torch.Tensor:
+        """Clip, step and clear the gradients; returns the grad norm (on the device)."""
         tc = self.config.train
         if tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
@@ -242,7 +247,7 @@ class Trainer:
             grad_norm = self._no_clip
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm
+        return grad_norm
 
     def stepper(
         self,
@@ -255,6 +260,15 @@ class Trainer:
         loss of eager steps is kept in ``last_loss``). ``draw`` replaces the batches with
         fixed (inputs, targets): the benchmark's pre-placed synthetic batch."""
         self.last_loss: torch.Tensor | None = None
+        if mode == "naive":
+
+            def naive(step: int) -> None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr_at(step, self.config.train)
+                self.last_loss = naive_gradients(self, batches.host_tokens(step))
+                scalars.add(loss=self.last_loss, grad_norm=self._update())
+
+            return naive
         if mode != "resident-graph":
 
             def eager(step: int) -> None:

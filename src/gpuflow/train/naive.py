@@ -1,0 +1,49 @@
+"""The ``naive`` data path: the slow pipeline this project exists to replace, rebuilt in
+PyTorch so that its cost is measured beside ours on the same model.
+
+Each sequence of the batch is processed on its own. For each, the token and position
+embedding tables are downloaded to the host (about 25 MB for seed-d384), the embedding is
+looked up there, and the (T, C) result is uploaded with a blocking copy from pageable
+memory; the loss is read back after every sequence, and the device's memory cache is
+emptied, so every sequence allocates afresh. The embedding's gradient is added back into
+the tables on the device, so the model still learns what the other paths learn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpuflow.mirror import host_copy_now, read_now
+
+
+def naive_gradients(trainer: Any, host_tokens: np.ndarray) -> torch.Tensor:
+    """Forward and backward of every sequence of ``host_tokens`` (B, T+1) int64 on its own,
+    the naive way; returns the batch's mean loss. The optimizer step is the caller's."""
+    model, device = trainer.model, trainer.device
+    batch, window = host_tokens.shape
+    T = window - 1
+    total = torch.zeros((), device=device.torch)
+    for row in range(batch):
+        wte = host_copy_now(model.wte.weight)  # (V, C): the whole table, downloaded
+        wpe = host_copy_now(model.wpe.weight)  # (max_len, C)
+        ids = torch.from_numpy(host_tokens[row])  # (T+1,)
+        embedded = wte[ids[:-1]] + wpe[:T]  # (T, C), looked up on the host
+        x = embedded.to(device.torch).requires_grad_(True)  # blocking, from pageable memory
+        targets = ids[1:].to(device.torch)  # (T,)
+        with device.autocast():
+            loss = model.loss_from_embeddings(x[None], targets[None])
+        (loss / batch).backward()
+        # The embedding's gradient goes back into the tables, on the device.
+        for param in (model.wte.weight, model.wpe.weight):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        model.wte.weight.grad.index_add_(0, ids[:-1].to(device.torch), x.grad)
+        model.wpe.weight.grad[:T].add_(x.grad)
+        read_now(loss)  # every sequence's loss, read at once
+        total += loss.detach() / batch
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # no memory caching: the next sequence allocates anew
+    return total

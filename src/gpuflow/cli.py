@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
     p = bench.add_parser(
         "train",
-        help="each data path (standard, streamed, resident, resident-graph) on one model: "
+        help="each data path (naive, standard, streamed, resident, resident-graph) on one model: "
         "tokens/s, MFU, bytes, syncs and cudaMalloc per step",
     )
     p.add_argument("--preset", default="seed-d384", help="the model and batch (default seed-d384)")

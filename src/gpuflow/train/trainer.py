@@ -286,11 +286,15 @@ class Trainer:
             group["capturable"] = True  # fused AdamW keeps its step counts on the device
         tokens = getattr(batches, "tokens", None)
         counter = torch.full((), self.start_step, dtype=torch.int64, device=self.device.torch)
+        sample = tokens.sample if tokens is not None else None
+        if sample is not None and self.forward is not self.model:
+            # Compiled, the draw's dozen small kernels (hash, gather, widen) fuse into a few.
+            sample = torch.compile(sample)
 
         def body() -> None:
             step_now = tokens.step if draw is None else counter
             self._lr.copy_(lr_tensor(step_now, self.config.train))
-            inputs, targets = tokens.sample() if draw is None else draw()
+            inputs, targets = sample() if draw is None else draw()
             if draw is not None:
                 counter.add_(1)
             with self.device.autocast(cache=False):

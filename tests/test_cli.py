@@ -311,3 +311,20 @@ def test_bench_train_refuses_an_unknown_mode(workdir):
         "error: unknown data path 'teleport' in --modes; choose from naive, standard, streamed, "
         "resident, resident-graph"
     )
+
+
+def test_profile_writes_trace_timeline_and_counts(workdir, prepared):
+    sets = [
+        a for s in (*FAST, f"data.dir={prepared}", "train.data_path=streamed") for a in ("--set", s)
+    ]
+    result = gpuflow_cli(
+        "profile", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu",
+        "--out", "prof", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("trace.json", "timeline.png", "profile.json"):
+        assert (workdir / "prof" / name).stat().st_size > 0
+    record = json.loads((workdir / "prof" / "profile.json").read_text())
+    assert record["data_path"] == "streamed" and record["steps"] == 2
+    assert record["metrics"]["h2d_bytes_per_batch"] == 2 * 8 * 33  # uint16 ids, one batch
+    assert record["metrics"]["syncs_per_batch"] == 0

@@ -350,7 +350,9 @@ def test_profile_command_writes_a_trace_and_its_copies_agree(accel, prepared, wo
 
     from gpuflow.train.profile import profile_training
 
-    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}"])
+    config = resolve_config(
+        "tiny", None, [*FAST, f"data.dir={prepared}", "train.data_path=streamed"]
+    )
     out = workdir / "profile"
     result = profile_training(config, out, accel, steps=4, warmup=2)
     for name in ("trace.json", "timeline.png", "profile.json"):
@@ -518,3 +520,15 @@ def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared,
     assert totals.d2h_bytes >= B * tables
     assert totals.h2d_bytes >= B * T * C * 4  # the embeddings go up, one sequence at a time
     assert totals.syncs >= 3 * B  # two downloads and a loss read per sequence, at least
+
+
+def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdir):
+    from gpuflow.train.profile import profile_training
+
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}"])
+    result = profile_training(config, workdir / "profile-graph", accel, steps=4, warmup=4)
+    assert result["data_path"] == "resident-graph"
+    rows = {row["kind"]: row for row in result["crosscheck"]}
+    assert rows["h2d"]["ledger_copies"] == rows["h2d"]["profiler_copies"] == 0
+    m = result["metrics"]
+    assert m["h2d_bytes_per_batch"] == 0 and m["syncs_per_batch"] == 0 and m["step_ms"] > 0

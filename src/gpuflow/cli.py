@@ -205,9 +205,8 @@ def _print_profile(result: dict[str, Any]) -> None:
     def fraction(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
 
-    table = Table(
-        "metric", "value", title=f"{result['preset']}: {steps} profiled steps (per-step medians)"
-    )
+    title = f"{result['preset']}, {result['data_path']}: {steps} profiled steps (medians)"
+    table = Table("metric", "value", title=title)
     rows = [
         ("step time (device)", f"{m['step_ms']:.2f} ms"),
         ("host->device per step", f"{m['h2d_bytes_per_batch']:,.0f} B"),
@@ -408,8 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "profile",
-        help="streamed training steps under the profiler and the transfer ledger: trace, "
-        "timeline, metrics",
+        help="training steps under the profiler and the transfer ledger: trace, timeline, metrics",
     )
     p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")

@@ -1,14 +1,14 @@
 """``gpuflow profile``: training steps under the profiler and the ledger, then a report.
 
-Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's training loop on the
-streamed data path (the one whose batches cross the bus, whatever ``train.data_path`` says)
+Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's training loop on its
+data path (``train.data_path``: ``--set train.data_path=streamed`` to watch batches cross)
 under the ledger and the profiler (the cross-check and the per-step counts), then ``steps``
 more under the profiler alone (the timing: the ledger slows the host), and writes:
 - ``trace.json``: the profiler's trace of the timed steps (Perfetto / chrome://tracing);
 - ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
 - ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
   the transfer metrics (``gpuflow.metrics``); per-batch figures are medians over the steps
-  (the loader's closing wait lands in a step of its own after the last).
+  (a loader's closing wait lands in a step of its own after the last).
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.atomic import write_text_atomic
+from gpuflow.console import err_console
 from gpuflow.crosscheck import DeviceTrace, Interval, ProfiledLedger
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.linkprobe import probe_link
-from gpuflow.loader import DeviceLoader
 from gpuflow.metrics import TransferMetrics, from_activity
 from gpuflow.mirror import AsyncScalars
 from gpuflow.train.config import RunConfig, apply_overrides
+from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
 
 
@@ -44,15 +45,18 @@ def profile_training(
     scalars = AsyncScalars(Trainer.SCALARS, device)
     peak = probe_link(device).get("h2d_pinned")
 
+    mode, why = resolve_data_path(config.train.data_path, device)
+    if why:
+        err_console.print(why)
+
     def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
-        """Steps ``first`` .. ``first + count - 1`` through a loader of their own, so that
-        every copy they use is made inside the region (a loader running since an earlier
-        region would have prefetched its first batches before the profiler started)."""
-        batches = (trainer.sampler.batch(step) for step in range(first, first + count))
-        with DeviceLoader(batches, device) as loader:
-            for step, batch in zip(range(first, first + count), loader, strict=True):
-                loss, grad_norm = trainer.train_step_on_tokens(step, batch)
-                scalars.add(loss=loss, grad_norm=grad_norm)
+        """Steps ``first`` .. ``first + count - 1`` of the run's data path, with batches of
+        their own: every copy they use is made inside the region (a loader running since an
+        earlier region would have prefetched its first batches before the profiler started)."""
+        with open_batches(mode, trainer, first, first + count) as batches:
+            step_fn = trainer.stepper(mode, batches, scalars)
+            for step in range(first, first + count):
+                step_fn(step)
                 if step == first + count - 1:
                     scalars.flush(step + 1)  # as the logging step does, once per interval
                 after_step()
@@ -81,6 +85,7 @@ def profile_training(
     )
     result = {
         "preset": config.preset,
+        "data_path": mode,
         "device": device.describe(),
         "steps": steps,
         "warmup": warmup,

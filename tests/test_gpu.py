@@ -529,6 +529,6 @@ def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdi
     result = profile_training(config, workdir / "profile-graph", accel, steps=4, warmup=4)
     assert result["data_path"] == "resident-graph"
     rows = {row["kind"]: row for row in result["crosscheck"]}
-    assert rows["h2d"]["ledger_copies"] == rows["h2d"]["profiler_copies"] == 0
+    assert rows["h2d"]["ledger_copies"] == rows["h2d"]["profiler_copies"] == 0  # uploaded before
     m = result["metrics"]
     assert m["h2d_bytes_per_batch"] == 0 and m["syncs_per_batch"] == 0 and m["step_ms"] > 0

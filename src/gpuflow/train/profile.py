@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,29 +50,41 @@ def profile_training(
     if why:
         err_console.print(why)
 
-    def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
-        """Steps ``first`` .. ``first + count - 1`` of the run's data path, with batches of
-        their own: every copy they use is made inside the region (a loader running since an
-        earlier region would have prefetched its first batches before the profiler started)."""
-        with open_batches(mode, trainer, first, first + count) as batches:
-            step_fn = trainer.stepper(mode, batches, scalars)
-            for step in range(first, first + count):
-                step_fn(step)
-                if step == first + count - 1:
-                    scalars.flush(step + 1)  # as the logging step does, once per interval
-                after_step()
-        scalars.drain(first + count)
+    total = warmup + 2 * steps
+    with ExitStack() as stack:
+        # A streamed pass gets a loader of its own, so that every copy its steps use is made
+        # inside the region (a loader running since an earlier region would have prefetched
+        # its first batches before the profiler started). Other paths upload or capture once,
+        # before the regions, and keep their batches.
+        shared = None
+        if mode != "streamed":
+            shared = stack.enter_context(open_batches(mode, trainer, 0, total))
+            shared_step = trainer.stepper(mode, shared, scalars)
 
-    train(0, warmup)
-    # Counting every operation slows the host, so the ledger and the timing get a pass each:
-    # first the ledger inside the profiler (the cross-check), then the profiler alone.
-    with tempfile.TemporaryDirectory() as scratch:
-        counted = ProfiledLedger(Path(scratch) / "trace.json", device)
-        with counted:
-            train(warmup, steps, counted.step)
-    timed = DeviceTrace(out_dir / "trace.json", device)
-    with timed:
-        train(warmup + steps, steps)
+        def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
+            with ExitStack() as own:
+                if shared is None:
+                    batches = own.enter_context(open_batches(mode, trainer, first, first + count))
+                    step_fn = trainer.stepper(mode, batches, scalars)
+                else:
+                    step_fn = shared_step
+                for step in range(first, first + count):
+                    step_fn(step)
+                    if step == first + count - 1:
+                        scalars.flush(step + 1)  # as the logging step does, once per interval
+                    after_step()
+            scalars.drain(first + count)
+
+        train(0, warmup)
+        # Counting every operation slows the host, so the ledger and the timing get a pass
+        # each: first the ledger inside the profiler (the cross-check), then the profiler alone.
+        with tempfile.TemporaryDirectory() as scratch:
+            counted = ProfiledLedger(Path(scratch) / "trace.json", device)
+            with counted:
+                train(warmup, steps, counted.step)
+        timed = DeviceTrace(out_dir / "trace.json", device)
+        with timed:
+            train(warmup + steps, steps)
 
     summary = counted.ledger.summary()
     totals = summary.totals

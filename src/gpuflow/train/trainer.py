@@ -7,7 +7,7 @@ cross as uint16 through a ``DeviceLoader``. Scalars come back through ``AsyncSca
 Ctrl-C is honoured at the next step boundary with a checkpoint, so an interrupted run
 resumes exactly.
 
-The first step of each logging interval runs under a ``TransferLedger`` (and is left out of
+The last step of each logging interval runs under a ``TransferLedger`` (and is left out of
 tokens/s, the ledger slowing it): its host->device and device->host bytes, host syncs and
 cudaMalloc calls go into metrics.jsonl and the progress display, the interval's scalar
 readback spread over the interval's steps.
@@ -388,10 +388,16 @@ class Trainer:
             throughput.restart()  # time training, not setup
 
             step_fn = self.stepper(mode, batches, scalars)
+            # Steps that compile or capture are warm-up, not what a step costs: none of them
+            # is sampled (and compiling under the ledger's dispatch mode is best avoided).
+            warm = self.start_step
+            if mode == "resident-graph" or self.forward is not self.model:
+                warm += WARMUP_STEPS + 1
             bus: dict[str, float] = {}  # the interval's sampled step, per _bus_fields
             while step < tc.steps:
-                sampled = tc.log_interval > 1 and step % tc.log_interval == 0
-                # One step per interval runs under the ledger, untimed (it is slower).
+                # The last step of each interval runs under the ledger, untimed (it is slower).
+                sampled = tc.log_interval > 1 and (step + 1) % tc.log_interval == 0
+                sampled = sampled and step >= warm
                 with (
                     throughput.paused() if sampled else nullcontext(),
                     TransferLedger(device) if sampled else nullcontext() as ledger,

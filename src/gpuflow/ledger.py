@@ -51,15 +51,21 @@ from gpuflow.device import Device, HostEvent, HostStream
 COPY_KINDS = ("h2d", "d2h", "d2d")
 
 # Operations whose result size depends on device data: the host waits for the device.
+_aten = torch.ops.aten
+_ITEM = _aten._local_scalar_dense.default
+_TO_COPY = _aten._to_copy.default
+_COPY = _aten.copy_.default
 _DATA_DEPENDENT = {
-    "aten.nonzero.default": "nonzero",
-    "aten.masked_select.default": "masked_select",
-    "aten._unique2.default": "unique",
-    "aten.unique_dim.default": "unique",
-    "aten.unique_consecutive.default": "unique_consecutive",
-    "aten.repeat_interleave.Tensor": "repeat_interleave without output_size",
+    _aten.nonzero.default: "nonzero",
+    _aten.masked_select.default: "masked_select",
+    _aten._unique2.default: "unique",
+    _aten.unique_dim.default: "unique",
+    _aten.unique_consecutive.default: "unique_consecutive",
+    _aten.repeat_interleave.Tensor: "repeat_interleave without output_size",
 }
-_MASK_INDEXING = ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
+_MASK_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
+# Every other operation passes straight through.
+_WATCHED = {_ITEM, _TO_COPY, _COPY, *_DATA_DEPENDENT, *_MASK_INDEXING}
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _GPUFLOW_DIR = Path(__file__).parent
@@ -280,17 +286,18 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func)
-        if name == "aten._local_scalar_dense.default" and _is_device(args[0]):
+        if func not in _WATCHED:
+            return func(*args, **kwargs)
+        if func is _ITEM and _is_device(args[0]):
             self._copy("d2h", args[0], args[0].element_size(), "item", True, False)
-        elif name in _DATA_DEPENDENT and any(_is_device(a) for a in args):
-            _record_sync(_DATA_DEPENDENT[name])
-        elif name in _MASK_INDEXING and _is_device(args[0]) and _has_mask(args[1]):
+        elif func in _DATA_DEPENDENT and any(_is_device(a) for a in args):
+            _record_sync(_DATA_DEPENDENT[func])
+        elif func in _MASK_INDEXING and _is_device(args[0]) and _has_mask(args[1]):
             _record_sync("boolean-mask indexing")
         out = func(*args, **kwargs)
-        if name == "aten._to_copy.default":
+        if func is _TO_COPY:
             self._transfer(args[0], out, kwargs.get("non_blocking", False), "to")
-        elif name == "aten.copy_.default":
+        elif func is _COPY:
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             self._transfer(args[1], args[0], non_blocking, "copy_")
         return out

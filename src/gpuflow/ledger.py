@@ -202,11 +202,17 @@ class _Allocator:
         }
 
     def delta(self) -> dict[str, int]:
+        """The counters since the last delta (reserved bytes: as they are now)."""
         now = self.read()
-        out = {k: v - self.last.get(k, 0) for k, v in now.items() if k != "reserved_bytes"}
-        if now:
-            out["reserved_bytes"] = now["reserved_bytes"]
+        out = self.between(self.last, now)
         self.last = now
+        return out
+
+    @staticmethod
+    def between(start: dict[str, int], end: dict[str, int]) -> dict[str, int]:
+        out = {k: v - start.get(k, 0) for k, v in end.items() if k != "reserved_bytes"}
+        if end:
+            out["reserved_bytes"] = end["reserved_bytes"]
         return out
 
 
@@ -459,12 +465,8 @@ class TransferLedger:
         return list(self._events)
 
     def summary(self, top: int = 5) -> LedgerSummary:
-        start, end = self._region_start, getattr(self, "_region_end", None)
-        if end is None:
-            end = self._allocator.read()
-        allocator = {k: v - start.get(k, 0) for k, v in end.items() if k != "reserved_bytes"}
-        if end:
-            allocator["reserved_bytes"] = end["reserved_bytes"]
+        end = getattr(self, "_region_end", None) or self._allocator.read()
+        allocator = _Allocator.between(self._region_start, end)
         by_bytes: Counter[str] = Counter()
         by_syncs: Counter[str] = Counter()
         for e in self._events:

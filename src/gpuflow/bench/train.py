@@ -20,7 +20,7 @@ from typing import Any
 from gpuflow.console import err_console
 from gpuflow.device import Device
 from gpuflow.ledger import TransferLedger
-from gpuflow.mirror import AsyncScalars, read_now
+from gpuflow.mirror import AsyncScalars
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
@@ -62,9 +62,7 @@ def _measure(
         def one(step: int) -> None:
             step_fn(step)
             if (step + 1) % tc.log_interval == 0:  # the logging step, as train does it
-                if batches.reads_loss_each_log and trainer.last_loss is not None:
-                    read_now(trainer.last_loss)
-                scalars.flush(step + 1)
+                trainer.log_readback(batches, scalars, step + 1)
 
         for step in range(warmup):
             one(step)

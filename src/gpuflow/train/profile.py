@@ -67,11 +67,11 @@ def profile_training(
                     batches = own.enter_context(open_batches(mode, trainer, first, first + count))
                     step_fn = trainer.stepper(mode, batches, scalars)
                 else:
-                    step_fn = shared_step
+                    batches, step_fn = shared, shared_step
                 for step in range(first, first + count):
                     step_fn(step)
-                    if step == first + count - 1:
-                        scalars.flush(step + 1)  # as the logging step does, once per interval
+                    if step == first + count - 1:  # one logging step per pass, as train does
+                        trainer.log_readback(batches, scalars, step + 1)
                     after_step()
             scalars.drain(first + count)
 

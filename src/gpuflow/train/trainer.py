@@ -221,11 +221,14 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on (B, T) int64 ``inputs`` and ``targets`` on the device;
         queues device work only and returns (loss, grad norm), still on the device."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.config.train)
+        self._set_lr(step)
         with self.device.autocast():
             loss = self.forward(inputs, targets)
         return self._backward_and_update(loss)
+
+    def _set_lr(self, step: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.config.train)
 
     def train_step_on_tokens(
         self, step: int, batch: torch.Tensor
@@ -263,8 +266,7 @@ class Trainer:
         if mode == "naive":
 
             def naive(step: int) -> None:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr_at(step, self.config.train)
+                self._set_lr(step)
                 self.last_loss = naive_gradients(self, batches.host_tokens(step))
                 scalars.add(loss=self.last_loss, grad_norm=self._update())
 
@@ -317,6 +319,15 @@ class Trainer:
             scalars.count()
 
         return captured
+
+    def log_readback(
+        self, batches: Batches, scalars: AsyncScalars, step: int
+    ) -> list[tuple[int, dict[str, float]]]:
+        """What a logging step reads back: the scalars' flush (no wait), and for the paths
+        that do it, the loss read at once, as a standard loop prints it."""
+        if batches.reads_loss_each_log and self.last_loss is not None:
+            read_now(self.last_loss)
+        return scalars.flush(step)
 
     def _evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read)."""
@@ -416,9 +427,7 @@ class Trainer:
                     rate = throughput.close_interval()
                     # The logging step's readback is paid once per interval: spread over it.
                     with TransferLedger(device) if bus else nullcontext() as flush_ledger:
-                        if batches.reads_loss_each_log and self.last_loss is not None:
-                            read_now(self.last_loss)  # what a standard loop does to print it
-                        results = scalars.flush(step)
+                        results = self.log_readback(batches, scalars, step)
                     if bus:
                         flushed = flush_ledger.summary().totals
                         bus["d2h_bytes_per_step"] += flushed.d2h_bytes / tc.log_interval

@@ -3,7 +3,8 @@
 Only token ids ever cross the bus: the token and position tables, the lookup and their sum
 all live where the model lives (the fix the seed's trainer needed for its 768 MB of embedding
 downloads per batch). Pre-LayerNorm blocks, causal attention through
-``scaled_dot_product_attention``, a GELU MLP and an output head tied to the token table.
+``scaled_dot_product_attention``, a GELU MLP and an output head tied to the token table,
+its cross-entropy fused with it (``gpuflow.head``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuflow.errors import GpuflowError
+from gpuflow.head import linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,14 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final hidden states for token ids ``idx`` of shape (B, T), T <= max_len."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings (B, T, C) of ids ``idx`` (B, T), T <= max_len."""
         T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(self.positions[:T])  # (B, T, C): the lookup is on-device
-        return self.trunk(x)
+        return self.wte(idx) + self.wpe(self.positions[:T])  # the lookup is on-device
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, C) for token ids ``idx`` (B, T)."""
+        return self.trunk(self.embed(idx))
 
     def trunk(self, x: torch.Tensor) -> torch.Tensor:
         """The blocks and final norm on embeddings ``x`` (B, T, C)."""
@@ -118,13 +123,13 @@ class GPT(nn.Module):
     def loss_from_embeddings(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``forward`` from embeddings computed elsewhere (the naive data path's host
         lookup): x (B, T, C), targets (B, T)."""
-        logits = F.linear(self.trunk(x), self.wte.weight)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return linear_cross_entropy(
+            self.trunk(x).flatten(0, 1), self.wte.weight, targets.flatten()
+        )  # head tied to wte
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of ``idx`` (B, T) against ``targets``."""
-        logits = F.linear(self.hidden(idx), self.wte.weight)  # (B, T, V), head tied to wte
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.loss_from_embeddings(self.embed(idx), targets)
 
     def next_token_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits for the token after ``idx`` (B, T): shape (B, V), in fp32."""

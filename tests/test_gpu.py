@@ -498,6 +498,10 @@ def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, wor
         assert (trainer.forward is not trainer.model) == (name == "compiled")
         losses[name] = _losses(workdir / "runs" / name)
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=5e-2)
+    # The compiled schedule inside the graph left the last step's learning rate.
+    from gpuflow.train.optim import lr_at
+
+    assert trainer._lr.item() == pytest.approx(lr_at(19, trainer.config.train), rel=1e-5)
 
 
 def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared, workdir):
@@ -532,3 +536,71 @@ def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdi
     assert rows["h2d"]["ledger_copies"] == rows["h2d"]["profiler_copies"] == 0  # uploaded before
     m = result["metrics"]
     assert m["h2d_bytes_per_batch"] == 0 and m["syncs_per_batch"] == 0 and m["step_ms"] > 0
+
+
+@pytest.mark.parametrize("vocab", [1000, 16000, 50304])  # one pass, one pass, two passes
+def test_the_fused_head_kernel_matches_fp32_cross_entropy(accel, vocab):
+    import torch.nn.functional as F
+
+    from gpuflow.head import linear_cross_entropy
+
+    g = torch.Generator(device=accel.torch).manual_seed(0)
+    hidden = torch.randn(512, 64, device=accel.torch, generator=g)
+    weight = torch.randn(vocab, 64, device=accel.torch, generator=g) * 0.3
+    targets = torch.randint(0, vocab, (512,), device=accel.torch, generator=g)
+
+    def run(fn, autocast):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(accel.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(h, w, targets)
+        (2 * loss).backward()
+        return loss.detach(), h.grad, w.grad
+
+    reference = run(lambda h, w, y: F.cross_entropy(F.linear(h, w), y), autocast=False)
+    torch._dynamo.reset()  # compiled for this vocab alone, as the trainer compiles per model
+    for fn in (linear_cross_entropy, torch.compile(linear_cross_entropy)):
+        got = run(fn, autocast=True)
+        for a, b in zip(got, reference, strict=True):
+            assert a.dtype == b.dtype == torch.float32
+            # bf16 products against fp32 ones: about 3 significant digits
+            assert (a - b).abs().max() <= 1e-2 * b.abs().max(), vocab
+
+
+def test_clipping_inside_fused_adamw_matches_clip_grad_norm(accel, prepared, workdir):
+    from gpuflow.train.optim import build_optimizer
+
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.grad_clip=0.05"])
+    trainer = Trainer(config, workdir / "runs" / "clip", accel)
+    trainer.build(resume=False)
+    assert trainer.optimizer.defaults["fused"]
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    batch = trainer.val_batches[0]
+
+    def one_step(update) -> dict[str, torch.Tensor]:
+        """From the same weights and batch, fresh AdamW state, one update."""
+        trainer.model.load_state_dict(start)
+        trainer.model.zero_grad(set_to_none=True)
+        with accel.autocast():
+            trainer.model(batch[:, :-1], batch[:, 1:]).backward()
+        trainer.optimizer = build_optimizer(trainer.model, config.train, accel)
+        for group in trainer.optimizer.param_groups:
+            group["eps"] = 1.0  # Adam's first step is lr * g / (|g| + eps): scale-sensitive
+        update()
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    norms = []
+    ours = one_step(lambda: norms.append(trainer._update()))  # factor passed as grad_scale
+
+    def reference() -> None:
+        norms.append(torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 0.05))
+        trainer.optimizer.step()
+
+    clipped = one_step(reference)
+    unclipped = one_step(lambda: trainer.optimizer.step())
+    assert norms[0].item() == pytest.approx(norms[1].item(), rel=1e-4)
+    assert norms[0].item() > 0.05 * 2  # clipping was active
+    differs = 0
+    for name, value in clipped.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-7)
+        differs += int(not torch.allclose(unclipped[name], value, rtol=1e-3, atol=1e-6))
+    assert differs > 0

@@ -28,5 +28,5 @@ for a in device_activity(trace):
 busy = sum(total.values())
 per_step = sum(count.values()) / steps
 print(f"kernels: {per_step:.0f} per step, {busy / steps / 1e3:.3f} ms busy per step")
-for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:20]:
+for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:45]:
     print(f"{us / steps:9.1f} us/step {us / busy:6.1%} x{count[name] // steps:<3} {name}")

@@ -1,0 +1,95 @@
+"""Probe: the captured training step with and without the fused head and the clip in AdamW.
+
+before: F.linear + F.cross_entropy head, clip_grad_norm_ (a pass over the gradients);
+head: gpuflow.head.linear_cross_entropy, clip_grad_norm_;
+head+clip: the fused head and the clip's factor passed to fused AdamW as grad_scale;
+main: head+clip with inductor's combo kernels (what the trainer does);
+cdt: main with inductor's coordinate-descent tuning of its own kernels;
+flash: main with cuDNN's attention turned off (flash attention instead);
+autotune: main with inductor's matrix-product autotuning.
+Variants alternate over two rounds in one process, resident-graph, compiled.
+
+PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [variants]
+    [key=value ...]
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import gpuflow.model as model_module
+from gpuflow.bench.train import _measure
+from gpuflow.device import Device
+from gpuflow.train.config import resolve_config
+from gpuflow.train.trainer import Trainer
+
+fused_head = model_module.linear_cross_entropy
+fused_update = Trainer._update
+
+
+def stock_head(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float(), y)
+
+
+def stock_update(self):
+    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+    self.optimizer.step()
+    self.optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+plain_compile = torch.compile
+
+
+def compile_with(**extra):
+    """torch.compile with the trainer's options plus ``extra``."""
+
+    def compile_fn(fn, options=None, **kwargs):
+        return plain_compile(fn, options={**(options or {}), **extra}, **kwargs)
+
+    return compile_fn
+
+
+# label: (head, update, compile, cuDNN attention allowed)
+VARIANTS = {
+    "before": (stock_head, stock_update, compile_with(combo_kernels=False), True),
+    "head": (fused_head, stock_update, compile_with(combo_kernels=False), True),
+    "head+clip": (fused_head, fused_update, compile_with(combo_kernels=False), True),
+    "main": (fused_head, fused_update, plain_compile, True),
+    "cdt": (fused_head, fused_update, compile_with(coordinate_descent_tuning=True), True),
+    "flash": (fused_head, fused_update, plain_compile, False),
+    "autotune": (fused_head, fused_update, compile_with(max_autotune=True), True),
+}
+
+preset = sys.argv[1]
+out = sys.argv[2] if len(sys.argv) > 2 else None
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else ["before", "main"]
+overrides = sys.argv[5:]
+config = resolve_config(preset, None, [*overrides, "train.steps=200"])
+device = Device.resolve("auto")
+rows = []
+with tempfile.TemporaryDirectory() as scratch:
+    for r in range(rounds):
+        for label in chosen:
+            head_fn, update_fn, compile_fn, cudnn = VARIANTS[label]
+            model_module.linear_cross_entropy = head_fn
+            Trainer._update = update_fn
+            torch.compile = compile_fn
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            row = _measure(config, device, "resident-graph", Path(scratch) / f"{label}{r}", 10, 50)
+            row.update(variant=label, round=r)
+            print(
+                f"{label:10s} round {r}: {row['tokens_per_s']:,.0f} tok/s "
+                f"{row['step_ms']:.3f} ms/step MFU {row['mfu']:.1%}",
+                flush=True,
+            )
+            rows.append(row)
+            if out:  # after every row: a later variant may run past the time limit
+                Path(out).write_text(
+                    json.dumps({"preset": preset, "overrides": overrides, "rows": rows}, indent=1)
+                )

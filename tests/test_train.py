@@ -221,3 +221,23 @@ def test_every_data_path_trains_tiny_to_a_lower_loss(prepared, workdir, data_pat
 def test_an_unknown_data_path_is_refused(prepared):
     with pytest.raises(GpuflowError, match=r"train\.data_path must be one of"):
         _config(prepared, "train.data_path=teleport")
+
+
+def test_interval_throughput_leaves_pauses_out():
+    import time
+
+    from gpuflow.train.trainer import _Throughput
+
+    throughput = _Throughput(tokens_per_step=1000, device=Device.resolve("cpu"))
+    throughput.restart()
+    for _ in range(2):
+        time.sleep(0.05)  # a 50 ms step
+        throughput.step()
+    with throughput.paused():  # an evaluation: not training time
+        time.sleep(0.2)
+    rate = throughput.rate(throughput.close_interval())
+    assert 2000 / 0.2 < rate <= 2000 / 0.1  # 2 steps in 0.1 s (+ overhead), pause excluded
+    with throughput.paused():  # an interval whose only step ran under the ledger
+        time.sleep(0.01)
+    assert throughput.rate(throughput.close_interval()) is None
+    assert throughput.rates == [rate]

@@ -46,10 +46,10 @@ from gpuflow.train.naive import naive_gradients
 from gpuflow.train.optim import build_optimizer, lr_at
 from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
 
-# At seed-d384's size the step is made of small kernels (benchmarks/NOTES.md): inductor
-# launches independent ones (the weights' bf16 casts, say) as one, +2.7% tokens/s, and tunes
-# the block shapes of its own kernels on this device, +1.3% (its results are cached on disk).
-COMPILE_OPTIONS = {"combo_kernels": True, "coordinate_descent_tuning": True}
+# At seed-d384's size the step is made of small kernels: inductor launches independent ones
+# (the weights' bf16 casts, say) as one, +2.7% tokens/s (benchmarks/NOTES.md, where tuning
+# inductor's kernels is left out: +1% for 95 s more of compiling).
+COMPILE_OPTIONS = {"combo_kernels": True}
 
 
 @dataclass
@@ -100,34 +100,70 @@ class _StopFlag:
             signal.signal(signal.SIGINT, previous)
 
 
-class _Throughput:
-    """Tokens/s per logging interval, with evaluation and checkpoint pauses left out."""
+@dataclass
+class _Interval:
+    """One logging interval's timing: device events at its ends and around its pauses."""
 
-    def __init__(self, tokens_per_step: int) -> None:
+    steps: int
+    start: Any
+    end: Any
+    pauses: list[tuple[Any, Any]]
+
+    def seconds(self) -> float:
+        """Device time between the ends less the pauses; the end must have been reached."""
+        ms = self.start.elapsed_time(self.end)
+        ms -= sum(begin.elapsed_time(finish) for begin, finish in self.pauses)
+        return max(ms, 1e-6) / 1e3
+
+
+class _Throughput:
+    """Tokens/s per logging interval, timed by device events, evaluation, checkpoints and the
+    ledger's sampled step left out.
+
+    A host clock would time the host's queueing: with a captured step the host runs up to
+    two intervals ahead of the device, and an interval's clock reading could be many times
+    the device's rate. Events recorded on the device's stream at the interval's ends are
+    read once its scalars have landed, which is after the device has passed them.
+    """
+
+    def __init__(self, tokens_per_step: int, device: Device) -> None:
         self.tokens_per_step = tokens_per_step
+        self.device = device
         self.rates: list[float] = []
         self.restart()
 
+    def _now(self) -> Any:
+        event = self.device.new_event(timing=True)
+        event.record()
+        return event
+
     def restart(self) -> None:
-        self._clock, self._steps = time.perf_counter(), 0
+        self._start, self._steps, self._pauses = self._now(), 0, []
 
     def step(self) -> None:
         self._steps += 1
 
-    def close_interval(self) -> float:
-        now = time.perf_counter()
-        rate = self._steps * self.tokens_per_step / max(now - self._clock, 1e-9)
+    def close_interval(self) -> _Interval:
+        interval = _Interval(self._steps, self._start, self._now(), self._pauses)
+        self._start, self._steps, self._pauses = interval.end, 0, []
+        return interval
+
+    def rate(self, interval: _Interval) -> float | None:
+        """The interval's tokens/s, once the device has passed its end (None: no timed step
+        in it, its only step the ledger's)."""
+        if not interval.steps:
+            return None
+        rate = interval.steps * self.tokens_per_step / interval.seconds()
         self.rates.append(rate)
-        self._clock, self._steps = now, 0
         return rate
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        started = time.perf_counter()
+        begin = self._now()
         try:
             yield
         finally:
-            self._clock += time.perf_counter() - started
+            self._pauses.append((begin, self._now()))
 
     def steady_median(self) -> float | None:
         steady = self.rates[1:] or self.rates  # the first interval pays for warm-up
@@ -384,7 +420,7 @@ class Trainer:
         started = time.perf_counter()
         latest = self.build(resume)
         scalars = AsyncScalars(self.SCALARS, self.device)
-        throughput = _Throughput(self.tokens_per_step)
+        throughput = _Throughput(self.tokens_per_step, self.device)
         # Per logging step, its lr and timing, held until its scalars land on the host.
         pending: dict[int, dict[str, Any]] = {}
         stop = _StopFlag()
@@ -406,7 +442,17 @@ class Trainer:
 
             def publish(results: list[tuple[int, dict[str, float]]]) -> None:
                 for tag, means in results:
-                    emit({"step": tag, **means, **pending.pop(tag)})
+                    fields = pending.pop(tag)
+                    rate = throughput.rate(fields.pop("interval"))  # its scalars landed
+                    emit(
+                        {
+                            "step": tag,
+                            **means,
+                            **fields,
+                            "tokens_per_s": rate,
+                            "mfu": self.mfu(rate),
+                        }
+                    )
 
             display.note(f"data path: {mode}" + (f" ({why})" if why else ""))
             if latest is not None:
@@ -441,7 +487,7 @@ class Trainer:
                 # A checkpoint also closes a logging interval: metrics are whole up to it.
                 checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
                 if step % tc.log_interval == 0 or checkpoint_now:
-                    rate = throughput.close_interval()
+                    interval = throughput.close_interval()
                     # The logging step's readback is paid once per interval: spread over it.
                     with TransferLedger(device) if bus else nullcontext() as flush_ledger:
                         results = self.log_readback(batches, scalars, step)
@@ -451,16 +497,16 @@ class Trainer:
                         bus["syncs_per_step"] += flushed.syncs / tc.log_interval
                     pending[step] = {
                         "lr": lr_at(step - 1, tc),
-                        "tokens_per_s": rate,
-                        "mfu": self.mfu(rate),
+                        "interval": interval,  # timed when its scalars land
                         "elapsed_s": time.perf_counter() - started,
                         **bus,
                     }
                     bus = {}
                     publish(results)
                     display.step(step)
-                with throughput.paused():
-                    if step % tc.eval_interval == 0 or is_last:
+                evaluate_now = step % tc.eval_interval == 0 or is_last
+                with throughput.paused() if evaluate_now or checkpoint_now else nullcontext():
+                    if evaluate_now:
                         emit({"step": step, "val_loss": self._evaluate()})
                     if checkpoint_now:
                         publish(scalars.drain(step))

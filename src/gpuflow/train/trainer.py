@@ -285,16 +285,15 @@ class Trainer:
     def _update(self) -> torch.Tensor:
         """Clip, step and clear the gradients; returns the grad norm (on the device)."""
         tc = self.config.train
-        if tc.grad_clip > 0:
+        if tc.grad_clip > 0 and self.optimizer.defaults.get("fused"):
+            # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
+            # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
+            # max_norm / (norm + 1e-6) capped at 1, inverted).
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
-            if self.optimizer.defaults.get("fused"):
-                # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the
-                # clip costs no pass over the gradients of its own (clip_grad_norm_'s factor,
-                # max_norm / (norm + 1e-6) capped at 1, inverted).
-                self.optimizer.grad_scale = ((grad_norm + 1e-6) / tc.grad_clip).clamp(min=1.0)
-            else:
-                torch.nn.utils.clip_grads_with_norm_(grads, tc.grad_clip, grad_norm)
+            self.optimizer.grad_scale = ((grad_norm + 1e-6) / tc.grad_clip).clamp(min=1.0)
+        elif tc.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         else:
             grad_norm = self._no_clip
         self.optimizer.step()

@@ -6,10 +6,9 @@ PYTHONPATH=src python3 benchmarks/probes/loaderphases.py
 
 import itertools
 import json
-import time
-from collections import defaultdict
 
 import torch
+from phasetimer import T, timed
 
 import gpuflow.loader as L
 from gpuflow.device import Device
@@ -17,19 +16,6 @@ from gpuflow.pinned import PinnedPool
 
 MB = 1 << 20
 N, WARM = 72, 8
-T = defaultdict(float)
-
-
-def timed(name, fn):
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            T[name] += time.perf_counter() - t0
-
-    return wrapper
-
 
 PinnedPool.acquire = timed("acquire", PinnedPool.acquire)
 L.PackPlan.write_into = timed("write", L.PackPlan.write_into)

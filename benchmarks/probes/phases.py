@@ -2,9 +2,9 @@
 
 import itertools
 import time
-from collections import defaultdict
 
 import torch
+from phasetimer import T, timed
 
 import gpuflow.loader as L
 from gpuflow.device import Device
@@ -13,19 +13,6 @@ from gpuflow.pinned import PinnedPool
 
 MB = 1 << 20
 N = 96
-T = defaultdict(float)
-
-
-def timed(name, fn):
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            T[name] += time.perf_counter() - t0
-
-    return wrapper
-
 
 L.plan_pack = timed("plan", real_plan)
 PinnedPool.acquire = timed("acquire", PinnedPool.acquire)

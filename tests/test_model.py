@@ -50,3 +50,20 @@ def test_flops_per_token_formula():
     model = GPT(config)
     non_matmul = 1024 * 768 + (2 * 12 + 1) * 768  # position table and LayerNorm gains
     assert model.parameter_count() == n + non_matmul
+
+
+def test_residual_stream_takes_autocast_dtype_and_the_loss_stays_close():
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, SMALL.vocab_size, (4, 16))
+    targets = torch.roll(idx, -1, dims=1)
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    exact = model(idx, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = model(idx, targets)
+    assert seen == [torch.float32, torch.bfloat16]
+    assert mixed.dtype == torch.float32
+    assert abs(mixed.item() - exact.item()) < 0.02 * exact.item()
+    mixed.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())

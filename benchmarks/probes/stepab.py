@@ -6,7 +6,10 @@ head+clip: the fused head and the clip's factor passed to fused AdamW as grad_sc
 main: head+clip with inductor's combo kernels (what the trainer does);
 cdt: main with inductor's coordinate-descent tuning of its own kernels;
 flash: main with cuDNN's attention turned off (flash attention instead);
-autotune: main with inductor's matrix-product autotuning.
+autotune: main with inductor's matrix-product autotuning;
+fp32res: main with the residual stream kept in fp32 (as it was before the trunk cast it to
+autocast's dtype);
+math: main with attention as plain matrix products and a softmax (no fused attention kernel).
 Variants alternate over two rounds in one process, resident-graph, compiled.
 
 PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [variants]
@@ -29,6 +32,13 @@ from gpuflow.train.trainer import Trainer
 
 fused_head = model_module.linear_cross_entropy
 fused_update = Trainer._update
+autocast_trunk = model_module.GPT.trunk
+
+
+def fp32_trunk(self, x):
+    for block in self.blocks:
+        x = block(x)
+    return self.ln_f(x)
 
 
 def stock_head(h, w, y):
@@ -54,15 +64,41 @@ def compile_with(**extra):
     return compile_fn
 
 
-# label: (head, update, compile, cuDNN attention allowed)
+# label: (head, update, compile, attention backend, trunk)
 VARIANTS = {
-    "before": (stock_head, stock_update, compile_with(combo_kernels=False), True),
-    "head": (fused_head, stock_update, compile_with(combo_kernels=False), True),
-    "head+clip": (fused_head, fused_update, compile_with(combo_kernels=False), True),
-    "main": (fused_head, fused_update, plain_compile, True),
-    "cdt": (fused_head, fused_update, compile_with(coordinate_descent_tuning=True), True),
-    "flash": (fused_head, fused_update, plain_compile, False),
-    "autotune": (fused_head, fused_update, compile_with(max_autotune=True), True),
+    "before": (
+        stock_head,
+        stock_update,
+        compile_with(combo_kernels=False),
+        "cudnn",
+        autocast_trunk,
+    ),
+    "head": (fused_head, stock_update, compile_with(combo_kernels=False), "cudnn", autocast_trunk),
+    "head+clip": (
+        fused_head,
+        fused_update,
+        compile_with(combo_kernels=False),
+        "cudnn",
+        autocast_trunk,
+    ),
+    "main": (fused_head, fused_update, plain_compile, "cudnn", autocast_trunk),
+    "cdt": (
+        fused_head,
+        fused_update,
+        compile_with(coordinate_descent_tuning=True),
+        "cudnn",
+        autocast_trunk,
+    ),
+    "flash": (fused_head, fused_update, plain_compile, "flash", autocast_trunk),
+    "autotune": (
+        fused_head,
+        fused_update,
+        compile_with(max_autotune=True),
+        "cudnn",
+        autocast_trunk,
+    ),
+    "fp32res": (fused_head, fused_update, plain_compile, "cudnn", fp32_trunk),
+    "math": (fused_head, fused_update, plain_compile, "math", autocast_trunk),
 }
 
 preset = sys.argv[1]
@@ -76,11 +112,14 @@ rows = []
 with tempfile.TemporaryDirectory() as scratch:
     for r in range(rounds):
         for label in chosen:
-            head_fn, update_fn, compile_fn, cudnn = VARIANTS[label]
+            head_fn, update_fn, compile_fn, attention, trunk_fn = VARIANTS[label]
+            model_module.GPT.trunk = trunk_fn
             model_module.linear_cross_entropy = head_fn
             Trainer._update = update_fn
             torch.compile = compile_fn
-            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            torch.backends.cuda.enable_cudnn_sdp(attention == "cudnn")
+            torch.backends.cuda.enable_flash_sdp(attention != "math")
+            torch.backends.cuda.enable_mem_efficient_sdp(attention != "math")
             row = _measure(config, device, "resident-graph", Path(scratch) / f"{label}{r}", 10, 50)
             row.update(variant=label, round=r)
             print(

@@ -608,3 +608,33 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm(accel, prepared, wor
         torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-7)
         differs += int(not torch.allclose(unclipped[name], value, rtol=1e-3, atol=1e-6))
     assert differs > 0
+
+
+def test_compiled_attention_uses_flex_and_matches_sdpa(accel):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from gpuflow.model import CausalSelfAttention, ModelConfig
+
+    if accel.type != "cuda":
+        pytest.skip("FlexAttention is taken on CUDA only")
+    config = ModelConfig(vocab_size=100, n_layer=1, n_head=6, d_model=384, max_len=128)
+    torch.manual_seed(0)
+    attention = CausalSelfAttention(config).to(accel.torch)
+    x = torch.randn(4, 128, 384, device=accel.torch)
+
+    def run(fn):
+        attention.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with accel.autocast(cache=False):
+            y = fn(xi)
+        (y.float() ** 2).mean().backward()
+        return y.float(), xi.grad, attention.qkv.weight.grad
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = run(torch.compile(attention, backend=counter))
+    graph = "\n".join(str(g.graph) for g in counter.graphs)
+    assert "flex_attention" in graph and "scaled_dot_product" not in graph
+    eager = run(attention)
+    for a, b in zip(compiled, eager, strict=True):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()

@@ -3,13 +3,17 @@
 before: F.linear + F.cross_entropy head, clip_grad_norm_ (a pass over the gradients);
 head: gpuflow.head.linear_cross_entropy, clip_grad_norm_;
 head+clip: the fused head and the clip's factor passed to fused AdamW as grad_scale;
-main: head+clip with inductor's combo kernels (what the trainer does);
+main: what the trainer does (head+clip, combo kernels, the model's own attention);
 cdt: main with inductor's coordinate-descent tuning of its own kernels;
 flash: main with cuDNN's attention turned off (flash attention instead);
 autotune: main with inductor's matrix-product autotuning;
 fp32res: main with the residual stream kept in fp32 (as it was before the trunk cast it to
 autocast's dtype);
-math: main with attention as plain matrix products and a softmax (no fused attention kernel).
+math: main with attention as plain matrix products and a softmax (no fused attention kernel);
+mor: main with inductor's mixed-order reductions (a LayerNorm backward and its weight
+gradient's column sums in one kernel); mor-nocombo: the same without combo kernels;
+cudnn: main with cuDNN's attention through scaled_dot_product_attention, as the model had it
+before FlexAttention (every variant but main and fp32res still runs that way).
 Variants alternate over two rounds in one process, resident-graph, compiled.
 
 PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [variants]
@@ -33,6 +37,17 @@ from gpuflow.train.trainer import Trainer
 fused_head = model_module.linear_cross_entropy
 fused_update = Trainer._update
 autocast_trunk = model_module.GPT.trunk
+model_attention = model_module.CausalSelfAttention.forward
+
+
+def sdpa_attention(self, x):
+    B, T, C = x.shape
+    q, k, v = self.qkv(x).split(C, dim=2)
+    q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 def fp32_trunk(self, x):
@@ -81,7 +96,8 @@ VARIANTS = {
         "cudnn",
         autocast_trunk,
     ),
-    "main": (fused_head, fused_update, plain_compile, "cudnn", autocast_trunk),
+    "main": (fused_head, fused_update, plain_compile, "model", autocast_trunk),
+    "cudnn": (fused_head, fused_update, plain_compile, "cudnn", autocast_trunk),
     "cdt": (
         fused_head,
         fused_update,
@@ -97,8 +113,22 @@ VARIANTS = {
         "cudnn",
         autocast_trunk,
     ),
-    "fp32res": (fused_head, fused_update, plain_compile, "cudnn", fp32_trunk),
+    "fp32res": (fused_head, fused_update, plain_compile, "model", fp32_trunk),
     "math": (fused_head, fused_update, plain_compile, "math", autocast_trunk),
+    "mor": (
+        fused_head,
+        fused_update,
+        compile_with(**{"triton.mix_order_reduction": True}),
+        "cudnn",
+        autocast_trunk,
+    ),
+    "mor-nocombo": (
+        fused_head,
+        fused_update,
+        compile_with(**{"triton.mix_order_reduction": True, "combo_kernels": False}),
+        "cudnn",
+        autocast_trunk,
+    ),
 }
 
 preset = sys.argv[1]
@@ -114,6 +144,9 @@ with tempfile.TemporaryDirectory() as scratch:
         for label in chosen:
             head_fn, update_fn, compile_fn, attention, trunk_fn = VARIANTS[label]
             model_module.GPT.trunk = trunk_fn
+            model_module.CausalSelfAttention.forward = (
+                model_attention if attention == "model" else sdpa_attention
+            )
             model_module.linear_cross_entropy = head_fn
             Trainer._update = update_fn
             torch.compile = compile_fn

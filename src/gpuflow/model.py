@@ -2,9 +2,9 @@
 
 Only token ids ever cross the bus: the token and position tables, the lookup and their sum
 all live where the model lives (the fix the seed's trainer needed for its 768 MB of embedding
-downloads per batch). Pre-LayerNorm blocks, causal attention through
-``scaled_dot_product_attention``, a GELU MLP and an output head tied to the token table,
-its cross-entropy fused with it (``gpuflow.head``).
+downloads per batch). Pre-LayerNorm blocks, causal attention (FlexAttention when compiled on
+CUDA, ``scaled_dot_product_attention`` otherwise), a GELU MLP and an output head tied to the
+token table, its cross-entropy fused with it (``gpuflow.head``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from gpuflow.errors import GpuflowError
 from gpuflow.head import linear_cross_entropy
@@ -44,6 +45,22 @@ class ModelConfig:
         return self.d_model // self.n_head
 
 
+FLEX_MAX_LEN = 128  # the longest context measured faster with FlexAttention than cuDNN
+_causal_masks: dict[tuple[int, str], BlockMask] = {}
+
+
+def _is_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return q >= kv
+
+
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    """FlexAttention's block mask for causal attention over T positions (built once per T)."""
+    key = (T, str(device))
+    if key not in _causal_masks:
+        _causal_masks[key] = create_block_mask(_is_causal, None, None, T, T, device=device)
+    return _causal_masks[key]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -57,7 +74,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if x.is_cuda and T <= FLEX_MAX_LEN and torch.compiler.is_compiling():
+            # Compiled with the model into one Triton flash kernel per direction: at T 128
+            # seed-d384's step is 2.4% faster than with cuDNN's attention and its helpers;
+            # at T 1024 cuDNN's is faster (gpt2-124m 509k tokens/s against 495k).
+            y = flex_attention(q, k, v, block_mask=causal_block_mask(T, x.device))
+        else:  # eagerly FlexAttention would build the whole score matrix
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.proj(y)
 

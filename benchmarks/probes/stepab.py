@@ -23,6 +23,8 @@ PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [v
 import json
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,55 +81,32 @@ def compile_with(**extra):
     return compile_fn
 
 
-# label: (head, update, compile, attention backend, trunk)
+@dataclass(frozen=True)
+class Variant:
+    """One way to build the step; the defaults are main's pieces before FlexAttention."""
+
+    head: Callable = fused_head
+    update: Callable = fused_update
+    compile: Callable = plain_compile
+    attention: str = "cudnn"  # model (its own choice), cudnn, flash or math
+    trunk: Callable = autocast_trunk
+
+
+NO_COMBO = compile_with(combo_kernels=False)
 VARIANTS = {
-    "before": (
-        stock_head,
-        stock_update,
-        compile_with(combo_kernels=False),
-        "cudnn",
-        autocast_trunk,
-    ),
-    "head": (fused_head, stock_update, compile_with(combo_kernels=False), "cudnn", autocast_trunk),
-    "head+clip": (
-        fused_head,
-        fused_update,
-        compile_with(combo_kernels=False),
-        "cudnn",
-        autocast_trunk,
-    ),
-    "main": (fused_head, fused_update, plain_compile, "model", autocast_trunk),
-    "cudnn": (fused_head, fused_update, plain_compile, "cudnn", autocast_trunk),
-    "cdt": (
-        fused_head,
-        fused_update,
-        compile_with(coordinate_descent_tuning=True),
-        "cudnn",
-        autocast_trunk,
-    ),
-    "flash": (fused_head, fused_update, plain_compile, "flash", autocast_trunk),
-    "autotune": (
-        fused_head,
-        fused_update,
-        compile_with(max_autotune=True),
-        "cudnn",
-        autocast_trunk,
-    ),
-    "fp32res": (fused_head, fused_update, plain_compile, "model", fp32_trunk),
-    "math": (fused_head, fused_update, plain_compile, "math", autocast_trunk),
-    "mor": (
-        fused_head,
-        fused_update,
-        compile_with(**{"triton.mix_order_reduction": True}),
-        "cudnn",
-        autocast_trunk,
-    ),
-    "mor-nocombo": (
-        fused_head,
-        fused_update,
-        compile_with(**{"triton.mix_order_reduction": True, "combo_kernels": False}),
-        "cudnn",
-        autocast_trunk,
+    "before": Variant(head=stock_head, update=stock_update, compile=NO_COMBO),
+    "head": Variant(update=stock_update, compile=NO_COMBO),
+    "head+clip": Variant(compile=NO_COMBO),
+    "main": Variant(attention="model"),
+    "cudnn": Variant(),
+    "cdt": Variant(compile=compile_with(coordinate_descent_tuning=True)),
+    "flash": Variant(attention="flash"),
+    "autotune": Variant(compile=compile_with(max_autotune=True)),
+    "fp32res": Variant(attention="model", trunk=fp32_trunk),
+    "math": Variant(attention="math"),
+    "mor": Variant(compile=compile_with(**{"triton.mix_order_reduction": True})),
+    "mor-nocombo": Variant(
+        compile=compile_with(**{"triton.mix_order_reduction": True, "combo_kernels": False})
     ),
 }
 
@@ -142,14 +121,15 @@ rows = []
 with tempfile.TemporaryDirectory() as scratch:
     for r in range(rounds):
         for label in chosen:
-            head_fn, update_fn, compile_fn, attention, trunk_fn = VARIANTS[label]
-            model_module.GPT.trunk = trunk_fn
+            variant = VARIANTS[label]
+            attention = variant.attention
+            model_module.GPT.trunk = variant.trunk
             model_module.CausalSelfAttention.forward = (
                 model_attention if attention == "model" else sdpa_attention
             )
-            model_module.linear_cross_entropy = head_fn
-            Trainer._update = update_fn
-            torch.compile = compile_fn
+            model_module.linear_cross_entropy = variant.head
+            Trainer._update = variant.update
+            torch.compile = variant.compile
             torch.backends.cuda.enable_cudnn_sdp(attention == "cudnn")
             torch.backends.cuda.enable_flash_sdp(attention != "math")
             torch.backends.cuda.enable_mem_efficient_sdp(attention != "math")

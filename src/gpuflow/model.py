@@ -2,9 +2,10 @@
 
 Only token ids ever cross the bus: the token and position tables, the lookup and their sum
 all live where the model lives (the fix the seed's trainer needed for its 768 MB of embedding
-downloads per batch). Pre-LayerNorm blocks, causal attention (FlexAttention when compiled on
-CUDA, ``scaled_dot_product_attention`` otherwise), a GELU MLP and an output head tied to the
-token table, its cross-entropy fused with it (``gpuflow.head``).
+downloads per batch). Pre-LayerNorm blocks, causal attention (FlexAttention in a compiled
+bf16 CUDA step with contexts up to 128, ``scaled_dot_product_attention`` otherwise), a GELU
+MLP and an output head tied to the token table, its cross-entropy fused with it
+(``gpuflow.head``).
 """
 
 from __future__ import annotations

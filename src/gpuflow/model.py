@@ -3,9 +3,9 @@
 Only token ids ever cross the bus: the token and position tables, the lookup and their sum
 all live where the model lives (the fix the seed's trainer needed for its 768 MB of embedding
 downloads per batch). Pre-LayerNorm blocks, causal attention (FlexAttention in a compiled
-bf16 CUDA step with contexts up to 128, ``scaled_dot_product_attention`` otherwise), a GELU
-MLP and an output head tied to the token table, its cross-entropy fused with it
-(``gpuflow.head``).
+bf16 CUDA step with contexts up to 128 and heads up to 64 wide,
+``scaled_dot_product_attention`` otherwise), a GELU MLP and an output head tied to the token
+table, its cross-entropy fused with it (``gpuflow.head``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ class ModelConfig:
         return self.d_model // self.n_head
 
 
-FLEX_MAX_LEN = 128  # the longest context measured faster with FlexAttention than cuDNN
+# FlexAttention where it was measured faster than cuDNN's attention: contexts up to 128 and
+# heads of 64. Wider heads also risk its backward kernel needing more shared memory than
+# GPUs outside the A100/H100 class have (pytorch/pytorch#133254).
+FLEX_MAX_LEN = 128
+FLEX_MAX_HEAD_DIM = 64
 _causal_masks: dict[tuple[int, str], BlockMask] = {}
 
 
@@ -75,7 +79,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        use_flex = x.is_cuda and q.dtype == torch.bfloat16 and T <= FLEX_MAX_LEN
+        use_flex = (
+            x.is_cuda
+            and q.dtype == torch.bfloat16
+            and T <= FLEX_MAX_LEN
+            and C // self.n_head <= FLEX_MAX_HEAD_DIM
+        )
         if use_flex and torch.compiler.is_compiling():
             # Compiled with the model into one Triton flash kernel per direction (measured in
             # bf16 only, so taken only there, which also keeps it to GPUs with bf16): at T 128

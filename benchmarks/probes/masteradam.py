@@ -16,10 +16,8 @@ PYTHONPATH=src python3 benchmarks/probes/masteradam.py PRESET [out.json] [rounds
     main and master alternating, resident-graph, compiled
 """
 
-import json
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import triton
@@ -219,7 +217,8 @@ if __name__ == "__main__":
         assert result["master_vs_adamw_rel"] < 1e-5 and result["bf16_copy_vs_master_rel"] <= 2**-7
         sys.exit(0)
 
-    from gpuflow.bench.train import _measure
+    from abrows import measure_row
+
     from gpuflow.device import Device
     from gpuflow.train.config import resolve_config
 
@@ -235,15 +234,4 @@ if __name__ == "__main__":
             for label in ("main", "master"):
                 Trainer.build = master_build if label == "master" else plain_build
                 LIVE.clear()
-                row = _measure(
-                    config, device, "resident-graph", Path(scratch) / f"{label}{r}", 10, 50
-                )
-                row.update(variant=label, round=r)
-                print(
-                    f"{label:8s} round {r}: {row['tokens_per_s']:,.0f} tok/s "
-                    f"{row['step_ms']:.3f} ms/step MFU {row['mfu']:.1%}",
-                    flush=True,
-                )
-                rows.append(row)
-                if out:
-                    Path(out).write_text(json.dumps({"preset": preset, "rows": rows}, indent=1))
+                measure_row(config, device, label, r, scratch, rows, out, {"preset": preset})

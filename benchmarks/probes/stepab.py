@@ -20,18 +20,16 @@ PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [v
     [key=value ...]
 """
 
-import json
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from abrows import measure_row
 
 import gpuflow.model as model_module
-from gpuflow.bench.train import _measure
 from gpuflow.device import Device
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
@@ -133,15 +131,5 @@ with tempfile.TemporaryDirectory() as scratch:
             torch.backends.cuda.enable_cudnn_sdp(attention == "cudnn")
             torch.backends.cuda.enable_flash_sdp(attention != "math")
             torch.backends.cuda.enable_mem_efficient_sdp(attention != "math")
-            row = _measure(config, device, "resident-graph", Path(scratch) / f"{label}{r}", 10, 50)
-            row.update(variant=label, round=r)
-            print(
-                f"{label:10s} round {r}: {row['tokens_per_s']:,.0f} tok/s "
-                f"{row['step_ms']:.3f} ms/step MFU {row['mfu']:.1%}",
-                flush=True,
-            )
-            rows.append(row)
-            if out:  # after every row: a later variant may run past the time limit
-                Path(out).write_text(
-                    json.dumps({"preset": preset, "overrides": overrides, "rows": rows}, indent=1)
-                )
+            meta = {"preset": preset, "overrides": overrides}
+            measure_row(config, device, label, r, scratch, rows, out, meta)

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from gpuflow.train.capture import CapturedStep
 from gpuflow.train.config import TrainConfig
+from gpuflow.train.optim import decay_groups
 from gpuflow.train.trainer import Trainer
 
 BLOCK = 4096  # elements per program
@@ -82,12 +83,8 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW over bf16 parameters with fp32 masters; decay on matrices only, as the trainer's."""
 
     def __init__(self, params: list[torch.nn.Parameter], config: TrainConfig) -> None:
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
         defaults = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, fused=True)
-        super().__init__(groups, defaults)
+        super().__init__(decay_groups(params, config.weight_decay), defaults)
         ordered = [p for g in self.param_groups for p in g["params"]]
         numels = [p.numel() for p in ordered]
         offsets = [sum(numels[:i]) for i in range(len(numels))]
@@ -164,10 +161,7 @@ def check(device: str) -> dict:
     reference = [torch.nn.Parameter(x.clone().to(device)) for x in start]
     opt = MasterAdamW(ours, config)
     ref = torch.optim.AdamW(
-        [
-            {"params": [p for p in reference if p.dim() >= 2], "weight_decay": config.weight_decay},
-            {"params": [p for p in reference if p.dim() < 2], "weight_decay": 0.0},
-        ],
+        decay_groups(reference, config.weight_decay),
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=1e-8,

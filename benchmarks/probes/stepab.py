@@ -37,17 +37,7 @@ from gpuflow.train.trainer import Trainer
 fused_head = model_module.linear_cross_entropy
 fused_update = Trainer._update
 autocast_trunk = model_module.GPT.trunk
-model_attention = model_module.CausalSelfAttention.forward
-
-
-def sdpa_attention(self, x):
-    B, T, C = x.shape
-    q, k, v = self.qkv(x).split(C, dim=2)
-    q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-    k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-    v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+flex_max_len = model_module.FLEX_MAX_LEN
 
 
 def fp32_trunk(self, x):
@@ -122,9 +112,8 @@ with tempfile.TemporaryDirectory() as scratch:
             variant = VARIANTS[label]
             attention = variant.attention
             model_module.GPT.trunk = variant.trunk
-            model_module.CausalSelfAttention.forward = (
-                model_attention if attention == "model" else sdpa_attention
-            )
+            # Any attention but the model's own choice is SDPA: FlexAttention switched off.
+            model_module.FLEX_MAX_LEN = flex_max_len if attention == "model" else 0
             model_module.linear_cross_entropy = variant.head
             Trainer._update = variant.update
             torch.compile = variant.compile

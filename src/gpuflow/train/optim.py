@@ -10,18 +10,22 @@ from gpuflow.device import Device
 from gpuflow.train.config import TrainConfig
 
 
+def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Parameter groups where matrices decay and 1-d tensors do not: embeddings are matrices
+    and decay too, as in GPT-2, while LayerNorm gains do not."""
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 def build_optimizer(
     model: torch.nn.Module, config: TrainConfig, device: Device
 ) -> torch.optim.AdamW:
-    """AdamW, fused into one kernel per step on CUDA; embeddings are matrices and decay too,
-    as in GPT-2, while LayerNorm gains (1-d) do not."""
+    """AdamW over ``decay_groups``, fused into one kernel per step on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
     return torch.optim.AdamW(
-        groups,
+        decay_groups(params, config.weight_decay),
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         fused=True if device.supports_fused_adamw else None,

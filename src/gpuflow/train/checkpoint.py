@@ -26,6 +26,7 @@ from gpuflow.atomic import fsync_dir
 from gpuflow.errors import GpuflowError
 from gpuflow.mirror import host_snapshot, read_now
 from gpuflow.model import check_state_shapes
+from gpuflow.train.master_adamw import MasterAdamW
 
 STEP_PREFIX = "step_"
 # Optimizer flags that describe the machine, not the run: the live optimizer's win on load.
@@ -92,7 +93,12 @@ def save_checkpoint(
             for key, value in slots.items()
             if isinstance(value, torch.Tensor)
         }
-        save_file(host_snapshot(model.state_dict()), str(tmp / "model.safetensors"))
+        weights = (
+            optimizer.full_precision_state(model)  # the fp32 masters, not the bf16 copies
+            if isinstance(optimizer, MasterAdamW)
+            else model.state_dict()
+        )
+        save_file(host_snapshot(weights), str(tmp / "model.safetensors"))
         save_file(host_snapshot(optim_tensors), str(tmp / "optimizer.safetensors"))
         groups = [
             {k: _json_value(v) for k, v in g.items() if k != "params"}

@@ -1,0 +1,248 @@
+"""AdamW over bf16 weights with fp32 masters: the captured step's optimizer on CUDA.
+
+Under bf16 autocast an fp32 model casts every weight to bf16 in the forward, again in the
+backward, and fused AdamW then reads fp32 gradients in a few dozen multi-tensor launches.
+Here the weights the model sees are bf16 views into one flat buffer, so autocast has nothing
+to cast and the gradients arrive in bf16; the fp32 masters and both moments live in flat
+buffers too, and one Triton kernel updates them all, reading each bf16 gradient where
+autograd left it and writing the bf16 copy that the next forward reads. On seed-d384 this
+takes the step from 2.07 ms to 1.93 ms on an H100 (``benchmarks/NOTES.md``).
+
+The kernel finds the gradients through a device table of their addresses. A captured step's
+gradients live at the addresses its capture gave them, so the table is filled once, after the
+capture (``bind_captured_gradients``); eager steps refresh it when the addresses change.
+
+Checkpoints stay as plain AdamW writes them: the fp32 masters are saved as the model's
+weights (``full_precision_state``), the moments under AdamW's names, so a run resumes on any
+device and with either optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+BLOCK = 4096  # elements per program
+ALIGN = 8  # each tensor's place in the flat buffers: a multiple of 8 elements (16 bf16 bytes)
+
+if triton is not None:
+
+    @triton.jit
+    def _master_adamw_kernel(
+        grad_addrs,  # (n_tensors,) int64: where each bf16 gradient lies
+        block_tensor,  # (n_blocks,) int32: the tensor a program updates
+        block_start,  # (n_blocks,) int64: its first element within that tensor
+        tensor_offset,  # (n_tensors,) int64: the tensor's place in the flat buffers
+        tensor_numel,  # (n_tensors,) int64
+        tensor_decay,  # (n_tensors,) fp32: weight decay
+        master,  # (N,) fp32
+        exp_avg,  # (N,) fp32
+        exp_avg_sq,  # (N,) fp32
+        weights,  # (N,) bf16: what the model's parameters are views of
+        lr_ptr,  # () fp32
+        step_ptr,  # () fp32, already counting this step
+        scale_ptr,  # () the clip's divisor, >= 1
+        beta1,
+        beta2,
+        eps,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,  # sizes multiples of 8 and gradients 16-byte aligned
+    ):
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        numel = tl.load(tensor_numel + t)
+        offset = tl.multiple_of(tl.load(tensor_offset + t), 8)
+        grad_addr = tl.load(grad_addrs + t)
+        if ALIGNED:
+            # Without these Triton cannot prove a program's elements contiguous and aligned,
+            # and loads them one at a time instead of in 16-byte vectors (2.9x slower).
+            numel = tl.multiple_of(numel, 8)
+            grad_addr = tl.multiple_of(grad_addr, 16)
+        idx = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
+        mask = idx < numel
+        flat = offset + idx
+        grad = grad_addr.to(tl.pointer_type(tl.bfloat16))
+        g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32)
+        g = g / tl.load(scale_ptr).to(tl.float32)
+        w = tl.load(master + flat, mask=mask)
+        m = tl.load(exp_avg + flat, mask=mask)
+        v = tl.load(exp_avg_sq + flat, mask=mask)
+        lr = tl.load(lr_ptr)
+        step = tl.load(step_ptr)
+        w = w * (1.0 - lr * tl.load(tensor_decay + t))
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bias1 = 1.0 - tl.exp(step * tl.log(beta1))
+        bias2 = 1.0 - tl.exp(step * tl.log(beta2))
+        w = w - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+        tl.store(master + flat, w, mask=mask)
+        tl.store(exp_avg + flat, m, mask=mask)
+        tl.store(exp_avg_sq + flat, v, mask=mask)
+        tl.store(weights + flat, w.to(tl.bfloat16), mask=mask)
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """Takes over ``adamw``'s parameters, hyper-parameters and moments; from then on the
+    parameters are bf16 and this optimizer holds their fp32 values. Like fused AdamW it
+    divides the gradients by ``grad_scale`` (the clip's factor) as it reads them."""
+
+    def __init__(self, adamw: torch.optim.Optimizer) -> None:
+        groups = [dict(g) for g in adamw.param_groups]
+        for group in groups:
+            group["fused"] = True
+        super().__init__(groups, {**adamw.defaults, "fused": True})
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        numels = [p.numel() for p in self._params]
+        offsets, end = [], 0
+        for n in numels:
+            offsets.append(end)
+            end += -(-n // ALIGN) * ALIGN
+        device = self._params[0].device
+        self.master = torch.zeros(end, device=device)  # (N,) fp32
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.step_count = torch.zeros((), device=device)
+        self._views = [
+            (o, n, p.shape) for o, n, p in zip(offsets, numels, self._params, strict=True)
+        ]
+        steps = []
+        with torch.no_grad():
+            for p, (o, n, _) in zip(self._params, self._views, strict=True):
+                self.master[o : o + n].copy_(p.flatten())
+                moments = adamw.state.get(p, {})
+                if "exp_avg" in moments:
+                    self.exp_avg[o : o + n].copy_(moments["exp_avg"].flatten())
+                    self.exp_avg_sq[o : o + n].copy_(moments["exp_avg_sq"].flatten())
+                    steps.append(float(moments["step"]))
+            self.step_count.fill_(max(steps, default=0.0))
+            self.weights = self.master.to(torch.bfloat16)  # (N,)
+            for p, (o, n, shape) in zip(self._params, self._views, strict=True):
+                p.data = self.weights[o : o + n].view(shape)
+        self.grad_scale: torch.Tensor | None = None
+        self._one = torch.ones((), device=device)
+        self._lr = torch.zeros((), device=device)
+
+        blocks = [(t, s) for t, n in enumerate(numels) for s in range(0, n, BLOCK)]
+        self._block_tensor = torch.tensor([t for t, _ in blocks], dtype=torch.int32, device=device)
+        self._block_start = torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device)
+        self._offset = torch.tensor(offsets, dtype=torch.int64, device=device)
+        self._numel = torch.tensor(numels, dtype=torch.int64, device=device)
+        decay = [float(g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
+        self._decay = torch.tensor(decay, device=device)
+        self._grad_addrs = torch.zeros(len(numels), dtype=torch.int64, device=device)
+        self._table: list[int] | None = None  # the addresses ``_grad_addrs`` holds
+        self._captured: list[int] | None = None
+        self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        """Whether the one-kernel update is available (else the step is plain torch code)."""
+        return triton is not None and device.type == "cuda"
+
+    def master_of(self, index: int) -> torch.Tensor:
+        """The fp32 value of parameter ``index`` (in ``param_groups`` order), a view."""
+        o, n, shape = self._views[index]
+        return self.master[o : o + n].view(shape)
+
+    def full_precision_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with each parameter this optimizer holds at fp32."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        return {
+            name: self.master_of(index[id(t)]) if id(t) in index else t.detach()
+            for name, t in model.state_dict(keep_vars=True).items()
+        }
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        grads = [p.grad for p in self._params]
+        if any(g is None for g in grads):
+            raise RuntimeError("MasterAdamW updates every parameter; one has no gradient")
+        lr = self.param_groups[0]["lr"]
+        if not isinstance(lr, torch.Tensor):
+            lr = self._lr.fill_(lr)
+        scale = self.grad_scale if self.grad_scale is not None else self._one
+        self.step_count.add_(1)
+        if self.runs_on(self.master.device):
+            self._launch(grads, lr, scale)
+        else:
+            self._reference_step(grads, lr, scale)
+
+    def _launch(self, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor) -> None:
+        addrs = [g.data_ptr() for g in grads]
+        if torch.cuda.is_current_stream_capturing():
+            self._captured = addrs  # a copy from the host cannot be captured: done after
+        elif addrs != self._table:
+            self._grad_addrs.copy_(torch.tensor(addrs, dtype=torch.int64))
+            self._table = addrs
+        beta1, beta2 = self.defaults["betas"]
+        aligned = self._sizes_aligned and all(a % 16 == 0 for a in addrs)
+        _master_adamw_kernel[(len(self._block_tensor),)](
+            self._grad_addrs,
+            self._block_tensor,
+            self._block_start,
+            self._offset,
+            self._numel,
+            self._decay,
+            self.master,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.weights,
+            lr,
+            self.step_count,
+            scale,
+            beta1,
+            beta2,
+            self.defaults["eps"],
+            BLOCK=BLOCK,
+            ALIGNED=aligned,
+        )
+
+    def bind_captured_gradients(self) -> None:
+        """After a capture: point the table at the gradients' addresses in the graph."""
+        if self._captured is not None:
+            self._grad_addrs.copy_(torch.tensor(self._captured, dtype=torch.int64))
+            self._table, self._captured = self._captured, None
+
+    def _reference_step(
+        self, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """The kernel's arithmetic in torch operations, one tensor at a time."""
+        beta1, beta2 = self.defaults["betas"]
+        bias1 = 1 - beta1**self.step_count
+        bias2_sqrt = (1 - beta2**self.step_count).sqrt()
+        for i, grad in enumerate(grads):
+            o, n, _ = self._views[i]
+            g = grad.flatten().float() / scale
+            w, m, v = (buf[o : o + n] for buf in (self.master, self.exp_avg, self.exp_avg_sq))
+            w.mul_(1 - lr * self._decay[i])
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            w.sub_(lr / bias1 * m / (v.sqrt() / bias2_sqrt + self.defaults["eps"]))
+        self.weights.copy_(self.master)
+
+    def state_dict(self) -> dict:
+        """AdamW's layout: per-parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (fp32)."""
+        state = {
+            i: {
+                "step": self.step_count.clone(),
+                "exp_avg": self.exp_avg[o : o + n].view(shape),
+                "exp_avg_sq": self.exp_avg_sq[o : o + n].view(shape),
+            }
+            for i, (o, n, shape) in enumerate(self._views)
+        }
+        groups, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**group, "params": list(range(start, start + count))})
+            start += count
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError(
+            "restore a checkpoint into torch's AdamW, then hand it to MasterAdamW"
+        )

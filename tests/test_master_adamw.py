@@ -1,0 +1,95 @@
+"""MasterAdamW: bf16 weights over fp32 masters, checkpointed as plain AdamW."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from gpuflow.device import Device
+from gpuflow.model import GPT, ModelConfig
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import TrainConfig
+from gpuflow.train.master_adamw import MasterAdamW
+from gpuflow.train.optim import build_optimizer, decay_groups
+
+SHAPES = [(40, 24), (24,), (7, 9)]  # 63 elements: a size that is not a multiple of 8
+
+
+def _adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(decay_groups(params, 0.1), lr=1e-2, betas=(0.9, 0.95))
+
+
+def test_the_step_is_adamw_on_the_fp32_masters():
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    ours = [torch.nn.Parameter(x.clone()) for x in start]
+    reference = [torch.nn.Parameter(x.clone()) for x in start]
+    taken_over, ref = _adamw(ours), _adamw(reference)
+    first = [torch.randn(s, generator=g) for s in SHAPES]
+    for p, q, grad in zip(ours, reference, first, strict=True):  # moments to take over
+        p.grad, q.grad = grad.clone(), grad.clone()
+    taken_over.step()
+    ref.step()
+
+    opt = MasterAdamW(taken_over)
+    for p in ours:
+        assert p.dtype == torch.bfloat16
+        assert (
+            opt.weights.data_ptr()
+            <= p.data_ptr()
+            < opt.weights.data_ptr() + 2 * opt.weights.numel()
+        )
+    scale = torch.tensor(1.7)
+    for _ in range(3):
+        for p, q in zip(ours, reference, strict=True):
+            grad = torch.randn(p.shape, generator=g).bfloat16()
+            p.grad = grad
+            q.grad = grad.float() / scale
+        opt.grad_scale = scale
+        opt.step()
+        ref.step()
+    index = {id(p): i for i, p in enumerate(p for gr in opt.param_groups for p in gr["params"])}
+    for p, q in zip(ours, reference, strict=True):
+        master = opt.master_of(index[id(p)])
+        torch.testing.assert_close(master, q.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), master.bfloat16())  # the copy the model reads
+
+
+def _train(model: GPT, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    for batch in batches:
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_checkpoints_keep_the_masters_and_resume_the_same_run(tmp_path):
+    cpu = Device("cpu")
+    config = ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_len=16)
+    train = TrainConfig(lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (4, 17), generator=g) for _ in range(4)]
+
+    torch.manual_seed(0)
+    model = GPT(config)
+    opt = MasterAdamW(build_optimizer(model, train, cpu))
+    _train(model, opt, batches[:2])
+    saved = ckpt.save_checkpoint(tmp_path, 2, model, opt, {"note": "test"}, keep=2)
+    masters = {n: t.clone() for n, t in opt.full_precision_state(model).items()}
+    _train(model, opt, batches[2:])
+
+    weights = load_file(str(saved / "model.safetensors"))
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert all(torch.equal(weights[n], masters[n]) for n in masters)
+    # The bf16 copies alone would have lost the low bits that the masters keep.
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())
+
+    # Resumed into torch's AdamW (any device can), then taken over again: the same run.
+    torch.manual_seed(0)
+    again = GPT(config)
+    adamw = build_optimizer(again, train, cpu)
+    ckpt.load_checkpoint(saved, again, adamw)
+    assert float(adamw.state[again.wte.weight]["step"]) == 2.0
+    resumed = MasterAdamW(adamw)
+    _train(again, resumed, batches[2:])
+    for n, t in resumed.full_precision_state(again).items():
+        assert torch.equal(t, opt.full_precision_state(model)[n]), n

@@ -3,7 +3,10 @@
 before: F.linear + F.cross_entropy head, clip_grad_norm_ (a pass over the gradients);
 head: gpuflow.head.linear_cross_entropy, clip_grad_norm_;
 head+clip: the fused head and the clip's factor passed to fused AdamW as grad_scale;
-main: what the trainer does (head+clip, combo kernels, the model's own attention);
+main: what the trainer does (head+clip, combo kernels, the model's own attention, bf16
+weights over fp32 masters updated by MasterAdamW's one kernel);
+adamw: main with fused AdamW over fp32 weights, as the step was before MasterAdamW (every
+variant but main still runs that way);
 cdt: main with inductor's coordinate-descent tuning of its own kernels;
 flash: main with cuDNN's attention turned off (flash attention instead);
 autotune: main with inductor's matrix-product autotuning;
@@ -32,12 +35,14 @@ from abrows import measure_row
 import gpuflow.model as model_module
 from gpuflow.device import Device
 from gpuflow.train.config import resolve_config
+from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.train.trainer import Trainer
 
 fused_head = model_module.linear_cross_entropy
 fused_update = Trainer._update
 autocast_trunk = model_module.GPT.trunk
 flex_max_len = model_module.FLEX_MAX_LEN
+master_runs_on = MasterAdamW.runs_on
 
 
 def fp32_trunk(self, x):
@@ -78,6 +83,7 @@ class Variant:
     compile: Callable = plain_compile
     attention: str = "cudnn"  # model (its own choice), cudnn, flash or math
     trunk: Callable = autocast_trunk
+    master_weights: bool = False  # MasterAdamW (else fused AdamW over fp32 weights)
 
 
 NO_COMBO = compile_with(combo_kernels=False)
@@ -85,7 +91,8 @@ VARIANTS = {
     "before": Variant(head=stock_head, update=stock_update, compile=NO_COMBO),
     "head": Variant(update=stock_update, compile=NO_COMBO),
     "head+clip": Variant(compile=NO_COMBO),
-    "main": Variant(attention="model"),
+    "main": Variant(attention="model", master_weights=True),
+    "adamw": Variant(attention="model"),
     "cudnn": Variant(),
     "cdt": Variant(compile=compile_with(coordinate_descent_tuning=True)),
     "flash": Variant(attention="flash"),
@@ -116,6 +123,9 @@ with tempfile.TemporaryDirectory() as scratch:
             model_module.FLEX_MAX_LEN = flex_max_len if attention == "model" else 0
             model_module.linear_cross_entropy = variant.head
             Trainer._update = variant.update
+            MasterAdamW.runs_on = staticmethod(
+                master_runs_on if variant.master_weights else lambda _device: False
+            )
             torch.compile = variant.compile
             torch.backends.cuda.enable_cudnn_sdp(attention == "cudnn")
             torch.backends.cuda.enable_flash_sdp(attention != "math")

@@ -3,8 +3,8 @@
 Eager PyTorch launches a few hundred kernels per step from Python, and at small model sizes
 the host's launching, not the device's arithmetic, sets the pace. A CUDA graph records the
 step's kernels once and replays them with one launch. What makes the step capturable:
-- every tensor it reads or writes lives at a fixed address: parameters, fused AdamW's state
-  (its step counts are device tensors), the resident corpus, the scalar sums;
+- every tensor it reads or writes lives at a fixed address: parameters, the optimizer's
+  state (its step counts are device tensors), the resident corpus, the scalar sums;
 - the batch is drawn on the device from ``ResidentTokens``' step counter (a device tensor
   the step advances), not passed in from the host;
 - the learning rate is a device tensor computed inside the step from that counter, so the

@@ -1,7 +1,7 @@
 """Checkpoints: safetensors weights and optimizer moments, JSON trainer state.
 
     runs/<name>/checkpoints/step_000300/
-        model.safetensors       weights (the tied output head is the token table)
+        model.safetensors       fp32 weights (the tied output head is the token table)
         optimizer.safetensors   AdamW moments and step counts, keyed state.<param>.<name>
         state.json              step, optimizer hyper-parameters, RNG states, data position
 

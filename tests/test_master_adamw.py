@@ -93,3 +93,16 @@ def test_checkpoints_keep_the_masters_and_resume_the_same_run(tmp_path):
     _train(again, resumed, batches[2:])
     for n, t in resumed.full_precision_state(again).items():
         assert torch.equal(t, opt.full_precision_state(model)[n]), n
+
+
+def test_the_optimizer_is_handed_over_once_and_only_for_a_bf16_step(monkeypatch):
+    from gpuflow.train.master_adamw import with_fp32_masters
+
+    adamw = _adamw([torch.nn.Parameter(torch.randn(s)) for s in SHAPES])
+    cpu = Device("cpu")
+    assert with_fp32_masters(adamw, cpu) is adamw  # no kernel, no bf16 autocast here
+    monkeypatch.setattr(MasterAdamW, "runs_on", staticmethod(lambda device: True))
+    monkeypatch.setattr(Device, "supports_bf16_autocast", property(lambda self: True))
+    taken = with_fp32_masters(adamw, cpu)
+    assert isinstance(taken, MasterAdamW)
+    assert with_fp32_masters(taken, cpu) is taken  # a second stepper keeps the masters

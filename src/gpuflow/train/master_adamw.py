@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from gpuflow.device import Device
+
 try:  # Triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
@@ -246,3 +248,13 @@ class MasterAdamW(torch.optim.Optimizer):
         raise NotImplementedError(
             "restore a checkpoint into torch's AdamW, then hand it to MasterAdamW"
         )
+
+
+def with_fp32_masters(optimizer: torch.optim.Optimizer, device: Device) -> torch.optim.Optimizer:
+    """``optimizer`` handed over to a MasterAdamW where its kernel runs and the step autocasts
+    to bf16; otherwise, or if it already is one, ``optimizer`` itself."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer
+    if MasterAdamW.runs_on(device.torch) and device.supports_bf16_autocast:
+        return MasterAdamW(optimizer)
+    return optimizer

@@ -42,7 +42,7 @@ from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, lr_tensor
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import Batches, open_batches, resolve_data_path
 from gpuflow.train.display import TrainDisplay
-from gpuflow.train.master_adamw import MasterAdamW
+from gpuflow.train.master_adamw import MasterAdamW, with_fp32_masters
 from gpuflow.train.naive import naive_gradients
 from gpuflow.train.optim import build_optimizer, lr_at
 from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
@@ -329,10 +329,9 @@ class Trainer:
 
             return eager
 
-        if MasterAdamW.runs_on(self.device.torch) and self.device.supports_bf16_autocast:
-            # bf16 weights with fp32 masters, all updated by one kernel: autocast has no
-            # weights to cast, and the gradients it writes are half the bytes.
-            self.optimizer = MasterAdamW(self.optimizer)
+        # bf16 weights with fp32 masters, all updated by one kernel: autocast has no weights
+        # to cast, and the gradients it writes are half the bytes.
+        self.optimizer = with_fp32_masters(self.optimizer, self.device)
         # The optimizer reads the learning rate from a device tensor the step itself writes,
         # from a device step counter: the resident corpus's, or one of its own.
         self._lr = torch.zeros((), device=self.device.torch)

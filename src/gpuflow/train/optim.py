@@ -32,6 +32,14 @@ def build_optimizer(
     )
 
 
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``grads`` together, as a 0-d fp32 device tensor. Each tensor's norm
+    is accumulated in fp32 whatever its dtype: bf16 gradients would otherwise give a bf16
+    norm, three significant digits, to the clip and the logs."""
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # one launch per few tensors
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warmup over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``."""
     if step < config.warmup_steps:

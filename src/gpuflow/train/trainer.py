@@ -44,7 +44,7 @@ from gpuflow.train.datapath import Batches, open_batches, resolve_data_path
 from gpuflow.train.display import TrainDisplay
 from gpuflow.train.master_adamw import MasterAdamW, with_fp32_masters
 from gpuflow.train.naive import naive_gradients
-from gpuflow.train.optim import build_optimizer, lr_at
+from gpuflow.train.optim import build_optimizer, global_grad_norm, lr_at
 from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
 
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones
@@ -291,7 +291,7 @@ class Trainer:
             # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
             # max_norm / (norm + 1e-6) capped at 1, inverted).
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
+            grad_norm = global_grad_norm(grads)
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / tc.grad_clip).clamp(min=1.0)
         elif tc.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)

@@ -128,17 +128,17 @@ class MasterAdamW(torch.optim.Optimizer):
         ]
         steps = []
         with torch.no_grad():
-            for p, (o, n, _) in zip(self._params, self._views, strict=True):
-                self.master[o : o + n].copy_(p.flatten())
+            for i, p in enumerate(self._params):
+                self._view(self.master, i).copy_(p)
                 moments = adamw.state.get(p, {})
                 if "exp_avg" in moments:
-                    self.exp_avg[o : o + n].copy_(moments["exp_avg"].flatten())
-                    self.exp_avg_sq[o : o + n].copy_(moments["exp_avg_sq"].flatten())
+                    self._view(self.exp_avg, i).copy_(moments["exp_avg"])
+                    self._view(self.exp_avg_sq, i).copy_(moments["exp_avg_sq"])
                     steps.append(float(moments["step"]))
             self.step_count.fill_(max(steps, default=0.0))
             self.weights = self.master.to(torch.bfloat16)  # (N,)
-            for p, (o, n, shape) in zip(self._params, self._views, strict=True):
-                p.data = self.weights[o : o + n].view(shape)
+            for i, p in enumerate(self._params):
+                p.data = self._view(self.weights, i)
         self.grad_scale: torch.Tensor | None = None
         self._one = torch.ones((), device=device)
         self._lr = torch.zeros((), device=device)
@@ -160,10 +160,14 @@ class MasterAdamW(torch.optim.Optimizer):
         """Whether the one-kernel update is available (else the step is plain torch code)."""
         return triton is not None and device.type == "cuda"
 
-    def master_of(self, index: int) -> torch.Tensor:
-        """The fp32 value of parameter ``index`` (in ``param_groups`` order), a view."""
+    def _view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s (in ``param_groups`` order) part of a flat buffer, shaped."""
         o, n, shape = self._views[index]
-        return self.master[o : o + n].view(shape)
+        return flat[o : o + n].view(shape)
+
+    def master_of(self, index: int) -> torch.Tensor:
+        """The fp32 value of parameter ``index``, a view."""
+        return self._view(self.master, index)
 
     def full_precision_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with each parameter this optimizer holds at fp32."""
@@ -237,9 +241,8 @@ class MasterAdamW(torch.optim.Optimizer):
         bias1 = (1 - beta1**step).float()
         bias2_sqrt = (1 - beta2**step).sqrt().float()
         for i, grad in enumerate(grads):
-            o, n, _ = self._views[i]
-            g = grad.flatten().float() / scale
-            w, m, v = (buf[o : o + n] for buf in (self.master, self.exp_avg, self.exp_avg_sq))
+            g = grad.float() / scale
+            w, m, v = (self._view(buf, i) for buf in (self.master, self.exp_avg, self.exp_avg_sq))
             w.mul_(1 - lr * self._decay[i])
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -251,10 +254,10 @@ class MasterAdamW(torch.optim.Optimizer):
         state = {
             i: {
                 "step": self.step_count.clone(),
-                "exp_avg": self.exp_avg[o : o + n].view(shape),
-                "exp_avg_sq": self.exp_avg_sq[o : o + n].view(shape),
+                "exp_avg": self._view(self.exp_avg, i),
+                "exp_avg_sq": self._view(self.exp_avg_sq, i),
             }
-            for i, (o, n, shape) in enumerate(self._views)
+            for i in range(len(self._params))
         }
         groups, start = [], 0
         for group in self.param_groups:

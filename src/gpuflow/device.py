@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -292,6 +293,29 @@ class Device:
         if self.type in ("cuda", "xpu"):
             self.backend.set_rng_state(state, self.index)
 
+    def memory_sample(self) -> dict[str, int | None]:
+        """What the process holds now, read without waiting for the device: resident host
+        memory, pinned host memory held by torch's pinned allocator, the device memory the
+        caching allocator has handed out and reserved, and its cudaMalloc calls so far.
+        None where this platform or device does not say."""
+        sample: dict[str, int | None] = {
+            "rss_bytes": _resident_bytes(),
+            "pinned_bytes": None,
+            "device_allocated_bytes": None,
+            "device_reserved_bytes": None,
+            "device_mallocs": None,
+        }
+        if self.type == "cuda":
+            stats = torch.cuda.memory_stats(self.index)
+            host = torch.cuda.host_memory_stats()
+            sample.update(
+                pinned_bytes=int(host.get("allocated_bytes.current", 0)),
+                device_allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
+                device_reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+                device_mallocs=int(stats.get("segment.all.allocated", 0)),
+            )
+        return sample
+
     # ---- description ----------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
@@ -335,3 +359,27 @@ def available_devices() -> list[Device]:
         for index in range(_backend_count(device_type))
     ]
     return [*found, Device("cpu")]
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident set size (Linux: /proc; elsewhere unknown)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_OOM_FIGURES = re.compile(
+    r"Tried to allocate (?P<asked>[\d.]+ \w+).*?total capacity of (?P<total>[\d.]+ \w+) "
+    r"of which (?P<free>[\d.]+ \w+) is free",
+    re.DOTALL,
+)
+
+
+def out_of_memory_figures(exc: BaseException) -> str:
+    """What an out-of-memory error asked for and what was free, from torch's message."""
+    found = _OOM_FIGURES.search(str(exc))
+    if found:
+        return f"{found['asked']} more was needed, {found['free']} of {found['total']} was free"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else "no figures given"

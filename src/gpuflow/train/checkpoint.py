@@ -3,10 +3,18 @@
     runs/<name>/checkpoints/step_000300/
         model.safetensors       fp32 weights (the tied output head is the token table)
         optimizer.safetensors   AdamW moments and step counts, keyed state.<param>.<name>
-        state.json              step, optimizer hyper-parameters, RNG states, data position
+        state.json              step, optimizer hyper-parameters, RNG states, data position,
+                                and the byte size of each file above (written last)
+    runs/<name>/checkpoints/best/   the same, at the step with the lowest validation loss
 
-A checkpoint is built in a hidden temporary folder, every file fsynced, then renamed into
-place, so ``step_*`` folders are always complete. The newest ``keep`` are kept.
+Saving does not stop training: ``Checkpointer.save`` takes a ``StateSnapshot`` (the device
+packs the state and one copy moves it to reused pinned memory, queued without a host wait)
+and a thread writes the files from those bytes while the next steps run. A checkpoint is
+built in a hidden temporary folder, every file fsynced, then renamed into place, so
+``step_*`` and ``best`` folders are always complete; the newest ``keep`` ``step_*`` folders
+are kept. A process killed mid-write leaves only its temporary folder, which the next run in
+the folder removes (``remove_stale_temporaries``). Reading checks each file's size against
+the one recorded, and ``resumable_checkpoint`` falls back past damaged checkpoints.
 """
 
 from __future__ import annotations
@@ -14,23 +22,53 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gpuflow.atomic import fsync_dir
+from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
-from gpuflow.mirror import host_snapshot, read_now
 from gpuflow.model import check_state_shapes
+from gpuflow.snapshot import Slot, Snapshot, StateSnapshot
 from gpuflow.train.master_adamw import MasterAdamW
 
 STEP_PREFIX = "step_"
+BEST = "best"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
 # Optimizer flags that describe the machine, not the run: the live optimizer's win on load.
 _EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+# What this module leaves behind when killed mid-write: ``.step_000300.tmp-<pid>`` while a
+# checkpoint is built, ``.best.old-<pid>`` while a complete one is being replaced.
+_TEMPORARY = re.compile(rf"^\.({STEP_PREFIX}\d+|{BEST})\.(tmp|old)-\d+$")
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class CheckpointDamaged(GpuflowError):
+    """A checkpoint's files are missing, truncated or unreadable (not a model mismatch)."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -38,14 +76,16 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete ``step_*`` checkpoints, oldest first."""
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
     found = [
         p
         for p in folder.iterdir()
-        if p.name.startswith(STEP_PREFIX) and p.is_dir() and (p / "state.json").is_file()
+        if p.name.startswith(STEP_PREFIX)
+        and p.name.removeprefix(STEP_PREFIX).isdigit()
+        and (p / STATE_FILE).is_file()
     ]
     return sorted(found, key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
 
@@ -53,6 +93,40 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    path = checkpoint_dir(run_dir) / BEST
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[str]:
+    """Clear what a killed writer left in ``checkpoints/``; returns the names handled.
+
+    Call only while holding the run (``gpuflow.train.run.RunFolder``): then no writer is
+    alive. A temporary folder is removed; a complete checkpoint that was moved aside to be
+    replaced is put back if its replacement never arrived, else removed.
+    """
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    handled = []
+    for path in sorted(folder.iterdir()):
+        match = _TEMPORARY.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        final = folder / match.group(1)
+        if match.group(2) == "old" and not final.exists():
+            os.replace(path, final)
+        else:
+            shutil.rmtree(path)
+        handled.append(path.name)
+    if handled:
+        fsync_dir(folder)
+    return handled
+
+
+# ---- writing --------------------------------------------------------------------------------
 
 
 def encode_tensor(t: torch.Tensor) -> str:
@@ -64,9 +138,199 @@ def decode_byte_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
+def checkpoint_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The weights, the optimizer's tensors and its hyper-parameters, as a checkpoint holds
+    them. The tensors are the live ones (no copies); nothing here waits for the device."""
+    optim_state = optimizer.state_dict()
+    names = _optimizer_param_names(model, optimizer)
+    moments = {
+        f"state.{names[i]}.{key}": value
+        for i, slots in optim_state["state"].items()
+        for key, value in slots.items()
+        if isinstance(value, torch.Tensor)
+    }
+    weights = (
+        optimizer.full_precision_state(model)  # the fp32 masters, not the bf16 copies
+        if isinstance(optimizer, MasterAdamW)
+        else model.state_dict()
+    )
+    groups = [
+        {k: _json_value(v) for k, v in g.items() if k != "params"}
+        for g in optim_state["param_groups"]
+    ]
+    return weights, moments, groups
+
+
+def _json_value(value: Any) -> Any:
+    """A hyper-parameter as JSON holds it. One held in a device tensor (the captured step's
+    learning rate, rewritten every step) is left out rather than read with a host wait."""
+    if isinstance(value, torch.Tensor):
+        return None
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's own order (the indices of its state_dict)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def write_safetensors(path: Path, slots: tuple[Slot, ...], data: memoryview) -> int:
+    """Write a safetensors file whose tensors are ``slots`` over ``data`` (their bytes end to
+    end, as a ``StateSnapshot`` lays them out), straight from that buffer; fsynced. Returns
+    the file's size."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for slot in slots:
+        header[slot.name] = {
+            "dtype": _SAFETENSORS_DTYPES[slot.dtype],
+            "shape": list(slot.shape),
+            "data_offsets": [slot.start, slot.start + slot.nbytes],
+        }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
+    return 8 + len(text) + len(data)
+
+
+class Checkpointer:
+    """Saves a run's checkpoints: the state snapshotted between two steps, the files written
+    by a thread while training goes on (``background=False``: before ``save`` returns).
+
+    One write is in flight at a time; ``save`` first waits for the previous one. ``wait``
+    returns when everything asked for is on disk and raises a write's error (a full disk,
+    say) as a ``GpuflowError``; call it before the process ends.
+    """
+
+    def __init__(self, run_dir: Path, device: Device, keep: int, background: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self.background = background
+        self._snapshots = StateSnapshot(device)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.written: list[Path] = []  # every checkpoint folder written, in order
+        self.write_seconds: list[float] = []  # each write, snapshot copy to rename
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        names: tuple[str, ...] | None = None,
+    ) -> None:
+        """Checkpoint the state after step ``step`` as ``names`` (default ``step_<step>``;
+        add ``best`` for the best validation loss so far)."""
+        self.wait()
+        names = names or (step_name(step),)
+        weights, moments, groups = checkpoint_state(model, optimizer)
+        snapshot = self._snapshots.capture({"model": weights, "optimizer": moments})
+        record = {"step": step, "param_groups": groups, **state}
+        job = lambda: self._write(snapshot, record, names)  # noqa: E731
+        if not self.background:
+            job()
+            return
+        self._thread = threading.Thread(target=self._run, args=(job,), daemon=True)
+        self._thread.name = "gpuflow-checkpoint"
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the write in flight is done; raise its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, GpuflowError):
+                raise error
+            raise GpuflowError(
+                f"could not write a checkpoint into {checkpoint_dir(self.run_dir)} ({error}); "
+                "the earlier checkpoints are intact: free disk space and resume"
+            ) from error
+
+    def close(self) -> None:
+        """Finish the write in flight and let the snapshot's buffers go."""
+        try:
+            self.wait()
+        finally:
+            self._snapshots.close()
+
+    def _write(self, snapshot: Snapshot, record: dict[str, Any], names: tuple[str, ...]) -> None:
+        started = time.perf_counter()
+        folder = checkpoint_dir(self.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{names[0]}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            try:
+                snapshot.wait()
+                files = {
+                    filename: write_safetensors(
+                        tmp / filename, snapshot.layout.groups[group], snapshot.group_bytes(group)
+                    )
+                    for group, filename in (("model", MODEL_FILE), ("optimizer", OPTIMIZER_FILE))
+                }
+            finally:
+                snapshot.release()
+            with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
+                f.write(json.dumps({**record, "files": files}, indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            first = folder / names[0]
+            _install(tmp, first)
+            for name in names[1:]:
+                _install(_linked_copy(first, folder / f".{name}.tmp-{os.getpid()}"), folder / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for old in list_checkpoints(self.run_dir)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.written.append(first)
+        self.write_seconds.append(time.perf_counter() - started)
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename the complete folder ``tmp`` to ``final``; an existing ``final`` (a step saved
+    again after a resume, the previous best) is moved aside first and removed after, so a
+    crash in between leaves it recoverable (``remove_stale_temporaries``)."""
+    retired = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, retired)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _linked_copy(source: Path, target: Path) -> Path:
+    """``target``: a folder of hard links to ``source``'s files (their bytes are never
+    rewritten in place, so sharing them is safe), or copies where links are not possible."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    for path in source.iterdir():
+        try:
+            os.link(path, target / path.name)
+        except OSError:
+            shutil.copy2(path, target / path.name)
+    fsync_dir(target)
+    return target
 
 
 def save_checkpoint(
@@ -77,106 +341,129 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write ``step_<step>`` atomically and prune to the newest ``keep``; returns its path."""
-    folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{STEP_PREFIX}{step:06d}"
-    tmp = folder / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        optim_state = optimizer.state_dict()
-        param_names = _optimizer_param_names(model, optimizer)
-        optim_tensors = {
-            f"state.{param_names[i]}.{key}": value
-            for i, slots in optim_state["state"].items()
-            for key, value in slots.items()
-            if isinstance(value, torch.Tensor)
-        }
-        weights = (
-            optimizer.full_precision_state(model)  # the fp32 masters, not the bf16 copies
-            if isinstance(optimizer, MasterAdamW)
-            else model.state_dict()
-        )
-        save_file(host_snapshot(weights), str(tmp / "model.safetensors"))
-        save_file(host_snapshot(optim_tensors), str(tmp / "optimizer.safetensors"))
-        groups = [
-            {k: _json_value(v) for k, v in g.items() if k != "params"}
-            for g in optim_state["param_groups"]
-        ]
-        record = {"step": step, "param_groups": groups, **state}
-        (tmp / "state.json").write_text(json.dumps(record, indent=1) + "\n")
-        for path in tmp.iterdir():
-            _fsync_file(path)
-        fsync_dir(tmp)
-        if final.exists():  # re-saving a step after a resume: the new copy wins
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Write ``step_<step>`` before returning and prune to the newest ``keep``."""
+    device = Device.of(next(model.parameters()).device)
+    checkpointer = Checkpointer(run_dir, device, keep, background=False)
+    checkpointer.save(step, model, optimizer, state)
+    checkpointer.close()
+    return checkpointer.written[-1]
 
 
-def _json_value(value: Any) -> Any:
-    """A hyper-parameter as JSON holds it (a learning rate may be a device tensor)."""
-    if isinstance(value, torch.Tensor):
-        return read_now(value)[0]
-    return list(value) if isinstance(value, tuple) else value
+# ---- reading --------------------------------------------------------------------------------
 
 
-def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter names in the optimizer's own order (the indices of its state_dict)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+@dataclass
+class CheckpointData:
+    """A checkpoint read from disk and checked, not yet applied to a model."""
+
+    path: Path
+    record: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    moments: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        return int(self.record["step"])
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise GpuflowError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+        raise CheckpointDamaged(f"checkpoint file {path} is missing; the checkpoint is incomplete")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise GpuflowError(f"checkpoint file {path} is unreadable ({exc})") from None
+        raise CheckpointDamaged(f"checkpoint file {path} is unreadable ({exc})") from None
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load ``path/model.safetensors`` into ``model`` after checking every shape."""
-    weights = _load_tensors(path / "model.safetensors")
-    check_state_shapes(model.state_dict(), weights, f"checkpoint {path}")
-    model.load_state_dict(weights)
+def read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointDamaged(f"checkpoint {path} has no readable {STATE_FILE} ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise CheckpointDamaged(f"checkpoint {path} has a {STATE_FILE} without its step")
+    return record
+
+
+def read_checkpoint(path: Path, optimizer: bool = True) -> CheckpointData:
+    """Read and check every file of the checkpoint at ``path``: ``CheckpointDamaged`` when one
+    is missing, shorter or longer than written, or unreadable."""
+    path = Path(path)
+    record = read_record(path)
+    for filename, size in record.get("files", {}).items():  # absent in older checkpoints
+        file = path / filename
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            state = "missing" if found is None else f"{found:,} bytes where {size:,} were written"
+            raise CheckpointDamaged(f"checkpoint file {file} is {state}: it is damaged")
+    weights = _load_tensors(path / MODEL_FILE)
+    moments = _load_tensors(path / OPTIMIZER_FILE) if optimizer else {}
+    return CheckpointData(path, record, weights, moments)
+
+
+def resumable_checkpoint(run_dir: Path, say: Callable[[str], None]) -> CheckpointData | None:
+    """The newest checkpoint that reads whole, saying which newer ones were damaged; None
+    when the run has none. Every checkpoint damaged is an error."""
+    found = list_checkpoints(run_dir)
+    for path in reversed(found):
+        try:
+            data = read_checkpoint(path)
+        except CheckpointDamaged as exc:
+            say(f"skipping checkpoint {path.name}: {exc}")
+            continue
+        if path != found[-1]:
+            say(f"resuming from the intact checkpoint {path.name} instead")
+        return data
+    if found:
+        raise GpuflowError(
+            f"every checkpoint of {run_dir} is damaged (see above); start a new run with "
+            "another --name"
+        )
+    return None
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load ``path``'s weights into ``model`` after checking every shape; returns its record."""
+    data = read_checkpoint(path, optimizer=False)
+    check_state_shapes(model.state_dict(), data.weights, f"checkpoint {path}")
+    model.load_state_dict(data.weights)
+    return data.record
+
+
+def apply_checkpoint(
+    data: CheckpointData, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Put ``data``'s weights into ``model`` and its moments into ``optimizer``."""
+    path = data.path
+    check_state_shapes(model.state_dict(), data.weights, f"checkpoint {path}")
+    index_of = {name: i for i, name in enumerate(_optimizer_param_names(model, optimizer))}
+    slots: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in data.moments.items():
+        param_name, _, slot = key.removeprefix("state.").rpartition(".")
+        if param_name not in index_of:
+            raise GpuflowError(f"checkpoint {path} has optimizer state for unknown {param_name}")
+        slots.setdefault(index_of[param_name], {})[slot] = value
+    live_groups = optimizer.state_dict()["param_groups"]
+    if len(live_groups) != len(data.record["param_groups"]):
+        raise GpuflowError(f"checkpoint {path} was saved by a different optimizer setup")
+    groups = [
+        {
+            **live,
+            **{k: v for k, v in saved.items() if v is not None},  # None: not saved (see above)
+            "betas": tuple(saved["betas"]),  # JSON made the tuple a list
+            **{k: live[k] for k in _EXECUTION_FLAGS if k in live},
+            "params": live["params"],
+        }
+        for saved, live in zip(data.record["param_groups"], live_groups, strict=True)
+    ]
+    model.load_state_dict(data.weights)
+    optimizer.load_state_dict({"state": slots, "param_groups": groups})
 
 
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Restore weights and optimizer from ``path``; return the JSON trainer state."""
-    try:
-        record = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise GpuflowError(f"checkpoint {path} has no readable state.json ({exc})") from None
-    load_weights(path, model)
-    tensors = _load_tensors(path / "optimizer.safetensors")
-    index_of = {name: i for i, name in enumerate(_optimizer_param_names(model, optimizer))}
-    slots: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        param_name, _, slot = key.removeprefix("state.").rpartition(".")
-        if param_name not in index_of:
-            raise GpuflowError(f"checkpoint {path} has optimizer state for unknown {param_name}")
-        slots.setdefault(index_of[param_name], {})[slot] = value
-    live_groups = optimizer.state_dict()["param_groups"]
-    if len(live_groups) != len(record["param_groups"]):
-        raise GpuflowError(f"checkpoint {path} was saved by a different optimizer setup")
-    groups = [
-        {
-            **saved,
-            "betas": tuple(saved["betas"]),  # JSON made the tuple a list
-            **{k: live[k] for k in _EXECUTION_FLAGS if k in live},
-            "params": live["params"],
-        }
-        for saved, live in zip(record["param_groups"], live_groups, strict=True)
-    ]
-    optimizer.load_state_dict({"state": slots, "param_groups": groups})
-    return record
+    data = read_checkpoint(path)
+    apply_checkpoint(data, model, optimizer)
+    return data.record

@@ -1,0 +1,247 @@
+"""``StateSnapshot``: named device tensors copied to the host in one piece, without a host wait.
+
+A checkpoint needs a consistent copy of the weights and the optimizer's moments, taken
+between two steps, while the next steps run. Copying each tensor to fresh host memory (what
+``state_dict`` + ``.cpu()`` does) makes a few hundred small copies into pageable memory and
+waits for every one. Here the tensors are laid out once in a flat layout, the device packs
+them into a staging buffer of that layout (one ``cat`` per run of same-typed tensors, on the
+current stream, so it reads exactly the state between the two steps), and one device->host
+copy on a side stream moves the whole staging buffer into a pinned host buffer that is kept
+and reused. The host queues this and returns; training goes on while the copy runs. A
+consumer (the checkpoint writer's thread) waits for the copy, reads the host bytes, and
+releases the snapshot; the next ``capture`` waits for that release (the host buffer is
+shared).
+
+    snapshots = StateSnapshot(device)
+    snap = snapshots.capture({"model": weights, "optimizer": moments})   # no host wait
+    ...                                   # more training steps
+    snap.wait()                           # on the writer's thread
+    write(snap.group_bytes("model")); snap.release()
+
+The layout puts each group's tensors end to end, widest type first (so every tensor sits at
+an offset its type can be read at), which is also the order a safetensors file lists them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuflow.device import Device
+
+_GROUP_ALIGN = 64  # bytes: each group's region starts on a cache line
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in a group's region: ``start`` and ``nbytes`` in bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every tensor of every group lies in the flat buffer."""
+
+    groups: dict[str, tuple[Slot, ...]]
+    offsets: dict[str, int]  # each group's first byte in the buffer
+    sizes: dict[str, int]  # each group's bytes (no padding at its end)
+
+    @classmethod
+    def of(cls, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> Layout:
+        slots: dict[str, tuple[Slot, ...]] = {}
+        offsets, sizes = {}, {}
+        position = 0
+        for group, tensors in groups.items():
+            ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+            start, placed = 0, []
+            for name, tensor in ordered:
+                nbytes = tensor.numel() * tensor.element_size()
+                placed.append(Slot(name, tensor.dtype, tuple(tensor.shape), start, nbytes))
+                start += nbytes
+            position = -(-position // _GROUP_ALIGN) * _GROUP_ALIGN
+            slots[group], offsets[group], sizes[group] = tuple(placed), position, start
+            position += start
+        return cls(slots, offsets, sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return max((self.offsets[g] + self.sizes[g] for g in self.groups), default=0)
+
+    def key(self) -> tuple:
+        """What makes two layouts the same (names, types and shapes, in order)."""
+        return tuple(
+            (g, tuple((s.name, s.dtype, s.shape) for s in slots))
+            for g, slots in self.groups.items()
+        )
+
+
+class Snapshot:
+    """One capture: its layout and host bytes, valid until ``release``."""
+
+    def __init__(self, owner: StateSnapshot, layout: Layout, host: torch.Tensor, done: Any):
+        self.layout = layout
+        self._owner = owner
+        self._host = host  # (nbytes,) uint8, pinned where the device has pinned memory
+        self._done = done  # event of the device->host copy; None when nothing was on a device
+
+    def wait(self) -> None:
+        """Block until the host bytes are complete (call from the thread that reads them)."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    def group_bytes(self, group: str) -> memoryview:
+        """The group's region of the host buffer, as bytes (after ``wait``)."""
+        start = self.layout.offsets[group]
+        return memoryview(self._host.numpy())[start : start + self.layout.sizes[group]]
+
+    def tensors(self, group: str) -> dict[str, torch.Tensor]:
+        """The group's tensors as views of the host buffer (after ``wait``; valid until
+        ``release``)."""
+        base = self.layout.offsets[group]
+        return {
+            s.name: self._host[base + s.start : base + s.start + s.nbytes]
+            .view(s.dtype)
+            .view(s.shape)
+            for s in self.layout.groups[group]
+        }
+
+    def release(self) -> None:
+        """The host bytes are no longer needed: the next capture may reuse them."""
+        self._owner._release(self)
+
+
+class StateSnapshot:
+    """See the module docstring. One snapshot is outstanding at a time."""
+
+    def __init__(self, device: Device | str = "auto") -> None:
+        self.device = Device.resolve(device)
+        self._host: torch.Tensor | None = None  # (capacity,) uint8
+        self._staging: torch.Tensor | None = None  # (capacity,) uint8 on the device
+        self._copy_stream = self.device.new_stream()
+        self._free = threading.Event()
+        self._free.set()
+        self._last_copy: Any = None  # the staging buffer is busy until this event
+
+    def capture(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> Snapshot:
+        """Queue the copy of ``groups`` ({group: {name: tensor}}) and return at once (after
+        the previous snapshot's release). Host tensors are copied now; device tensors are
+        read in stream order, as they are after the work queued so far."""
+        self._free.wait()
+        self._free.clear()
+        try:
+            layout = Layout.of(groups)
+            host = self._host_buffer(layout.nbytes)
+            flat = [(g, s, groups[g][s.name]) for g, slots in layout.groups.items() for s in slots]
+            on_device = [item for item in flat if item[2].device.type != "cpu"]
+            for group, slot, tensor in flat:
+                if tensor.device.type == "cpu":
+                    begin = layout.offsets[group] + slot.start
+                    host[begin : begin + slot.nbytes].view(slot.dtype).copy_(tensor.reshape(-1))
+            done = self._copy_device_tensors(layout, on_device, host) if on_device else None
+        except BaseException:
+            self._free.set()
+            raise
+        return Snapshot(self, layout, host, done)
+
+    def _copy_device_tensors(self, layout: Layout, items: list, host: torch.Tensor) -> Any:
+        """Pack the device tensors into the staging buffer (one ``cat`` per run of one type,
+        on the current stream), then copy it to the host on the side stream: one copy, or
+        one per span between host tensors, which were written into the host buffer already.
+        Returns the last copy's event."""
+        stream = self.device.current_stream()
+        staging = self._staging_buffer(layout.nbytes)
+        if staging is None:  # no device memory to spare: copy each tensor, in stream order
+            for group, slot, tensor in items:
+                begin = layout.offsets[group] + slot.start
+                target = host[begin : begin + slot.nbytes].view(slot.dtype)
+                target.copy_(tensor.detach().reshape(-1), non_blocking=True)
+            done = self.device.new_event()
+            done.record(stream)
+            return done
+        if self._last_copy is not None:
+            stream.wait_event(self._last_copy)  # the last copy has read the staging buffer
+        for run in _runs(layout, items):
+            begin, end, dtype = run[0][0], run[-1][0] + run[-1][1].nbytes, run[0][1].dtype
+            pieces = [t.detach().reshape(-1) for _, _, t in run]
+            torch.cat(pieces, out=staging[begin:end].view(dtype))
+        packed = self.device.new_event()
+        packed.record(stream)
+        self._copy_stream.wait_event(packed)
+        with self.device.use_stream(self._copy_stream):
+            for begin, end in _device_spans(layout, items):
+                host[begin:end].copy_(staging[begin:end], non_blocking=True)
+            done = self.device.new_event()
+            done.record(self._copy_stream)
+        self._last_copy = done
+        return done
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = None  # let the old one go before pinning the new one
+            self._host = self.device.pinned_empty(nbytes)
+        return self._host
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """The device buffer the state is packed into (kept for the next capture), or None
+        when the device has no room for it."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._last_copy is not None:
+                self._last_copy.synchronize()  # the old buffer may still be read by a copy
+            self._staging = None
+            try:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device.torch)
+            except torch.OutOfMemoryError:
+                return None
+        return self._staging
+
+    def _release(self, snapshot: Snapshot) -> None:
+        self._free.set()
+
+    def close(self) -> None:
+        """Wait for the copy in flight and let both buffers go."""
+        if self._last_copy is not None:
+            self._last_copy.synchronize()
+        self._host = self._staging = self._last_copy = None
+
+
+def _runs(layout: Layout, items: list) -> list[list[tuple[int, Slot, torch.Tensor]]]:
+    """Device tensors grouped into runs that lie end to end in the buffer with one type."""
+    runs: list[list[tuple[int, Slot, torch.Tensor]]] = []
+    for group, slot, tensor in items:
+        begin = layout.offsets[group] + slot.start
+        if runs:
+            prev_begin, prev_slot, _ = runs[-1][-1]
+            if prev_slot.dtype == slot.dtype and prev_begin + prev_slot.nbytes == begin:
+                runs[-1].append((begin, slot, tensor))
+                continue
+        runs.append([(begin, slot, tensor)])
+    return runs
+
+
+def _device_spans(layout: Layout, items: list) -> list[tuple[int, int]]:
+    """Byte ranges that hold device tensors and no host tensor: each is one copy (padding
+    between groups goes along rather than splitting the copy)."""
+    device_names = {(g, s.name) for g, s, _ in items}
+    spans: list[tuple[int, int]] = []
+    entries = sorted(
+        (layout.offsets[g] + s.start, s.nbytes, (g, s.name) in device_names)
+        for g, slots in layout.groups.items()
+        for s in slots
+    )
+    for begin, nbytes, on_device in entries:
+        if not on_device:
+            spans.append((-1, -1))  # a host tensor: the next device range starts a new span
+        elif spans and spans[-1][0] >= 0:
+            spans[-1] = (spans[-1][0], begin + nbytes)
+        else:
+            spans.append((begin, begin + nbytes))
+    return [span for span in spans if span[0] >= 0]

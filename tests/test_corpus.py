@@ -86,3 +86,30 @@ def test_bad_jsonl_lines_are_refused_with_line_numbers(tmp_path, line, message):
     path.write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(GpuflowError, match=rf"d.jsonl:2 .*{message}"):
         list(iter_documents([path]))
+
+
+def test_document_sizes_add_up_to_the_bytes_on_disk(tmp_path, small_corpus):
+    """Progress counts source bytes: every file's documents must account for all of it."""
+    odd = tmp_path / "odd.jsonl"
+    lines = [
+        "",
+        '{"text": "line\\u2028separator kept raw: \u2028 and ünïcødé"}',
+        "   ",
+        '{"text": "   "}',
+        '{"text": "windows line end"}\r',
+        '{"text": "last"}',
+        "",
+        "",
+    ]
+    odd.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode("utf-8"))
+    bom_text = tmp_path / "bom.txt"
+    bom_text.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9\n")
+    for path in [odd, bom_text, *resolve_corpus_files([small_corpus])]:
+        docs = list(iter_documents([path]))
+        assert sum(d.size for d in docs) == path.stat().st_size, path
+    assert [d.source.rsplit(":", 1)[1] for d in iter_documents([odd])] == ["2", "5", "6"]
+    assert "\u2028" in next(iter_documents([odd])).text
+
+
+def test_builtin_documents_count_their_utf8_bytes(stdlib_documents):
+    assert all(d.size == len(d.text.encode("utf-8")) for d in stdlib_documents)

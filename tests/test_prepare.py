@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from gpuflow.data.prepare import PrepareConfig, prepare
+import gpuflow.data.prepare as prepare_module
+from gpuflow.data.corpus import resolve_corpus_files
+from gpuflow.data.prepare import PrepareConfig, PrepareSummary, prepare
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer import EOT, load_tokenizer, train_tokenizer
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.errors import GpuflowError
+from gpuflow.train.config import train_command
 
 
 def test_tokenizer_round_trips_text(stdlib_documents):
@@ -81,13 +89,181 @@ def test_small_shards_and_a_reused_tokenizer(tmp_path, prepared, small_corpus):
     assert all(s.n_tokens == 5000 for s in resharded.train[:-1])
 
 
-def test_existing_output_is_kept_without_force(tmp_path, small_corpus):
+def test_existing_output_is_kept_without_force(tmp_path, small_corpus, prepared):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(GpuflowError, match="already exists; pass --force"):
+    # Not a token folder: --force would be refused too, so the message must not offer it.
+    with pytest.raises(GpuflowError, match="already exists and is not a gpuflow") as refused:
         prepare(PrepareConfig(data=(str(small_corpus),), out=str(out), vocab_size=300))
+    assert "--force" not in str(refused.value)
     assert (out / "precious.txt").read_text() == "keep me"
+    tokens = shutil.copytree(prepared, tmp_path / "tokens")
+    with pytest.raises(GpuflowError, match="already exists; pass --force"):
+        prepare(PrepareConfig(data=(str(small_corpus),), out=str(tokens), vocab_size=300))
+
+
+def _no_tokenizing(monkeypatch):
+    """Make any tokenizer training fail the test: refusals must come before the work."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenized before refusing")
+
+    monkeypatch.setattr(prepare_module, "train_tokenizer", fail)
+
+
+def _tree(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_force_refuses_the_corpus_folder_itself(tmp_path, small_corpus, monkeypatch):
+    books = shutil.copytree(small_corpus, tmp_path / "books")
+    before = _tree(books)
+    _no_tokenizing(monkeypatch)
+    config = PrepareConfig(data=(str(books),), out=str(books), vocab_size=300, force=True)
+    with pytest.raises(GpuflowError, match=r"books is not a gpuflow token folder .*another --out"):
+        prepare(config)
+    assert _tree(books) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["books"]
+
+
+def test_force_refuses_a_folder_of_datasets(tmp_path, small_corpus, prepared, monkeypatch):
+    data = tmp_path / "data"
+    for name in ("first", "second"):
+        shutil.copytree(prepared, data / name)
+    before = _tree(data)
+    _no_tokenizing(monkeypatch)
+    with pytest.raises(GpuflowError, match="data is not a gpuflow token folder"):
+        prepare(PrepareConfig(data=(str(small_corpus),), out=str(data), force=True))
+    assert _tree(data) == before
+
+
+def test_force_keeps_a_token_folder_that_holds_files_of_its_own(
+    tmp_path, small_corpus, prepared, monkeypatch
+):
+    out = shutil.copytree(prepared, tmp_path / "out")
+    (out / "notes.txt").write_text("mine")
+    (out / "plots").mkdir()
+    before = _tree(out)
+    _no_tokenizing(monkeypatch)
+    for force in (True, False):
+        with pytest.raises(GpuflowError, match=r"did not write \(notes\.txt, plots/\)"):
+            prepare(PrepareConfig(data=(str(small_corpus),), out=str(out), force=force))
+    assert _tree(out) == before
+
+
+def test_force_checks_again_just_before_replacing(tmp_path, small_corpus, prepared, monkeypatch):
+    out = shutil.copytree(prepared, tmp_path / "out")
+    before = _tree(out)
+    real_write = prepare_module.write_text_atomic
+
+    def write_then_user_adds_a_file(path, text):
+        real_write(path, text)
+        (out / "late.txt").write_text("added while prepare ran")
+
+    monkeypatch.setattr(prepare_module, "write_text_atomic", write_then_user_adds_a_file)
+    config = PrepareConfig(data=(str(small_corpus),), out=str(out), vocab_size=300, force=True)
+    with pytest.raises(GpuflowError, match=r"did not write \(late\.txt\)"):
+        prepare(config)
+    assert _tree(out) == {**before, (out / "late.txt").relative_to(out): b"added while prepare ran"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_empty_folder_is_filled_without_force(tmp_path, small_corpus):
+    out = tmp_path / "out"
+    out.mkdir()
+    prepare(PrepareConfig(data=(str(small_corpus / "notes"),), out=str(out), vocab_size=300))
+    assert TokenFolder.open(out).train_tokens > 0
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    return finished.pid
+
+
+def test_leftovers_of_killed_runs_are_removed(tmp_path, small_corpus, prepared):
+    dead, alive = _dead_pid(), os.getppid()
+    leftovers = [tmp_path / f".out.staging-{dead}", tmp_path / f".out.old-{dead}"]
+    kept = [
+        tmp_path / f".out.staging-{alive}",  # another run, still working
+        tmp_path / f".other.staging-{dead}",  # another output's
+        tmp_path / f".out.staging-{dead}.bak",  # not gpuflow's naming
+        tmp_path / ".out.staging-x",
+    ]
+    for folder in leftovers + kept:
+        shutil.copytree(prepared, folder)
+    (leftovers[0] / ".train_000001.bin.tmp-123").write_bytes(b"partial")
+    out = shutil.copytree(prepared, tmp_path / "out")
+    prepare(PrepareConfig(data=(str(small_corpus / "notes"),), out=str(out), force=True))
+    assert not any(os.path.lexists(p) for p in leftovers)
+    assert all(_tree(p) == _tree(prepared) for p in kept)
+
+
+def test_a_run_killed_between_its_renames_gets_its_old_folder_back(
+    tmp_path, small_corpus, prepared
+):
+    shutil.copytree(prepared, tmp_path / f".out.old-{_dead_pid()}")
+    shutil.copytree(prepared, tmp_path / f".out.staging-{_dead_pid()}")
+    out = tmp_path / "out"
+    with pytest.raises(GpuflowError, match="already exists; pass --force"):
+        prepare(PrepareConfig(data=(str(small_corpus / "notes"),), out=str(out)))
+    assert _tree(out) == _tree(prepared)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_progress_counts_source_bytes_to_exactly_its_total(tmp_path, small_corpus, monkeypatch):
+    bars = []
+
+    def recording_progress_bar(*args, **kwargs):
+        bars.append(real_progress_bar(*args, **kwargs))
+        return bars[-1]
+
+    real_progress_bar = prepare_module.progress_bar
+    monkeypatch.setattr(prepare_module, "progress_bar", recording_progress_bar)
+    prepare(PrepareConfig(data=(str(small_corpus),), out=str(tmp_path / "out"), vocab_size=300))
+    (task,) = bars[0].tasks
+    on_disk = sum(p.stat().st_size for p in resolve_corpus_files([small_corpus]))
+    assert task.total == task.completed == on_disk
+
+
+def _summary(documents=3, vocab_size=16000, out_dir="data/books-v16000"):
+    return PrepareSummary(out_dir, documents, 900, 100, 1, 1, vocab_size, 2.0)
+
+
+def test_the_summary_line_counts_documents_in_good_english():
+    assert "prepared data/books-v16000: 1 document, 900 train + 100 val" in _summary(1).describe()
+    assert ": 3 documents, " in _summary(3).describe()
+    assert ": 1,200 documents, " in _summary(1200).describe()
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "out_dir", "command"),
+    [
+        (16000, "data/books-v16000", "--preset seed-d384 --set data.dir=data/books-v16000"),
+        (4096, "d", "--preset tiny --set data.dir=d"),
+        (50304, "d", "--preset gpt2-124m --set data.dir=d"),
+        (500, "d", "--preset tiny --set data.dir=d --set model.vocab_size=512"),
+        (16001, "d", "--preset tiny --set data.dir=d --set model.vocab_size=16064"),
+        (512, "my data", "--preset tiny --set 'data.dir=my data' --set model.vocab_size=512"),
+    ],
+)
+def test_train_command_fits_the_prepared_vocabulary(vocab_size, out_dir, command):
+    summary = _summary(vocab_size=vocab_size, out_dir=out_dir)
+    assert train_command(summary.vocab_size, summary.out_dir) == (f"gpuflow train {command}")
+
+
+def test_the_suggested_command_trains_on_the_prepared_folder(prepared):
+    from gpuflow.train.config import resolve_config
+
+    meta = json.loads((prepared / "meta.json").read_text())
+    command = train_command(meta["vocab_size"], str(prepared))
+    args = shlex.split(command)
+    assert args[:4] == ["gpuflow", "train", "--preset", "tiny"] and args[4::2] == ["--set"] * 2
+    config = resolve_config(args[3], sets=args[5::2])
+    assert config.data.dir == str(prepared)
+    TokenFolder.open(config.data.dir).check_vocab(config.model.vocab_size)
 
 
 def test_a_bad_file_midway_writes_nothing(tmp_path, small_corpus):

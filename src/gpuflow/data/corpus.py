@@ -46,6 +46,9 @@ _SKIPPED_STDLIB_PARTS = frozenset(
 class Document:
     source: str
     text: str
+    # Source bytes this document accounts for; a corpus's documents sum to its size on disk,
+    # so progress counted in them ends exactly at the total.
+    size: int
 
 
 def resolve_corpus_files(paths: list[str | Path]) -> list[Path]:
@@ -82,7 +85,8 @@ def resolve_corpus_files(paths: list[str | Path]) -> list[Path]:
     return files
 
 
-def _read_utf8(path: Path) -> str:
+def _read_utf8(path: Path) -> tuple[str, int]:
+    """The file's text without a byte-order mark, and its size in bytes."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -97,12 +101,27 @@ def _read_utf8(path: Path) -> str:
         )
     if not text.strip():
         raise GpuflowError(f"corpus file {path} holds only whitespace; remove it or add text")
-    return text.removeprefix("\ufeff")
+    return text.removeprefix("\ufeff"), len(data)
 
 
-def _jsonl_documents(path: Path, text: str) -> Iterator[Document]:
-    found = False
-    for line_no, line in enumerate(text.splitlines(), start=1):
+def _jsonl_lines(text: str) -> Iterator[tuple[str, int]]:
+    """Lines split at newlines only (JSON strings may hold U+2028 and other line breaks
+    that ``str.splitlines`` would cut at), each with its UTF-8 size including the newline."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end + 1
+        line = text[start:end]
+        yield line, len(line.encode("utf-8"))
+        start = end
+
+
+def _jsonl_documents(path: Path, text: str, size: int) -> Iterator[Document]:
+    held: Document | None = None  # yielded once the next one is found: the last takes the rest
+    pending = 0  # bytes of the lines read since the last document
+    yielded = 0
+    for line_no, (line, line_bytes) in enumerate(_jsonl_lines(text), start=1):
+        pending += line_bytes
         if not line.strip():
             continue
         try:
@@ -117,20 +136,29 @@ def _jsonl_documents(path: Path, text: str) -> Iterator[Document]:
                 '{"text": "..."}'
             )
         if record["text"].strip():
-            found = True
-            yield Document(f"{path}:{line_no}", record["text"])
-    if not found:
+            if held is not None:
+                yield held
+                yielded += held.size
+            held, pending = Document(f"{path}:{line_no}", record["text"], pending), 0
+    if held is None:
         raise GpuflowError(f"corpus file {path} has no non-empty 'text' field on any line")
+    # Skipped lines count towards the next document and the last one takes what remains (a
+    # byte-order mark, trailing blank lines), so the file's documents sum to its size.
+    yield Document(held.source, held.text, size - yielded)
 
 
 def iter_documents(files: list[Path]) -> Iterator[Document]:
     """Documents in a fixed order: files as given (folders sorted), lines in file order."""
     for path in files:
-        text = _read_utf8(path)
+        text, size = _read_utf8(path)
         if path.suffix.lower() in JSONL_SUFFIXES:
-            yield from _jsonl_documents(path, text)
+            yield from _jsonl_documents(path, text, size)
         else:
-            yield Document(str(path), text)
+            yield Document(str(path), text, size)
+
+
+def _builtin_document(source: str, text: str) -> Document:
+    return Document(source, text, len(text.encode("utf-8")))
 
 
 def _docstrings(tree: ast.AST) -> Iterator[str]:
@@ -161,7 +189,7 @@ def _stdlib_module_documents() -> Iterator[Document]:
             continue  # a broken or unreadable file in the install is not the user's problem
         text = "\n\n".join(_docstrings(tree))
         if len(text) >= 200:
-            yield Document(f"stdlib:{relative.as_posix()}", text)
+            yield _builtin_document(f"stdlib:{relative.as_posix()}", text)
 
 
 def default_corpus() -> list[Document]:
@@ -176,7 +204,7 @@ def default_corpus() -> list[Document]:
         topics = {}
     for name in sorted(topics):
         if topics[name].strip():
-            documents.append(Document(f"pydoc:{name}", topics[name]))
+            documents.append(_builtin_document(f"pydoc:{name}", topics[name]))
     documents.extend(_stdlib_module_documents())
     if not documents:
         raise GpuflowError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -34,6 +35,9 @@ class TrainConfig:
     lr: float = 6e-4  # peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 100
+    # Steps the schedule (warmup, then cosine) spans; later steps keep its final rate.
+    # 0: ``steps``. Set it when resuming with more steps, to keep or stretch the schedule.
+    decay_steps: int = 0
     weight_decay: float = 0.1  # on matrices only; embeddings and norms are not decayed
     beta1: float = 0.9
     beta2: float = 0.95
@@ -65,7 +69,7 @@ class TrainConfig:
                 "checkpoint_interval",
                 "keep_checkpoints",
             ),
-            non_negative=("warmup_steps", "weight_decay", "grad_clip", "seed"),
+            non_negative=("warmup_steps", "decay_steps", "weight_decay", "grad_clip", "seed"),
         )
         if self.data_path not in DATA_PATHS:
             raise GpuflowError(
@@ -76,6 +80,11 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise GpuflowError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def schedule_steps(self) -> int:
+        """The steps the learning-rate schedule spans."""
+        return self.decay_steps or self.steps
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,19 @@ PRESETS: dict[str, RunConfig] = {
         train=TrainConfig(batch_size=16, lr=6e-4, warmup_steps=200),
     ),
 }
+
+
+def train_command(vocab_size: int, data_dir: str | Path) -> str:
+    """The ``gpuflow train`` command line for a token folder of ``vocab_size`` tokens: a
+    preset of that vocabulary as it is (seed-d384, the reference configuration, first among
+    equals), else ``tiny`` with its vocabulary raised to a multiple of 64 that holds it."""
+    data = shlex.quote(f"data.dir={data_dir}")
+    exact = [name for name, p in PRESETS.items() if p.model.vocab_size == vocab_size]
+    if exact:
+        name = sorted(exact, key=lambda n: n != "seed-d384")[0]
+        return f"gpuflow train --preset {name} --set {data}"
+    vocab = -(-vocab_size // 64) * 64
+    return f"gpuflow train --preset tiny --set {data} --set model.vocab_size={vocab}"
 
 
 def preset(name: str) -> RunConfig:

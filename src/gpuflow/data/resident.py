@@ -1,7 +1,9 @@
 """``ResidentTokens``: the training corpus in device memory, batches drawn on the device.
 
 The token shards cross the bus once, at start-up: read into pinned buffers and copied in
-64 MiB chunks (a progress bar for large corpora). After that a training step moves 0 bytes:
+64 MiB chunks (a progress bar for large corpora), each piece's largest id checked against
+``vocab_size`` on the way, so a shard with ids the model cannot embed is refused before
+training rather than failing mid-run. After that a training step moves 0 bytes:
 window starts come from a counter-based hash of (seed, step, row) computed on the device,
 the windows are gathered there, and inputs and targets are slices of them.
 
@@ -32,6 +34,7 @@ from rich.progress import DownloadColumn
 
 from gpuflow.console import progress_bar
 from gpuflow.data.shards import Shard
+from gpuflow.data.tokens import check_ids
 from gpuflow.device import Device
 from gpuflow.errors import GpuflowError
 from gpuflow.pinned import PinnedPool
@@ -81,12 +84,14 @@ class ResidentTokens:
         rank: int = 0,
         world_size: int = 1,
         budget_bytes: int | None = None,
+        vocab_size: int | None = None,
         show_progress: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
         self.device = Device.resolve(device)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.vocab_size = vocab_size  # ids at or past it are refused as they upload
         self.window = seq_len + 1
         dtypes = {s.dtype for s in shards}
         if len(dtypes) != 1:
@@ -206,7 +211,9 @@ class ResidentTokens:
             bar.start()
         try:
             with self.device.use_stream(stream):
-                for into, array in pieces:
+                for shard, into, array in pieces:
+                    if self.vocab_size is not None:  # the bytes pass through the host anyway
+                        check_ids(shard.path, int(array.max()), self.vocab_size)
                     host = self._pool.acquire(array.nbytes, timeout=None)
                     view = host.bytes[: array.nbytes].view(target.dtype)  # (n,)
                     view.numpy()[:] = array.view(view.numpy().dtype)
@@ -222,8 +229,10 @@ class ResidentTokens:
                 bar.stop()
         return done
 
-    def _pieces(self, start: int, length: int, per_copy: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset in the chunk, host array) pieces of at most ``per_copy`` tokens."""
+    def _pieces(
+        self, start: int, length: int, per_copy: int
+    ) -> Iterator[tuple[Shard, int, np.ndarray]]:
+        """(shard, offset in the chunk, host array) pieces of at most ``per_copy`` tokens."""
         into = 0
         position = 0
         for shard in self._shards:
@@ -235,7 +244,7 @@ class ResidentTokens:
             body = shard.tokens
             for piece in range(a, b, per_copy):
                 end = min(b, piece + per_copy)
-                yield into, np.asarray(body[piece - lo : end - lo])
+                yield shard, into, np.asarray(body[piece - lo : end - lo])
                 into += end - piece
 
     @property

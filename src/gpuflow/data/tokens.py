@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from gpuflow.data.shards import Shard
@@ -18,7 +18,6 @@ class TokenFolder:
     train: tuple[Shard, ...]
     val: tuple[Shard, ...]
     tokenizer_path: Path | None
-    max_token: int
 
     @classmethod
     def open(cls, path: Path | str) -> TokenFolder:
@@ -42,18 +41,20 @@ class TokenFolder:
             train=train,
             val=val,
             tokenizer_path=tokenizer_path if tokenizer_path.is_file() else None,
-            max_token=_max_token(path, train, val),
         )
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Refuse data whose token ids the model's embedding table cannot index."""
-        if self.max_token >= vocab_size:
-            raise GpuflowError(
-                f"{self.path} holds token id {self.max_token} but model.vocab_size is "
-                f"{vocab_size}; set model.vocab_size to at least {self.max_token + 1} "
-                f"(--set model.vocab_size={_round_up(self.max_token + 1, 64)}) or prepare the data "
-                f"with --vocab-size {vocab_size}"
-            )
+    def check_vocab(self, vocab_size: int, splits: tuple[str, ...] = ("train", "val")) -> None:
+        """Refuse data whose token ids the model's embedding table cannot index, reading every
+        shard of ``splits``: meta.json's record is not trusted, since a shard may have been
+        replaced after it was written. (A resident corpus checks its train shards as they
+        upload instead: ``ResidentTokens``.)"""
+        for shard in (s for split in splits for s in getattr(self, split)):
+            check_ids(shard.path, shard.max_token(), vocab_size)
+
+    @cached_property
+    def max_token(self) -> int:
+        """The largest token id in any shard (reads them all)."""
+        return max(shard.max_token() for shard in self.train + self.val)
 
     @property
     def train_tokens(self) -> int:
@@ -64,19 +65,15 @@ class TokenFolder:
         return sum(s.n_tokens for s in self.val)
 
 
+def check_ids(source: Path | str, max_id: int, vocab_size: int) -> None:
+    """Refuse ``source`` (a shard) when its largest token id ``max_id`` has no embedding row."""
+    if max_id >= vocab_size:
+        raise GpuflowError(
+            f"{source} holds token id {max_id} but model.vocab_size is {vocab_size}; set "
+            f"model.vocab_size to at least {max_id + 1} (--set model.vocab_size="
+            f"{_round_up(max_id + 1, 64)}) or prepare the data with --vocab-size {vocab_size}"
+        )
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
-def _max_token(path: Path, train: tuple[Shard, ...], val: tuple[Shard, ...]) -> int:
-    """The largest token id: from meta.json when it still describes these shards, else read."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        if (meta["train_tokens"], meta["val_tokens"]) == (
-            sum(s.n_tokens for s in train),
-            sum(s.n_tokens for s in val),
-        ):
-            return int(meta["max_token"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no meta.json (llm.c data) or a damaged one: read the tokens instead
-    return max(shard.max_token() for shard in train + val)

@@ -90,11 +90,12 @@ class StreamedBatches(Batches):
 class ResidentBatches(Batches):
     def __init__(
         self, shards: tuple[Shard, ...], device: Device, batch_size: int, seq_len: int,
-        seed: int, start: int, budget_bytes: int | None = None,
+        seed: int, start: int, budget_bytes: int | None = None, vocab_size: int | None = None,
     ) -> None:  # fmt: skip
         self.tokens = ResidentTokens(
-            shards, device, batch_size, seq_len, seed=seed, budget_bytes=budget_bytes
-        )
+            shards, device, batch_size, seq_len, seed=seed, budget_bytes=budget_bytes,
+            vocab_size=vocab_size,
+        )  # fmt: skip
         self.tokens.set_step(start)
 
     def inputs(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,4 +123,5 @@ def open_batches(mode: str, trainer: Any, start: int, stop: int) -> Batches:
         cfg.train.seed,
         start,
         trainer.resident_budget,
+        cfg.model.vocab_size,
     )

@@ -208,7 +208,7 @@ def _bad_shard_folder(folder, damage):
         ("not-a-run", ["sample", "--run", "notes"], "notes is not a gpuflow run"),
         (None, ["sample", "--run", "runs/nothing"], "run folder runs/nothing does not exist"),
         (None, ["train", "--resume"], "there is no run in runs/ to resume"),
-        (None, ["train", "--resume", "--preset", "tiny"], "drop --preset/--config"),
+        (None, ["train", "--resume", "--preset", "tiny"], "there is no run in runs/ to resume"),
         (None, ["train", "--device", "cuda:7"], "cuda:7"),
     ],
 )
@@ -272,7 +272,8 @@ def test_resume_without_a_name_continues_the_most_recent_run(workdir, prepared, 
 def test_bench_transfer_runs_and_writes_json(workdir):
     result = gpuflow_cli("bench", "transfer", "--quick", "--device", "cpu", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    files = list((workdir / "benchmarks" / "results").glob("transfer-*.json"))
+    assert not (workdir / "benchmarks").exists()  # never into a checkout's tracked results
+    files = list((workdir / "runs" / "bench").glob("transfer-*.json"))
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["benchmark"] == "transfer" and record["machine"]["type"] == "cpu"
@@ -293,7 +294,7 @@ def test_bench_train_measures_each_data_path_and_writes_json(workdir, prepared):
         "--steps", "3", "--warmup", "1", "--device", "cpu", *sets, cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    [path] = (workdir / "benchmarks" / "results").glob("train-*.json")
+    [path] = (workdir / "runs" / "bench").glob("train-*.json")
     record = json.loads(path.read_text())
     rows = {row["mode"]: row for row in record["rows"]}
     assert set(rows) == {"streamed", "resident", "resident (synthetic batch)"}
@@ -322,9 +323,25 @@ def test_profile_writes_trace_timeline_and_counts(workdir, prepared):
         "--out", "prof", *sets, cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    for name in ("trace.json", "timeline.png", "profile.json"):
-        assert (workdir / "prof" / name).stat().st_size > 0
+    # The profile folder holds the profile and nothing a run would: it is not a run.
+    assert sorted(p.name for p in (workdir / "prof").iterdir()) == ["profile.json", "trace.json"]
+    assert (workdir / "prof" / "trace.json").stat().st_size > 0
     record = json.loads((workdir / "prof" / "profile.json").read_text())
     assert record["data_path"] == "streamed" and record["steps"] == 2
     assert record["metrics"]["h2d_bytes_per_batch"] == 2 * 8 * 33  # uint16 ids, one batch
     assert record["metrics"]["syncs_per_batch"] == 0
+    # The cpu has no device to trace: the step is timed by the host clock, and it says so.
+    assert record["step_clock"] == "host" and record["metrics"]["step_ms"] > 0
+    assert "no device to trace" in result.stdout and "0.00 ms" not in result.stdout
+
+
+def test_profile_refuses_a_folder_it_did_not_write(workdir, prepared):
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "trace.json").write_text("my own trace")
+    result = gpuflow_cli(
+        "profile", "--steps", "1", "--warmup", "0", "--device", "cpu", "--out", "mine",
+        "--set", f"data.dir={prepared}", *[a for s in FAST for a in ("--set", s)], cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "mine exists and is not a gpuflow profile folder" in result.stderr
+    assert (workdir / "mine" / "trace.json").read_text() == "my own trace"

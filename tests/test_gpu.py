@@ -675,3 +675,59 @@ def test_the_master_adamw_kernel_matches_its_reference(accel, monkeypatch):
         torch.testing.assert_close(kernel.master, reference.master, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(kernel.exp_avg_sq, reference.exp_avg_sq, rtol=1e-5, atol=1e-9)
         assert torch.equal(kernel.weights, kernel.master.bfloat16())
+
+
+# ---- snapshots and checkpoints on the device ---------------------------------------------------
+
+
+def test_a_snapshot_is_one_copy_without_a_host_wait(accel):
+    from gpuflow.ledger import TransferLedger
+    from gpuflow.snapshot import StateSnapshot
+
+    state = {
+        "model": {
+            "w": torch.randn(1024, 1024, device=accel.torch),
+            "h": torch.randn(333, device=accel.torch).to(torch.bfloat16),
+        },
+        "optimizer": {
+            "m": torch.randn(4096, device=accel.torch),
+            "step": torch.tensor(3.0, device=accel.torch),
+        },
+    }
+    expected = {g: {k: v.cpu() for k, v in t.items()} for g, t in state.items()}
+    snapshots = StateSnapshot(accel)
+    for round_ in range(2):  # the second capture reuses both buffers
+        _busy(accel, 50)  # the device is still busy when the snapshot is asked for
+        with TransferLedger(accel) as ledger:
+            started = time.perf_counter()
+            snap = snapshots.capture(state)
+            queued_s = time.perf_counter() - started
+        state["model"]["w"].add_(1.0)  # the next step's update: queued after, never seen
+        totals = ledger.summary().totals
+        assert totals.syncs == 0 and totals.d2h_copies == 1, (round_, totals)
+        assert totals.device_allocs == (1 if round_ == 0 else 0)  # the staging buffer, once
+        assert queued_s < 0.025  # returned while the device was still busy
+        snap.wait()
+        for group, tensors in expected.items():
+            for name, tensor in tensors.items():
+                assert torch.equal(snap.tensors(group)[name], tensor), (round_, name)
+        snap.release()
+        expected["model"]["w"] += 1.0
+
+
+def test_checkpoints_of_a_captured_run_are_written_while_it_trains(accel, prepared, workdir):
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=30", "train.log_interval=5"]
+    config = resolve_config("tiny", None, [*sets, "train.checkpoint_interval=10"])
+    result = Trainer(config, workdir / "runs" / "ck", accel).run()
+    names = [p.name for p in ckpt.list_checkpoints(result.run_dir)]
+    assert names == ["step_000010", "step_000020", "step_000030"]
+    logged = [r for r in read_metrics(result.run_dir) if "loss" in r]
+    # Checkpoint steps cost no wait and no allocation in the steps after them.
+    assert all(r["syncs_per_step"] <= 1 / 5 for r in logged)
+    assert all(r["device_allocs_per_step"] == 0 for r in logged[2:])
+    # The files hold the fp32 masters of the captured step, and resume on the cpu.
+    data = ckpt.read_checkpoint(ckpt.latest_checkpoint(result.run_dir))
+    assert all(t.dtype == torch.float32 for t in data.weights.values())
+    more = resolve_config("tiny", None, [*sets, "train.steps=32"])
+    resumed = Trainer(more, result.run_dir, Device("cpu")).run(resume=True)
+    assert (resumed.start_step, resumed.last_step) == (30, 32)

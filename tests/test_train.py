@@ -138,12 +138,27 @@ def test_incomplete_checkpoint_folders_are_ignored(prepared, workdir):
     assert ckpt.latest_checkpoint(run_dir).name == "step_000002"
 
 
-def test_corrupt_checkpoint_is_a_clear_error(prepared, workdir):
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(prepared, workdir, capsys):
+    run_dir = workdir / "runs" / "corrupt"
+    sets = ("train.checkpoint_interval=2", "train.log_interval=1")
+    _train(_config(prepared, "train.steps=4", *sets), run_dir)
+    damaged = ckpt.latest_checkpoint(run_dir) / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a torn write
+    capsys.readouterr()
+    result = _train(_config(prepared, "train.steps=6", *sets), run_dir, resume=True)
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step_000004" in err and "it is damaged" in err
+    assert "resuming from the intact checkpoint step_000002" in err
+    assert result.start_step == 2 and result.last_step == 6
+    # Training past step 4 again wrote it again, whole.
+    assert ckpt.read_checkpoint(ckpt.checkpoint_dir(run_dir) / "step_000004").step == 4
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(prepared, workdir):
     run_dir = workdir / "runs" / "corrupt"
     _train(_config(prepared, "train.steps=2"), run_dir)
-    latest = ckpt.latest_checkpoint(run_dir)
-    (latest / "model.safetensors").write_bytes(b"\x00" * 20)
-    with pytest.raises(GpuflowError, match="unreadable"):
+    (ckpt.latest_checkpoint(run_dir) / "model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(GpuflowError, match=r"every checkpoint of .* is damaged"):
         _train(_config(prepared, "train.steps=4"), run_dir, resume=True)
 
 

@@ -107,6 +107,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from gpuflow.console import out_console
     from gpuflow.data.prepare import PrepareConfig, prepare
+    from gpuflow.train.config import train_command
 
     config = PrepareConfig(
         data=tuple(args.data or ()),
@@ -117,12 +118,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         force=args.force,
     )
-    s = prepare(config)
-    out_console.print(
-        f"prepared {s.out_dir}: {s.documents:,} documents, {s.train_tokens:,} train + "
-        f"{s.val_tokens:,} val tokens in {s.train_shards} + {s.val_shards} shards, "
-        f"vocab {s.vocab_size:,}, {s.seconds:.1f} s ({s.tokens_per_s:,.0f} tokens/s)"
-    )
+    summary = prepare(config)
+    out_console.print(summary.describe())
+    out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
     return 0
 
 
@@ -133,39 +131,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gpuflow.console import out_console
     from gpuflow.device import Device
     from gpuflow.report import write_report
-    from gpuflow.train.config import apply_overrides, parse_set, resolve_config
-    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, open_run
+    from gpuflow.train.config import apply_overrides, resolve_config
+    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, resumed_config
     from gpuflow.train.trainer import Trainer
 
     device = Device.resolve(args.device)
     if args.resume:
-        if args.preset or args.config:
-            raise GpuflowError(
-                "--resume continues a run with its own saved config; drop --preset/--config "
-                "(use --set to change a setting)"
-            )
-        run_dir, config = open_run(
-            RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
-        )
+        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        config = resumed_config(run_dir, args.set or (), args.steps, args.preset, args.config)
     else:
-        config = resolve_config(args.preset, args.config)
-        run_dir = None
-    for assignment in args.set or ():
-        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
-    if args.steps is not None:
-        config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
-    if run_dir is None:
-        base = args.name or config.preset
-        run_dir = new_run_dir(base, explicit=args.name is not None)
+        config = resolve_config(args.preset, args.config, args.set or ())
+        if args.steps is not None:
+            config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+        run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
 
     out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}")
     result = Trainer(config, run_dir, device).run(resume=args.resume)
     report = write_report(config, result)
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+    val = (
+        f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"
+        if report["final_val_loss"] is not None
+        else "no val loss yet"
+    )
+    train_loss = report["final_train_loss"]
     out_console.print(
         f"{'stopped' if result.interrupted else 'finished'} at step {result.last_step}: "
-        f"train loss {report['final_train_loss']:.4f}, val loss {report['final_val_loss']:.4f}, "
+        f"train loss {'-' if train_loss is None else f'{train_loss:.4f}'}, {val}, "
         f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
     )
     return EXIT_INTERRUPTED if result.interrupted else 0
@@ -191,7 +184,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
     result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)
     _print_profile(result)
-    out_console.print(f"wrote {out}/trace.json, {out}/timeline.png and {out}/profile.json")
+    written = [
+        name for name in ("trace.json", "timeline.png", "profile.json") if (out / name).exists()
+    ]
+    if result["note"]:
+        out_console.print(f"note: {result['note']}")
+    out_console.print(f"wrote {', '.join(written)}")
     return 0
 
 
@@ -208,7 +206,7 @@ def _print_profile(result: dict[str, Any]) -> None:
     title = f"{result['preset']}, {result['data_path']}: {steps} profiled steps (medians)"
     table = Table("metric", "value", title=title)
     rows = [
-        ("step time (device)", f"{m['step_ms']:.2f} ms"),
+        (f"step time ({result['step_clock']})", f"{m['step_ms']:.2f} ms"),
         ("host->device per step", f"{m['h2d_bytes_per_batch']:,.0f} B"),
         ("device->host per step", f"{m['d2h_bytes_per_batch']:,.0f} B"),
         ("host syncs per step", f"{m['syncs_per_batch']:g}"),
@@ -250,6 +248,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        checkpoint=args.checkpoint,
     )
     print(sample(args.run, config, Device.resolve(args.device)))
     return 0
@@ -349,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force",
         action="store_true",
-        help="rebuild the output folder if it exists (the old one stays until the "
-        "new one is complete)",
+        help="rebuild an output folder that prepare wrote before (the old one stays until the "
+        "new one is complete; a folder holding anything else is never touched)",
     )
     p.set_defaults(func=cmd_prepare)
 
@@ -378,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
-        "bench", help="measure a path beside its baseline; JSON to benchmarks/results"
+        "bench", help="measure a path beside its baseline; JSON to runs/bench (or --out)"
     )
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser(
@@ -387,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
-    p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.add_argument("--out", help="results folder (default: runs/bench)")
     p.set_defaults(func=cmd_bench)
     p = bench.add_parser(
         "train",
@@ -402,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
-    p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.add_argument("--out", help="results folder (default: runs/bench)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
@@ -420,8 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
+    p = sub.add_parser("sample", help="generate text from a run's best checkpoint")
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        help="best (default: the lowest validation loss), latest, or a folder name such as "
+        "step_000300",
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
     p.add_argument(
@@ -449,6 +454,18 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except GpuflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        torch = sys.modules.get("torch")  # loaded by any command that could run out
+        if torch is None or not isinstance(exc, torch.OutOfMemoryError):
+            raise
+        from gpuflow.device import out_of_memory_figures
+
+        print(
+            f"error: out of device memory ({out_of_memory_figures(exc)}); lower the batch "
+            "size, sequence length or model size",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -34,6 +34,7 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         "first_train_loss": train[0]["loss"] if train else None,
         "final_train_loss": train[-1]["loss"] if train else None,
         "final_val_loss": val[-1]["val_loss"] if val else None,
+        "final_val_step": val[-1]["step"] if val else None,
         "best_val_loss": min(r["val_loss"] for r in val) if val else None,
         "device": result.device,
         "software": {

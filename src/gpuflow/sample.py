@@ -1,6 +1,7 @@
-"""Text generation from a run's latest checkpoint.
+"""Text generation from a run's best checkpoint (lowest validation loss), or another one.
 
     gpuflow sample --run runs/tiny --prompt "The list type" --max-tokens 100
+    gpuflow sample --run runs/tiny --checkpoint latest
 
 Tokens are drawn on the device and read back once, at the end, not once per token.
 """
@@ -19,7 +20,7 @@ from gpuflow.errors import GpuflowError
 from gpuflow.loader import upload_tokens
 from gpuflow.mirror import read_now
 from gpuflow.model import GPT
-from gpuflow.train.checkpoint import latest_checkpoint, load_weights
+from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.run import TOKENIZER_FILE, open_run
 
 
@@ -30,6 +31,7 @@ class SampleConfig:
     temperature: float = 0.8  # 0 picks the most likely token every time
     top_k: int = 50  # 0 samples from the whole vocabulary
     seed: int = 0
+    checkpoint: str = "best"  # best, latest, or a checkpoint's folder name (step_000300)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -60,12 +62,40 @@ def generate_no_sync(model: GPT, idx: torch.Tensor, config: SampleConfig) -> tor
     return idx
 
 
+def choose_checkpoint(run_dir: Path, which: str) -> Path:
+    """The checkpoint ``which`` names: ``best`` (the latest when the run has no best yet),
+    ``latest``, or a ``step_*`` folder."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None and ckpt.best_checkpoint(run_dir) is None:
+        raise GpuflowError(f"{run_dir} has no checkpoint yet; train it first")
+    if which == "best":
+        return ckpt.best_checkpoint(run_dir) or latest
+    if which == "latest":
+        return latest or ckpt.best_checkpoint(run_dir)
+    path = ckpt.checkpoint_dir(run_dir) / which
+    if not (path / ckpt.STATE_FILE).is_file():
+        names = ", ".join(p.name for p in ckpt.list_checkpoints(run_dir))
+        raise GpuflowError(
+            f"{run_dir} has no checkpoint {which!r}; choose best, latest or one of {names}"
+        )
+    return path
+
+
+def check_finite(model: GPT, checkpoint: Path, record: dict) -> None:
+    """Refuse weights that are no longer numbers: they would sample noise without a word."""
+    bad = [name for name, p in model.state_dict().items() if not torch.isfinite(p).all()]
+    if bad:
+        raise GpuflowError(
+            f"checkpoint {checkpoint} (step {record['step']}) holds NaN or infinite weights "
+            f"({bad[0]}{' and more' if len(bad) > 1 else ''}): the run diverged; sample an "
+            "earlier checkpoint with --checkpoint step_NNNNNN"
+        )
+
+
 def sample(run: Path | str, config: SampleConfig, device: Device) -> str:
     """Generated text (the prompt first), cut at the first end-of-text token."""
     run_dir, run_config = open_run(run)
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise GpuflowError(f"{run_dir} has no checkpoint yet; train it first")
+    checkpoint = choose_checkpoint(run_dir, config.checkpoint)
     tokenizer_path = run_dir / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         raise GpuflowError(
@@ -74,7 +104,8 @@ def sample(run: Path | str, config: SampleConfig, device: Device) -> str:
         )
     tokenizer = load_tokenizer(tokenizer_path)
     model = GPT(run_config.model)
-    load_weights(checkpoint, model)
+    record = ckpt.load_weights(checkpoint, model)
+    check_finite(model, checkpoint, record)
     model.to(device.torch).eval()
 
     eot = eot_id(tokenizer)

@@ -17,7 +17,8 @@ import torch
 from gpuflow.atomic import write_text_atomic
 from gpuflow.device import Device
 
-RESULTS_DIR = Path("benchmarks") / "results"
+# Benchmarks write here unless told otherwise (--out): beside the runs, not into a checkout.
+RESULTS_DIR = Path("runs") / "bench"
 
 
 def wall_ms(device: Device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -61,12 +62,17 @@ def machine(device: Device) -> dict[str, Any]:
 def write_result(
     name: str, device: Device, payload: dict[str, Any], folder: Path | None = None
 ) -> Path:
-    """``benchmarks/results/<name>-<device>-<timestamp>.json``, written atomically."""
+    """``<folder>/<name>-<device>-<timestamp>.json`` (default folder ``runs/bench``), written
+    atomically under a name no earlier result has: results are never overwritten."""
     folder = Path(folder) if folder else RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     slug = re.sub(r"[^a-z0-9]+", "-", device.name().lower()).strip("-") or device.type
     path = folder / f"{name}-{slug}-{stamp}.json"
+    n = 2
+    while path.exists():
+        path = folder / f"{name}-{slug}-{stamp}-{n}.json"
+        n += 1
     record = {"benchmark": name, "created_utc": stamp, "machine": machine(device), **payload}
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
     return path

@@ -32,7 +32,7 @@ def lr_tensor(step: torch.Tensor, config: TrainConfig) -> torch.Tensor:
     """``gpuflow.train.optim.lr_at`` computed on the device from a 0-d step tensor."""
     s = step.float()
     warm = config.lr * (s + 1) / max(1, config.warmup_steps)
-    span = max(1, config.steps - config.warmup_steps)
+    span = max(1, config.schedule_steps - config.warmup_steps)
     progress = ((s - config.warmup_steps) / span).clamp(0.0, 1.0)
     floor = config.lr * config.min_lr_ratio
     decayed = floor + 0.5 * (config.lr - floor) * (1 + torch.cos(math.pi * progress))

@@ -41,10 +41,11 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``."""
+    """Linear warmup over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at
+    ``schedule_steps``, and that rate after it."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
+    span = max(1, config.schedule_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
     floor = config.lr * config.min_lr_ratio
     return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * progress))

@@ -9,12 +9,17 @@ more under the profiler alone (the timing: the ledger slows the host), and write
 - ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
   the transfer metrics (``gpuflow.metrics``); per-batch figures are medians over the steps
   (a loader's closing wait lands in a step of its own after the last).
+
+On the cpu there is no device to trace: the step time comes from the host's clock, there is
+no timeline, and the copy metrics stay empty; the ledger's counts still hold. The output
+folder must be new, empty, or an earlier profile's: only these three files are written.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -33,6 +38,26 @@ from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
 
+OUTPUT_FILES = ("trace.json", "timeline.png", "profile.json")
+HOST_ONLY_NOTE = (
+    "on the cpu there is no device to trace: the step time is the host's, and the timeline, "
+    "link utilisation and overlap need an accelerator; the ledger's counts hold as on one"
+)
+
+
+def check_output_folder(out_dir: Path) -> None:
+    """Refuse an output folder that holds anything but an earlier profile's files."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise GpuflowError(f"{out_dir} is a file; pass --out a folder for the profile")
+    if (out_dir / "profile.json").is_file() or not any(out_dir.iterdir()):
+        return
+    raise GpuflowError(
+        f"{out_dir} exists and is not a gpuflow profile folder; pass --out a new or empty "
+        f"folder (profile writes {', '.join(OUTPUT_FILES)} into it)"
+    )
+
 
 def profile_training(
     config: RunConfig, out_dir: Path, device: Device, steps: int = 10, warmup: int = 5
@@ -41,6 +66,7 @@ def profile_training(
         raise GpuflowError(f"profile needs --steps >= 1 and --warmup >= 0, got {steps}, {warmup}")
     config = apply_overrides(config, {"train": {"steps": warmup + 2 * steps}}, "profile")
     out_dir = Path(out_dir)
+    check_output_folder(out_dir)
     trainer = Trainer(config, out_dir, device)
     trainer.build(resume=False)
     scalars = AsyncScalars(Trainer.SCALARS, device)
@@ -84,13 +110,16 @@ def profile_training(
                 train(warmup, steps, counted.step)
         timed = DeviceTrace(out_dir / "trace.json", device)
         with timed:
+            host_started = time.perf_counter()
             train(warmup + steps, steps)
+            host_seconds = time.perf_counter() - host_started
 
     summary = counted.ledger.summary()
     totals = summary.totals
+    traced = bool(timed.activity)  # device kernels and copies: none on the cpu
     metrics = from_activity(
         timed.activity,
-        wall_us=_device_span(timed.activity),
+        wall_us=_device_span(timed.activity) if traced else host_seconds * 1e6,
         steps=steps,
         bytes_moved=totals.h2d_bytes + totals.d2h_bytes,
         useful_bytes=steps * config.train.batch_size * (config.model.max_len + 1) * 2,
@@ -110,9 +139,15 @@ def profile_training(
         },
         "crosscheck": [asdict(row) | {"agrees": row.agrees} for row in counted.comparison()],
         "metrics": _metrics_dict(metrics, summary),
+        "step_clock": "device" if traced else "host",
+        "note": None if traced else HOST_ONLY_NOTE,
     }
     write_text_atomic(out_dir / "profile.json", json.dumps(result, indent=2) + "\n")
-    _plot(timed.activity, result["ledger"]["per_step"], out_dir / "timeline.png")
+    timeline = out_dir / "timeline.png"
+    if traced:
+        _plot(timed.activity, result["ledger"]["per_step"], timeline)
+    else:
+        timeline.unlink(missing_ok=True)  # an earlier profile's, which would mislead
     return result
 
 

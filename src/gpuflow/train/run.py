@@ -1,16 +1,35 @@
-"""The run folder `runs/<name>/`: config, metrics, report, plot, tokenizer, checkpoints."""
+"""The run folder `runs/<name>/`: config, metrics, report, plot, tokenizer, checkpoints.
+
+``RunFolder`` is how a training process holds one: locked against a second process, cleared
+of the temporary files a killed one left, and, when the invocation fails before its first
+checkpoint, put back as it was (a new folder removed, a resumed run's config restored), so
+that the same command can simply be run again.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuflow.atomic import write_text_atomic
+from gpuflow.atomic import fsync_dir, write_text_atomic
 from gpuflow.errors import GpuflowError
-from gpuflow.train.config import RunConfig, apply_overrides, load_toml, preset, to_toml
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import (
+    RunConfig,
+    apply_overrides,
+    load_toml,
+    parse_set,
+    preset,
+    resolve_config,
+    to_toml,
+)
+from gpuflow.train.optim import lr_at
 
 RUNS_DIR = Path("runs")
 CONFIG_FILE = "config.toml"
@@ -18,6 +37,12 @@ METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.json"
 PLOT_FILE = "training.png"
 TOKENIZER_FILE = "tokenizer.json"
+PROFILE_FILE = "profile.json"  # marks a `gpuflow profile` folder, which is not a run
+# Temporary files of gpuflow.atomic (".config.toml.tmp-<pid>") and the plot's.
+_OWN_TEMPORARY = re.compile(
+    rf"^\.({re.escape(CONFIG_FILE)}|{re.escape(METRICS_FILE)}|{re.escape(REPORT_FILE)}"
+    rf"|{re.escape(PLOT_FILE)})\.tmp(-\d+)?$"
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -51,7 +76,9 @@ def new_run_dir(base_name: str, explicit: bool) -> Path:
 def latest_run_dir() -> Path:
     """The run whose metrics or config changed last, for ``--resume`` without ``--name``."""
     runs = [
-        p for p in (RUNS_DIR.iterdir() if RUNS_DIR.is_dir() else []) if (p / CONFIG_FILE).is_file()
+        p
+        for p in (RUNS_DIR.iterdir() if RUNS_DIR.is_dir() else [])
+        if (p / CONFIG_FILE).is_file() and not (p / PROFILE_FILE).exists()
     ]
     if not runs:
         raise GpuflowError(f"there is no run in {RUNS_DIR}/ to resume; start one without --resume")
@@ -70,7 +97,7 @@ def open_run(path: Path | str) -> tuple[Path, RunConfig]:
     config_path = path / CONFIG_FILE
     if not path.is_dir():
         raise GpuflowError(f"run folder {path} does not exist; runs live in {RUNS_DIR}/<name>")
-    if not config_path.is_file():
+    if not config_path.is_file() or (path / PROFILE_FILE).exists():
         raise GpuflowError(
             f"{path} is not a gpuflow run (it has no {CONFIG_FILE}); pass a folder made by "
             "`gpuflow train`, such as runs/tiny"
@@ -79,6 +106,63 @@ def open_run(path: Path | str) -> tuple[Path, RunConfig]:
     name = values.get("preset", "tiny")
     config = apply_overrides(preset(name), values, str(config_path))
     return path, config
+
+
+def resumed_config(
+    run_dir: Path,
+    sets: list[str] | tuple[str, ...] = (),
+    steps: int | None = None,
+    preset_name: str | None = None,
+    config_file: str | None = None,
+) -> RunConfig:
+    """The config a resumed run trains with: its saved one with ``--set``/``--steps``
+    applied. A ``--preset``/``--config`` is accepted when it gives that same config (the
+    original command with ``--resume`` added); a learning-rate schedule that would jump at
+    the resumed step because ``steps`` changed is refused, with the two ways to go on."""
+    _, saved = open_run(run_dir)
+    changes = [parse_set(a) for a in sets] + ([{"train": {"steps": steps}}] if steps else [])
+
+    def with_changes(config: RunConfig) -> RunConfig:
+        for change in changes:
+            config = apply_overrides(config, change, "--set/--steps")
+        return config
+
+    config = with_changes(saved)
+    if preset_name or config_file:
+        given = with_changes(resolve_config(preset_name, config_file))
+        if given != config:
+            raise GpuflowError(
+                f"--resume continues a run with its own saved config, and {run_dir}'s differs "
+                f"from this --preset/--config ({_first_difference(config, given)}); drop "
+                "--preset/--config (use --set to change a setting)"
+            )
+    explicit = any(next(iter(c.get("train", {})), "") == "decay_steps" for c in changes)
+    old, new = saved.train, config.train
+    if old.schedule_steps != new.schedule_steps and not explicit:
+        latest = ckpt.latest_checkpoint(run_dir)
+        at = ckpt.read_record(latest)["step"] if latest else 0
+        stretched = replace(old, steps=new.steps)  # the change of length alone
+        before, after = lr_at(at, old), lr_at(at, stretched)
+        if abs(after - before) > 1e-3 * before:
+            raise GpuflowError(
+                f"{run_dir} was scheduled over {old.schedule_steps} steps and stopped at step "
+                f"{at}; with {new.steps} its learning rate would jump from {before:.2e} to "
+                f"{after:.2e}. Add --set train.decay_steps={old.schedule_steps} to keep the "
+                f"schedule (the steps after it train at {lr_at(old.schedule_steps, old):.2e}), "
+                f"or --set train.decay_steps={new.steps} to stretch it"
+            )
+    return config
+
+
+def _first_difference(saved: RunConfig, given: RunConfig) -> str:
+    for section in ("model", "train", "data"):
+        a, b = getattr(saved, section), getattr(given, section)
+        for key in a.__dataclass_fields__:
+            if getattr(a, key) != getattr(b, key):
+                return (
+                    f"{section}.{key} is {getattr(a, key)!r} in the run, {getattr(b, key)!r} here"
+                )
+    return f"preset {saved.preset!r} in the run, {given.preset!r} here"
 
 
 def write_config(run_dir: Path, config: RunConfig) -> None:
@@ -91,17 +175,45 @@ def copy_tokenizer(run_dir: Path, tokenizer_path: Path | None) -> None:
         shutil.copyfile(tokenizer_path, run_dir / TOKENIZER_FILE)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
+def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The records of ``path`` and whether its last line was torn (a crash mid-append: the
+    line is dropped). A damaged line elsewhere is an error naming it."""
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], False
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number == len(lines):
+            return records, True
+        else:
+            raise GpuflowError(
+                f"{path}:{number} is not a metrics record; delete that line and try again"
+            )
+    return records, False
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop records past ``last_step``: steps a resumed run will train again."""
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics records, a torn last line left out."""
+    return _parse_metrics(Path(run_dir) / METRICS_FILE)[0]
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> bool:
+    """Drop records past ``last_step`` (steps a resumed run will train again) and a torn last
+    line; returns whether there was one."""
+    records, torn = _parse_metrics(Path(run_dir) / METRICS_FILE)
+    kept = [r for r in records if r["step"] <= last_step]
     write_text_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+    return torn
 
 
 class MetricsLog:
@@ -119,3 +231,107 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self._file.close()
+
+
+class RunFolder:
+    """``runs/<name>`` while this process trains in it (see the module docstring).
+
+    with RunFolder(path, resume) as folder:   # a resumed run is locked and cleaned here
+        ...                                   # read its checkpoint, open the data
+        folder.start(config, tokenizer)       # a new run's folder appears only now
+        ...                                   # train; an error before the first
+                                              # checkpoint undoes what start() wrote
+    """
+
+    def __init__(self, path: Path, resume: bool, say: Callable[[str], None] = print) -> None:
+        self.path = Path(path)
+        self.resume = resume
+        self.say = say
+        self._lock_fd: int | None = None
+        self._started = False
+        self._config_before: str | None = None
+        self._checkpoints_before: list[Path] = []
+
+    def __enter__(self) -> RunFolder:
+        if self.resume and self.path.is_dir():
+            self._lock()
+            self._clean()
+        return self
+
+    def start(self, config: RunConfig, tokenizer_path: Path | None) -> None:
+        """Create (a new run) or take over (a resumed one) the folder and write its config."""
+        if not self.resume:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir()
+            except FileExistsError:
+                raise GpuflowError(
+                    f"{self.path} was created by someone else while this run started; "
+                    "pass another --name"
+                ) from None
+            self._lock()
+        else:
+            config_path = self.path / CONFIG_FILE
+            self._config_before = config_path.read_text() if config_path.is_file() else None
+            self._checkpoints_before = ckpt.list_checkpoints(self.path)
+        self._started = True
+        write_config(self.path, config)
+        copy_tokenizer(self.path, tokenizer_path)
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        try:
+            if exc_type is not None and self._started:
+                self._roll_back()
+        finally:
+            self._unlock()
+
+    def _roll_back(self) -> None:
+        """Undo what ``start`` did when no checkpoint came of it."""
+        if ckpt.list_checkpoints(self.path) != self._checkpoints_before:
+            return  # a new checkpoint exists: the run can be resumed from it
+        if self.resume:
+            if self._config_before is not None:
+                write_text_atomic(self.path / CONFIG_FILE, self._config_before)
+            return
+        for name in (CONFIG_FILE, METRICS_FILE, TOKENIZER_FILE, REPORT_FILE, PLOT_FILE):
+            (self.path / name).unlink(missing_ok=True)
+        ckpt.remove_stale_temporaries(self.path)
+        folder = ckpt.checkpoint_dir(self.path)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        self._clean()
+        if not any(self.path.iterdir()):
+            self.path.rmdir()
+            self.say(f"removed {self.path}: the run failed before its first checkpoint")
+
+    def _clean(self) -> None:
+        """Remove what a killed process of this folder left (the lock says none is alive)."""
+        handled = ckpt.remove_stale_temporaries(self.path)
+        for path in self.path.iterdir():
+            if _OWN_TEMPORARY.match(path.name) and path.is_file():
+                path.unlink()
+                handled.append(path.name)
+        if handled:
+            fsync_dir(self.path)
+            self.say(f"removed what an interrupted run left in {self.path}: {', '.join(handled)}")
+
+    def _lock(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks on this platform: the folder goes unguarded
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise GpuflowError(
+                f"{self.path} is in use by another gpuflow process; wait for it to finish, or "
+                "pass another --name"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the lock
+            self._lock_fd = None

@@ -15,12 +15,14 @@ readback spread over the interval's steps.
 
 from __future__ import annotations
 
+import math
 import signal
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from gpuflow.console import err_console
 from gpuflow.data.batches import WindowSampler, validation_windows
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.device import Device
+from gpuflow.device import Device, out_of_memory_figures
 from gpuflow.errors import GpuflowError
 from gpuflow.ledger import StepTotals, TransferLedger
 from gpuflow.loader import upload_tokens
@@ -45,12 +47,14 @@ from gpuflow.train.display import TrainDisplay
 from gpuflow.train.master_adamw import MasterAdamW, with_fp32_masters
 from gpuflow.train.naive import naive_gradients
 from gpuflow.train.optim import build_optimizer, global_grad_norm, lr_at
-from gpuflow.train.run import MetricsLog, copy_tokenizer, truncate_metrics, write_config
+from gpuflow.train.run import TOKENIZER_FILE, MetricsLog, RunFolder, truncate_metrics
 
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones
 # (the weights' bf16 casts, say) as one, +2.7% tokens/s (benchmarks/NOTES.md, where tuning
 # inductor's kernels is left out: +1% for 95 s more of compiling).
 COMPILE_OPTIONS = {"combo_kernels": True}
+# Passes over the training tokens past which a run is told it will mostly memorise them.
+MANY_PASSES = 4
 
 
 @dataclass
@@ -72,13 +76,14 @@ def open_training_data(config: RunConfig) -> TokenFolder:
     if not config.data.dir and not folder.exists():
         err_console.print(f"preparing the built-in corpus into {folder} (once)")
         prepare(PrepareConfig(out=str(folder), vocab_size=config.model.vocab_size))
-    data = TokenFolder.open(folder)
-    data.check_vocab(config.model.vocab_size)
-    return data
+    return TokenFolder.open(folder)
 
 
 class _StopFlag:
-    """Turns the first Ctrl-C into a request to stop at the next step boundary."""
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers and ``kill`` send) into a
+    request to stop at the next step boundary, with a checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
@@ -86,19 +91,20 @@ class _StopFlag:
     @contextmanager
     def installed(self) -> Iterator[None]:
         def handler(signum: int, frame: object) -> None:
-            if self.requested:  # a second Ctrl-C: stop now, without a checkpoint
+            if self.requested:  # a second signal: stop now, without a checkpoint
                 raise KeyboardInterrupt
             self.requested = True
 
         try:
-            previous = signal.signal(signal.SIGINT, handler)
+            previous = {sig: signal.signal(sig, handler) for sig in self.SIGNALS}
         except ValueError:  # not the main thread: leave signals alone
             yield
             return
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
 
 @dataclass
@@ -196,11 +202,22 @@ class Trainer:
 
     # ---- setup ------------------------------------------------------------------------------
 
-    def build(self, resume: bool) -> Path | None:
-        """Model, optimizer and data; the checkpoint restored if resuming. Returns it."""
+    def build(self, resume: bool, say: Callable[[str], None] = err_console.print) -> Path | None:
+        """Model, optimizer and data, and the checkpoint restored if resuming (returns its
+        path). Reads, never writes: everything that can refuse a run does so here, before its
+        folder changes."""
         cfg, device = self.config, self.device
         data = open_training_data(cfg)
         self.data = data
+        data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
+        # The validation set is read now (a split too short for one window is refused) and
+        # uploaded once; it stays on the device.
+        self.val_batches = [
+            upload_tokens(w, device)
+            for w in validation_windows(
+                data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
+            )
+        ]
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg.model).to(device.torch)
@@ -214,37 +231,70 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train, device)
         self._no_clip = torch.zeros((), device=device.torch)  # the grad norm without clipping
         self.start_step = 0
-        latest = ckpt.latest_checkpoint(self.run_dir) if resume else None
-        if latest is not None:
-            self.start_step = self._restore(latest)
+        self.best_val = math.inf
+        checkpoint = None
+        if resume:
+            self._check_same_data(say)
+            checkpoint = ckpt.resumable_checkpoint(self.run_dir, say)
+            if checkpoint is None:
+                say(f"{self.run_dir} has no checkpoint yet: training it from step 0")
+            else:
+                self.start_step = self._restore(checkpoint)
         if self.start_step >= cfg.train.steps:
             raise GpuflowError(
                 f"{self.run_dir} already finished {self.start_step} of {cfg.train.steps} steps; "
                 f"pass --steps N with N > {self.start_step} to train further"
             )
-        # Only now, with the checkpoint known to fit, does the run folder change.
-        write_config(self.run_dir, cfg)
-        copy_tokenizer(self.run_dir, data.tokenizer_path)
-        truncate_metrics(self.run_dir, self.start_step)
+        self._warn_about_repeats(say)
+        return checkpoint.path if checkpoint is not None else None
 
-        self.sampler = WindowSampler(
-            data.train, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed
+    @cached_property
+    def sampler(self) -> WindowSampler:
+        """Batches drawn on the host (the naive, standard and streamed paths): built on first
+        use, after every train shard's ids are checked (a resident corpus checks its own)."""
+        cfg = self.config
+        self.data.check_vocab(cfg.model.vocab_size, splits=("train",))
+        return WindowSampler(
+            self.data.train, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed
         )
-        # The validation set is uploaded once and stays on the device.
-        self.val_batches = [
-            upload_tokens(w, device)
-            for w in validation_windows(
-                data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
-            )
-        ]
-        return latest
 
-    def _restore(self, checkpoint: Path) -> int:
-        record = ckpt.load_checkpoint(checkpoint, self.model, self.optimizer)
+    def _restore(self, checkpoint: ckpt.CheckpointData) -> int:
+        ckpt.apply_checkpoint(checkpoint, self.model, self.optimizer)
+        record = checkpoint.record
         torch.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["torch"]))
         if record["rng"].get("device") and self.device.rng_state() is not None:
             self.device.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["device"]))
-        return int(record["step"])
+        best = ckpt.best_checkpoint(self.run_dir)
+        if best is not None:
+            with suppress(GpuflowError):  # a damaged best only loses its record
+                self.best_val = float(ckpt.read_record(best).get("val_loss", math.inf))
+        return checkpoint.step
+
+    def _check_same_data(self, say: Callable[[str], None]) -> None:
+        """A resumed run must read the data it was trained on: same tokenizer."""
+        kept = self.run_dir / TOKENIZER_FILE
+        current = self.data.tokenizer_path
+        if kept.is_file() and current is not None and kept.read_bytes() != current.read_bytes():
+            raise GpuflowError(
+                f"{current} is not the tokenizer {self.run_dir} was trained with ({kept}); "
+                "point data.dir at the run's data, or start a new run"
+            )
+        if kept.is_file() and current is None:
+            say(f"{self.data.path} has no tokenizer.json: cannot check it is the run's data")
+
+    def _warn_about_repeats(self, say: Callable[[str], None]) -> None:
+        """Say so when the run will read its training tokens many times over: validation
+        loss then rises as the model memorises them (the best checkpoint is kept apart)."""
+        tc = self.config.train
+        tokens = self.data.train_tokens
+        passes = tc.steps * self.tokens_per_step / max(tokens, 1)
+        if passes > MANY_PASSES:
+            say(
+                f"note: {tc.steps:,} steps of {self.tokens_per_step:,} tokens read the "
+                f"{tokens:,} training tokens {passes:.0f} times over; validation loss "
+                "usually rises after a few passes, so checkpoints/best keeps the best one. "
+                "More text (gpuflow prepare --data ...) or fewer --steps avoids it"
+            )
 
     # ---- the pieces of a run ----------------------------------------------------------------
 
@@ -397,7 +447,10 @@ class Trainer:
         self.model.train()
         return read_now(total)[0] / len(self.val_batches)
 
-    def _save(self, step: int) -> Path:
+    def _save(
+        self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
+    ) -> None:
+        """Checkpoint the state after ``step``; the files are written while training goes on."""
         tc = self.config.train
         device_rng = self.device.rng_state()
         state = {
@@ -408,10 +461,9 @@ class Trainer:
             # Every data path draws step s's batch from (seed, s): the step is the position.
             "data": {"path": self._mode, "seed": tc.seed, "next_step": step},
             "tokens_seen": step * self.tokens_per_step,
+            "val_loss": self._last_val,
         }
-        return ckpt.save_checkpoint(
-            self.run_dir, step, self.model, self.optimizer, state, tc.keep_checkpoints
-        )
+        checkpointer.save(step, self.model, self.optimizer, state, names)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         if not tokens_per_s or not self._peak_flops:
@@ -421,23 +473,84 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self, resume: bool = False) -> TrainResult:
-        tc = self.config.train
+        """Train from the start, or from the latest intact checkpoint; see ``RunFolder`` for
+        what happens to the folder when this fails."""
+        try:
+            return self._run(resume)
+        except torch.OutOfMemoryError as exc:
+            cfg = self.config
+            raise GpuflowError(
+                f"out of device memory on {self.device} ({out_of_memory_figures(exc)}); lower "
+                f"train.batch_size (now {cfg.train.batch_size}), model.max_len (now "
+                f"{cfg.model.max_len}) or the model's size, or cap the resident corpus with "
+                "data.device_budget_mb; the run's checkpoints are intact"
+            ) from None
+
+    def _run(self, resume: bool) -> TrainResult:
         started = time.perf_counter()
-        latest = self.build(resume)
-        scalars = AsyncScalars(self.SCALARS, self.device)
-        throughput = _Throughput(self.tokens_per_step, self.device)
+        say = err_console.print
+        tc = self.config.train
+        with RunFolder(self.run_dir, resume, say) as folder:
+            latest = self.build(resume, say)
+            mode, why = resolve_data_path(tc.data_path, self.device)
+            self._mode = mode
+            with open_batches(mode, self, self.start_step, tc.steps) as batches:
+                folder.start(self.config, self.data.tokenizer_path)
+                if truncate_metrics(self.run_dir, self.start_step):
+                    say("dropped the torn last line of metrics.jsonl (the run was stopped while "
+                        "writing it)")  # fmt: skip
+                checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)
+                try:
+                    step, rates = self._loop(mode, why, batches, checkpointer, latest, started)
+                except KeyboardInterrupt:
+                    raise  # a second signal: now; a write in flight is cleared at the next start
+                except BaseException:
+                    with suppress(Exception):  # finish the write in flight; report the first error
+                        checkpointer.close()
+                    raise
+                checkpointer.close()  # the last checkpoint is on disk before the run reports
+        if step < tc.steps:
+            say(
+                f"interrupted: saved {checkpointer.written[-1]}; continue with "
+                f"`gpuflow train --name {self.run_dir.name} --resume`"
+            )
+        median_rate = rates.steady_median()
+        return TrainResult(
+            run_dir=self.run_dir,
+            start_step=self.start_step,
+            last_step=step,
+            interrupted=step < tc.steps,
+            seconds=time.perf_counter() - started,
+            device=self.device.describe(),
+            parameters=self.model.parameter_count(),
+            tokens_per_s=median_rate,
+            mfu=self.mfu(median_rate),
+        )
+
+    def _loop(
+        self,
+        mode: str,
+        why: str | None,
+        batches: Batches,
+        checkpointer: ckpt.Checkpointer,
+        latest: Path | None,
+        started: float,
+    ) -> tuple[int, _Throughput]:
+        """Steps from ``start_step`` until the end or a stop request; returns the step reached
+        and the interval rates."""
+        tc = self.config.train
+        device = self.device
+        scalars = AsyncScalars(self.SCALARS, device)
+        throughput = _Throughput(self.tokens_per_step, device)
         # Per logging step, its lr and timing, held until its scalars land on the host.
         pending: dict[int, dict[str, Any]] = {}
         stop = _StopFlag()
         step = self.start_step
-        device = self.device
-        mode, why = resolve_data_path(tc.data_path, device)
-        self._mode = mode
+        self._last_val: float | None = None
 
         with (
             TrainDisplay(tc.steps, self.start_step) as display,
             MetricsLog(self.run_dir) as metrics,
-            open_batches(mode, self, step, tc.steps) as batches,
             stop.installed(),
         ):
 
@@ -458,12 +571,19 @@ class Trainer:
                             "mfu": self.mfu(rate),
                         }
                     )
+                    if not math.isfinite(means["loss"]):
+                        self._diverged(tag, means["loss"], checkpointer)
+
+            def evaluate(step: int) -> float:
+                self._last_val = self._evaluate()
+                emit({"step": step, "val_loss": self._last_val})
+                return self._last_val
 
             display.note(f"data path: {mode}" + (f" ({why})" if why else ""))
             if latest is not None:
                 display.note(f"resumed {self.run_dir} at step {step} from {latest.name}")
             else:  # the untrained baseline, so the curve shows what was learnt
-                emit({"step": 0, "val_loss": self._evaluate()})
+                evaluate(step)
             throughput.restart()  # time training, not setup
 
             step_fn = self.stepper(mode, batches, scalars)
@@ -488,7 +608,7 @@ class Trainer:
                     throughput.step()
                 step += 1
                 is_last = step == tc.steps
-                stopping = stop.requested  # read once: a Ctrl-C may land mid-iteration
+                stopping = stop.requested  # read once: a signal may land mid-iteration
                 # A checkpoint also closes a logging interval: metrics are whole up to it.
                 checkpoint_now = step % tc.checkpoint_interval == 0 or is_last or stopping
                 if step % tc.log_interval == 0 or checkpoint_now:
@@ -505,33 +625,32 @@ class Trainer:
                         "interval": interval,  # timed when its scalars land
                         "elapsed_s": time.perf_counter() - started,
                         **bus,
+                        **device.memory_sample(),  # host reads only: the soak's record
                     }
                     bus = {}
                     publish(results)
                     display.step(step)
                 evaluate_now = step % tc.eval_interval == 0 or is_last
                 with throughput.paused() if evaluate_now or checkpoint_now else nullcontext():
-                    if evaluate_now:
-                        emit({"step": step, "val_loss": self._evaluate()})
+                    names = []
                     if checkpoint_now:
-                        publish(scalars.drain(step))
-                        path = self._save(step)
+                        publish(scalars.drain(step))  # and a diverged run stops before saving
+                        names.append(ckpt.step_name(step))
+                    if evaluate_now and evaluate(step) < self.best_val:
+                        self.best_val = self._last_val
+                        names.append(ckpt.BEST)
+                    if names:
+                        self._save(checkpointer, step, tuple(names))
                 if stopping:
-                    display.note(
-                        f"interrupted: saved {path}; continue with "
-                        f"`gpuflow train --name {self.run_dir.name} --resume`"
-                    )
                     break
+        return step, throughput
 
-        median_rate = throughput.steady_median()
-        return TrainResult(
-            run_dir=self.run_dir,
-            start_step=self.start_step,
-            last_step=step,
-            interrupted=step < tc.steps,
-            seconds=time.perf_counter() - started,
-            device=self.device.describe(),
-            parameters=self.model.parameter_count(),
-            tokens_per_s=median_rate,
-            mfu=self.mfu(median_rate),
+    def _diverged(self, step: int, loss: float, checkpointer: ckpt.Checkpointer) -> None:
+        """Stop a run whose loss is no longer a number, before it saves such weights."""
+        checkpointer.wait()
+        last = checkpointer.written[-1].name if checkpointer.written else None
+        where = f"its last good checkpoint is {last}" if last else "it has no checkpoint"
+        raise GpuflowError(
+            f"training diverged: the loss is {loss} at step {step} ({where}); lower train.lr "
+            f"(now {self.config.train.lr:g}) or raise train.warmup_steps and train again"
         )

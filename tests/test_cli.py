@@ -345,3 +345,41 @@ def test_profile_refuses_a_folder_it_did_not_write(workdir, prepared):
     assert result.returncode == 2
     assert "mine exists and is not a gpuflow profile folder" in result.stderr
     assert (workdir / "mine" / "trace.json").read_text() == "my own trace"
+
+
+def test_bench_checkpoint_compares_blocking_and_async_saves(workdir, prepared):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    result = gpuflow_cli(
+        "bench", "checkpoint", "--preset", "tiny", "--rounds", "1", "--window", "3",
+        "--device", "cpu", "--out", "res", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [path] = (workdir / "res").glob("checkpoint-*.json")
+    record = json.loads(path.read_text())
+    assert [row["kind"] for row in record["rows"]] == ["pytorch", "blocking", "async"]
+    assert all(len(row["stall_ms_rounds"]) == 1 for row in record["rows"])
+    assert record["step_ms"] > 0 and record["async_write_s"] > 0
+    # model + optimizer files: the fp32 weights and two moments, and their headers.
+    assert record["file_bytes"] > 3 * 4 * 60_000 and record["state_bytes"] < record["file_bytes"]
+    assert "async write took" in result.stdout
+    assert not list(workdir.glob("gpuflow-bench-checkpoint-*"))  # scratch removed
+
+
+def test_bench_soak_samples_memory_over_a_run(workdir, prepared):
+    sets = [
+        a
+        for s in (*FAST, f"data.dir={prepared}", "train.log_interval=2", "train.eval_interval=4")
+        for a in ("--set", s)
+    ]
+    result = gpuflow_cli(
+        "bench", "soak", "--steps", "24", "--device", "cpu", "--out", "res",
+        "--set", "train.checkpoint_interval=4", *sets, cwd=workdir,
+    )  # fmt: skip
+    [path] = (workdir / "res").glob("soak-*.json")
+    record = json.loads(path.read_text())
+    assert result.returncode == (0 if record["flat"] else 1), result.stderr
+    assert record["steps"] == 24 and record["warmup_steps"] == 6
+    rss = record["samples"]["rss_bytes"]
+    assert [step for step, _ in rss] == list(range(2, 25, 2)) and all(v > 0 for _, v in rss)
+    assert set(record["verdicts"]) == {"rss_bytes"}  # the cpu reports no pinned or device memory
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -73,6 +73,25 @@ def test_a_failed_resume_keeps_the_config_it_had(prepared, workdir, monkeypatch,
     assert _train_cli(prepared, "--name", "r", "--resume", "--steps", "3") == 0
 
 
+def test_a_failed_run_with_a_best_checkpoint_is_kept(prepared, workdir, monkeypatch, capsys):
+    """The best weights so far are work worth keeping, even without a step checkpoint."""
+    real = Trainer._evaluate
+    calls = []
+
+    def third_fails(self):
+        calls.append(1)
+        if len(calls) == 3:  # at step 4, after the best was saved at step 2
+            raise GpuflowError("evaluation failed")
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_evaluate", third_fails)
+    sets = ("train.eval_interval=2",)
+    assert _train_cli(prepared, "--name", "kept", "--steps", "6", sets=sets) == 2
+    run = workdir / "runs" / "kept"
+    assert ckpt.read_record(ckpt.best_checkpoint(run))["step"] == 2
+    assert (run / "config.toml").is_file() and not ckpt.list_checkpoints(run)
+
+
 def test_a_one_line_corpus_is_refused_before_anything_is_written(workdir, capsys):
     data = workdir / "oneline"
     data.mkdir()

@@ -274,6 +274,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         config = TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
         results = run_transfer_bench(device, config)
         print_transfer_tables(results)
+    elif args.bench == "checkpoint":
+        from gpuflow.bench.checkpoint import (
+            CheckpointBenchConfig,
+            print_checkpoint_table,
+            run_checkpoint_bench,
+        )
+
+        if args.rounds < 1 or args.window < 2:
+            raise GpuflowError(
+                f"--rounds must be >= 1 and --window >= 2, got {args.rounds}, {args.window}"
+            )
+        bench = CheckpointBenchConfig(
+            preset=args.preset,
+            window=args.window,
+            rounds=args.rounds,
+            overrides=tuple(args.set or ()),
+        )
+        results = run_checkpoint_bench(device, bench)
+        print_checkpoint_table(results)
+    elif args.bench == "soak":
+        from gpuflow.bench.soak import SoakConfig, plot_soak, print_soak_table, run_soak
+
+        if args.steps < 1:
+            raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+        soak = SoakConfig(preset=args.preset, steps=args.steps, overrides=tuple(args.set or ()))
+        results = run_soak(device, soak)
+        print_soak_table(results)
+        path = write_result(args.bench, device, results, args.out)
+        plot = plot_soak(results, path.with_suffix(".png"))
+        out_console.print(f"results: {path} and {plot}")
+        return 0 if results["flat"] else 1
     else:
         from gpuflow.bench.train import MODES, TrainBenchConfig, print_train_table, run_train_bench
 
@@ -397,6 +428,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", help="comma-separated data paths (default: all of them)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per mode (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument(
+        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.add_argument("--out", help="results folder (default: runs/bench)")
+    p.set_defaults(func=cmd_bench)
+    p = bench.add_parser(
+        "checkpoint",
+        help="how long saving a checkpoint stops training: the usual blocking save vs "
+        "gpuflow's async one, and how long the write takes",
+    )
+    p.add_argument("--preset", default="gpt2-124m", help="the model (default gpt2-124m)")
+    p.add_argument("--window", type=int, default=10, help="steps per timed window (default 10)")
+    p.add_argument("--rounds", type=int, default=3, help="saves of each kind (default 3)")
+    p.add_argument(
+        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.add_argument("--out", help="results folder (default: runs/bench)")
+    p.set_defaults(func=cmd_bench)
+    p = bench.add_parser(
+        "soak",
+        help="a long training run sampling host, pinned and device memory and cudaMalloc "
+        "calls; exit 1 if any grows after warm-up",
+    )
+    p.add_argument("--preset", default="tiny", help="the run to soak (default tiny)")
+    p.add_argument("--steps", type=int, default=10_000, help="steps to train (default 10000)")
     p.add_argument(
         "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
     )

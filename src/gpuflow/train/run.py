@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -286,21 +287,23 @@ class RunFolder:
             self._unlock()
 
     def _roll_back(self) -> None:
-        """Undo what ``start`` did when no checkpoint came of it."""
+        """Undo what ``start`` did when nothing worth keeping came of it: a resumed run's
+        config goes back unless a new checkpoint was saved; a new run's folder is removed
+        unless it holds a checkpoint (a best one counts: it is the run's best weights).
+        Temporaries are left to the next start: a write may still be running."""
         if ckpt.list_checkpoints(self.path) != self._checkpoints_before:
-            return  # a new checkpoint exists: the run can be resumed from it
+            return
         if self.resume:
             if self._config_before is not None:
                 write_text_atomic(self.path / CONFIG_FILE, self._config_before)
             return
+        if ckpt.best_checkpoint(self.path) is not None:
+            return
         for name in (CONFIG_FILE, METRICS_FILE, TOKENIZER_FILE, REPORT_FILE, PLOT_FILE):
             (self.path / name).unlink(missing_ok=True)
-        ckpt.remove_stale_temporaries(self.path)
-        folder = ckpt.checkpoint_dir(self.path)
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-        self._clean()
-        if not any(self.path.iterdir()):
+        with suppress(OSError):  # not empty: a write was abandoned, or someone added a file
+            ckpt.checkpoint_dir(self.path).rmdir()
+        with suppress(OSError):
             self.path.rmdir()
             self.say(f"removed {self.path}: the run failed before its first checkpoint")
 

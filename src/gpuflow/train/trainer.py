@@ -207,6 +207,8 @@ class Trainer:
         path). Reads, never writes: everything that can refuse a run does so here, before its
         folder changes."""
         cfg, device = self.config, self.device
+        self.mode, self.mode_note = resolve_data_path(cfg.train.data_path, device)
+        self._last_val: float | None = None  # the latest validation loss, for checkpoints
         data = open_training_data(cfg)
         self.data = data
         data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
@@ -447,10 +449,11 @@ class Trainer:
         self.model.train()
         return read_now(total)[0] / len(self.val_batches)
 
-    def _save(
+    def save(
         self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
     ) -> None:
-        """Checkpoint the state after ``step``; the files are written while training goes on."""
+        """Checkpoint the state after ``step`` (its files are written while training goes on,
+        unless ``checkpointer`` writes in the foreground)."""
         tc = self.config.train
         device_rng = self.device.rng_state()
         state = {
@@ -459,7 +462,7 @@ class Trainer:
                 "device": ckpt.encode_tensor(device_rng) if device_rng is not None else None,
             },
             # Every data path draws step s's batch from (seed, s): the step is the position.
-            "data": {"path": self._mode, "seed": tc.seed, "next_step": step},
+            "data": {"path": self.mode, "seed": tc.seed, "next_step": step},
             "tokens_seen": step * self.tokens_per_step,
             "val_loss": self._last_val,
         }
@@ -492,8 +495,7 @@ class Trainer:
         tc = self.config.train
         with RunFolder(self.run_dir, resume, say) as folder:
             latest = self.build(resume, say)
-            mode, why = resolve_data_path(tc.data_path, self.device)
-            self._mode = mode
+            mode, why = self.mode, self.mode_note
             with open_batches(mode, self, self.start_step, tc.steps) as batches:
                 folder.start(self.config, self.data.tokenizer_path)
                 if truncate_metrics(self.run_dir, self.start_step):
@@ -546,7 +548,6 @@ class Trainer:
         pending: dict[int, dict[str, Any]] = {}
         stop = _StopFlag()
         step = self.start_step
-        self._last_val: float | None = None
 
         with (
             TrainDisplay(tc.steps, self.start_step) as display,
@@ -640,7 +641,7 @@ class Trainer:
                         self.best_val = self._last_val
                         names.append(ckpt.BEST)
                     if names:
-                        self._save(checkpointer, step, tuple(names))
+                        self.save(checkpointer, step, tuple(names))
                 if stopping:
                     break
         return step, throughput

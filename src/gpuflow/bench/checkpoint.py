@@ -1,0 +1,185 @@
+"""``gpuflow bench checkpoint``: how long a checkpoint stops training, blocking vs async.
+
+A preset trains on its default data path (the captured step on CUDA). Between timed windows
+of ``window`` steps, each made of the same steps, a window saves one checkpoint after its
+first step in one of three ways:
+
+- ``pytorch``: what a training loop usually does: the state dict copied to the host tensor
+  by tensor, written with safetensors' ``save_file`` and fsynced, on the training thread;
+- ``blocking``: gpuflow's snapshot and writer, on the training thread;
+- ``async``: gpuflow's ``Checkpointer``: the snapshot queued on the device, the files
+  written by a thread while the window's steps run.
+
+A window's stall is its time less that of a window of the same steps without a save (the
+median of the plain windows around it); the rounds alternate the kinds, and the table gives
+medians over rounds, with the write's own duration and rate.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from gpuflow.console import err_console
+from gpuflow.device import Device
+from gpuflow.mirror import AsyncScalars
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import RunConfig, resolve_config
+from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.trainer import Trainer
+
+KINDS = ("pytorch", "blocking", "async")
+
+
+@dataclass(frozen=True)
+class CheckpointBenchConfig:
+    preset: str = "gpt2-124m"
+    warmup: int = 10
+    window: int = 10  # steps per timed window; the save comes after its first step
+    rounds: int = 3
+    overrides: tuple[str, ...] = ()
+
+
+def _pytorch_save(folder: Path, trainer: Trainer) -> None:
+    """The usual way: every tensor copied to the host, then the files, on this thread."""
+    weights, moments, _ = ckpt.checkpoint_state(trainer.model, trainer.optimizer)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, tensors in (("model", weights), ("optimizer", moments)):
+        path = folder / f"{name}.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def run_checkpoint_bench(device: Device, bench: CheckpointBenchConfig) -> dict[str, Any]:
+    steps = bench.warmup + bench.window * (2 * len(KINDS) + 1) * bench.rounds + 100
+    config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
+    mode, _ = resolve_data_path(config.train.data_path, device)
+    scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-checkpoint-"))
+    try:
+        with err_console.status(f"measuring checkpoint saves of {bench.preset}..."):
+            result = _measure(config, device, mode, scratch, bench)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "preset": bench.preset,
+        "data_path": mode,
+        "config": {
+            "warmup": bench.warmup,
+            "window": bench.window,
+            "rounds": bench.rounds,
+            "overrides": bench.overrides,
+        },
+        **result,
+    }
+
+
+def _measure(
+    config: RunConfig, device: Device, mode: str, scratch: Path, bench: CheckpointBenchConfig
+) -> dict[str, Any]:
+    trainer = Trainer(config, scratch / "run", device)
+    trainer.build(resume=False)
+    scalars = AsyncScalars(Trainer.SCALARS, device)
+    background = ckpt.Checkpointer(scratch / "async", device, keep=1)
+    blocking = ckpt.Checkpointer(scratch / "blocking", device, keep=1, background=False)
+    step = 0
+    with open_batches(mode, trainer, 0, config.train.steps) as batches:
+        step_fn = trainer.stepper(mode, batches, scalars)
+
+        def window(save: Callable[[], None] | None) -> float:
+            """Seconds for ``bench.window`` steps, with ``save`` after the first."""
+            nonlocal step
+            device.synchronize()
+            started = time.perf_counter()
+            for i in range(bench.window):
+                step_fn(step)
+                step += 1
+                if i == 0 and save is not None:
+                    save()
+            device.synchronize()
+            seconds = time.perf_counter() - started
+            scalars.flush(step)
+            shutil.rmtree(scratch / "pytorch", ignore_errors=True)  # keep the disk from filling
+            return seconds
+
+        saves = {
+            "pytorch": lambda: _pytorch_save(scratch / "pytorch" / f"step_{step}", trainer),
+            "blocking": lambda: trainer.save(blocking, step),
+            "async": lambda: trainer.save(background, step),
+        }
+        for _ in range(bench.warmup):
+            step_fn(step)
+            step += 1
+        for kind in KINDS:  # one untimed save of each: first-use allocations stay out
+            window(saves[kind])
+            background.wait()
+        plain: list[float] = []
+        stalls: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        for _ in range(bench.rounds):
+            for kind in KINDS:
+                before = window(None)
+                with_save = window(saves[kind])
+                background.wait()  # the write finishes outside the windows it overlaps
+                after = window(None)
+                plain += [before, after]
+                stalls[kind].append(with_save - statistics.median([before, after]))
+        scalars.drain(step)
+    background.close()
+    blocking.close()
+    step_s = statistics.median(plain) / bench.window
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for part in ckpt.checkpoint_state(trainer.model, trainer.optimizer)[:2]
+        for t in part.values()
+    )
+    written = background.written[-1]
+    file_bytes = sum(p.stat().st_size for p in written.iterdir())
+    write_s = statistics.median(background.write_seconds)
+    rows = [
+        {
+            "kind": kind,
+            "stall_ms": statistics.median(stalls[kind]) * 1e3,
+            "stall_steps": statistics.median(stalls[kind]) / step_s,
+            "stall_ms_rounds": [s * 1e3 for s in stalls[kind]],
+        }
+        for kind in KINDS
+    ]
+    return {
+        "step_ms": step_s * 1e3,
+        "tokens_per_step": trainer.tokens_per_step,
+        "state_bytes": state_bytes,
+        "file_bytes": file_bytes,
+        "async_write_s": write_s,
+        "async_write_gb_s": file_bytes / write_s / 1e9,
+        "rows": rows,
+    }
+
+
+def print_checkpoint_table(result: dict[str, Any]) -> None:
+    from gpuflow.console import out_console, table
+
+    out = table(
+        "save",
+        "training stall",
+        "in steps",
+        title=(
+            f"{result['preset']} ({result['data_path']}): one checkpoint of "
+            f"{result['file_bytes'] / 1e6:,.0f} MB, step {result['step_ms']:.2f} ms"
+        ),
+    )
+    for row in result["rows"]:
+        out.add_row(row["kind"], f"{row['stall_ms']:,.1f} ms", f"{row['stall_steps']:.2f}")
+    out_console.print(out)
+    out_console.print(
+        f"the async write took {result['async_write_s']:.2f} s "
+        f"({result['async_write_gb_s']:.2f} GB/s) while training went on"
+    )

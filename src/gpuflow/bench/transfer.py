@@ -429,9 +429,7 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_transfer_tables(r: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from gpuflow.console import out_console
+    from gpuflow.console import out_console, table
 
     peak = r["peak"]["h2d_gb_s"]
 
@@ -442,7 +440,7 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
         f"pinned peak at {r['peak']['bytes'] >> 20} MiB: host->device "
         f"{peak:.1f} GB/s, device->host {r['peak']['d2h_gb_s']:.1f} GB/s"
     )
-    table = Table(
+    grid = table(
         "size",
         *(f"{d} {m}" for d in ("h2d", "d2h") for m in ("pageable", "fresh pinned", "pooled")),
         title="GB/s by memory kind (fraction of the pinned h2d peak)",
@@ -455,28 +453,28 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
             for d in ("h2d", "d2h")
             for m in ("pageable", "fresh_pinned", "pooled")
         ]
-        table.add_row(_size(n), *cells)
-    out_console.print(table)
+        grid.add_row(_size(n), *cells)
+    out_console.print(grid)
 
     s = r["small_tensors"]
-    table = Table(
+    grid = table(
         "path",
         "ms",
         "speedup of packed",
         title=(f"{s['tensors']} tensors of {_size(s['bytes_each'])} to the device"),
     )
-    table.add_row(
+    grid.add_row(
         "one by one, pageable",
         f"{s['separate_pageable_ms']:.3f}",
         f"{s['speedup_vs_pageable']:.1f}x",
     )
-    table.add_row(
+    grid.add_row(
         "one by one, pinned", f"{s['separate_pinned_ms']:.3f}", f"{s['speedup_vs_pinned']:.1f}x"
     )
-    table.add_row("packed: plan + pack + 1 copy + rebuild", f"{s['packed_ms']:.3f}", "")
-    out_console.print(table)
+    grid.add_row("packed: plan + pack + 1 copy + rebuild", f"{s['packed_ms']:.3f}", "")
+    out_console.print(grid)
 
-    table = Table(
+    grid = table(
         "payload",
         "wire bytes",
         "ms",
@@ -486,7 +484,7 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
         title="the same values as fp32, bf16 and uint8 (upcast on the device included)",
     )
     for row in r["payloads"]:
-        table.add_row(
+        grid.add_row(
             row["payload"],
             _size(row["wire_bytes"]),
             f"{row['ms']:.3f}",
@@ -494,10 +492,10 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
             f"{row['vs_fp32']:.2f}x",
             f"{row['host_convert_ms']:.1f}",
         )
-    out_console.print(table)
+    out_console.print(grid)
 
     st = r["streaming"]
-    table = Table(
+    grid = table(
         "source memory",
         "DataLoader(pin_memory=True) + .to",
         "DeviceLoader",
@@ -513,7 +511,7 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
         if kind not in st:
             continue
         row, ds = st[kind], st[kind]["deviceloader_stats"]
-        table.add_row(
+        grid.add_row(
             kind,
             of_peak(row["dataloader_gb_s"]),
             of_peak(row["deviceloader_gb_s"]),
@@ -521,22 +519,22 @@ def print_transfer_tables(r: dict[str, Any]) -> None:
             f"{row['dataloader_startup_ms']:.1f} / {row['deviceloader_startup_ms']:.1f}",
             f"{ds['link_gb_s_during_copies']:.1f} GB/s",
         )
-    out_console.print(table)
+    out_console.print(grid)
     fm = r["flat_memory"]
     out_console.print(
         f"memory after 100 and {fm['iterations']} loader iterations: "
         f"{'flat' if fm['flat'] else 'GREW'} ({fm['after_100']})"
     )
-    table = Table("target", "measured", "goal", "met", title="targets")
+    grid = table("target", "measured", "goal", "met", title="targets")
     for t in r["targets"]:
         met = t["value"] >= t["goal"]
-        table.add_row(
+        grid.add_row(
             t["target"],
             f"{t['value']:.3g}",
             f"{t['goal']:.3g}",
             "yes" if met else "[bold red]no[/]",
         )
-    out_console.print(table)
+    out_console.print(grid)
 
 
 def _size(n: int) -> str:

@@ -51,16 +51,14 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from gpuflow.console import out_console
+    from gpuflow.console import out_console, table
 
     sw = info["software"]
     out_console.print(
         f"[bold]gpuflow info[/]  python {sw['python']}  torch {sw['torch']}  "
         f"cuda {sw['cuda'] or '-'}  cudnn {sw['cudnn'] or '-'}"
     )
-    table = Table("device", "name", "memory", "details", title="devices")
+    devices = table("device", "name", "memory", "details", title="devices")
     for d in info["devices"]:
         memory = d.get("total_memory_bytes")
         details = ", ".join(
@@ -68,10 +66,10 @@ def _print_info(info: dict[str, Any]) -> None:
             for k, v in d.items()
             if k in ("compute_capability", "multiprocessors", "peak_bf16_tflops", "threads") and v
         )
-        table.add_row(
+        devices.add_row(
             d["device"], d["name"], f"{memory / 2**30:.1f} GiB" if memory else "-", details
         )
-    out_console.print(table)
+    out_console.print(devices)
     allocator = info["allocator"]
     out_console.print(
         "allocator: "
@@ -81,15 +79,15 @@ def _print_info(info: dict[str, Any]) -> None:
     if not probe["gb_per_s"]:
         out_console.print(f"link probe: {probe['note']}")
         return
-    table = Table(
+    rates = table(
         "copy",
         "GB/s",
         title=f"link probe on {probe['device']}, {probe['bytes'] >> 20} MiB per copy, median of 5",
     )
     for name, rate in probe["gb_per_s"].items():
         label = "d2d (read + write)" if name == "d2d" else name.replace("_", " ")
-        table.add_row(label, f"{rate:.1f}")
-    out_console.print(table)
+        rates.add_row(label, f"{rate:.1f}")
+    out_console.print(rates)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -146,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
 
     out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}")
-    result = Trainer(config, run_dir, device).run(resume=args.resume)
+    result = Trainer(config, run_dir, device).run(resume=args.resume, show_bus=args.bus)
     report = write_report(config, result)
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
@@ -194,9 +192,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _print_profile(result: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from gpuflow.console import out_console
+    from gpuflow.console import out_console, table
 
     m, steps = result["metrics"], result["steps"]
 
@@ -204,7 +200,7 @@ def _print_profile(result: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:.1%}"
 
     title = f"{result['preset']}, {result['data_path']}: {steps} profiled steps (medians)"
-    table = Table("metric", "value", title=title)
+    figures = table("metric", "value", title=title)
     rows = [
         (f"step time ({result['step_clock']})", f"{m['step_ms']:.2f} ms"),
         ("host->device per step", f"{m['h2d_bytes_per_batch']:,.0f} B"),
@@ -220,11 +216,11 @@ def _print_profile(result: dict[str, Any]) -> None:
         ("overlap efficiency", fraction(m["overlap_efficiency"])),
     ]
     for row in rows:
-        table.add_row(*row)
-    out_console.print(table)
-    table = Table("copies", "ledger", "profiler", "agree", title="cross-check")
+        figures.add_row(*row)
+    out_console.print(figures)
+    check = table("copies", "ledger", "profiler", "agree", title="cross-check")
     for row in result["crosscheck"]:
-        table.add_row(
+        check.add_row(
             row["kind"],
             f"{row['ledger_copies']} / {row['ledger_bytes']:,} B",
             f"{row['profiler_copies']} / {row['profiler_bytes']:,} B",
@@ -232,7 +228,7 @@ def _print_profile(result: dict[str, Any]) -> None:
             if row["compared"]
             else "(not compared)",
         )
-    out_console.print(table)
+    out_console.print(check)
 
 
 # ---- sample ---------------------------------------------------------------------------------
@@ -405,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, help="total steps to train (overrides train.steps)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
+    p.add_argument(
+        "--bus",
+        action="store_true",
+        help="always show the bus figures (bytes each way, host syncs, cudaMalloc per step); "
+        "by default they show once one is not zero",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(

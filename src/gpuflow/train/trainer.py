@@ -475,11 +475,12 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run(self, resume: bool = False) -> TrainResult:
+    def run(self, resume: bool = False, show_bus: bool = False) -> TrainResult:
         """Train from the start, or from the latest intact checkpoint; see ``RunFolder`` for
-        what happens to the folder when this fails."""
+        what happens to the folder when this fails. ``show_bus``: the progress display
+        shows the bus figures even while they are all zero."""
         try:
-            return self._run(resume)
+            return self._run(resume, show_bus)
         except torch.OutOfMemoryError as exc:
             cfg = self.config
             raise GpuflowError(
@@ -489,7 +490,7 @@ class Trainer:
                 "data.device_budget_mb; the run's checkpoints are intact"
             ) from None
 
-    def _run(self, resume: bool) -> TrainResult:
+    def _run(self, resume: bool, show_bus: bool) -> TrainResult:
         started = time.perf_counter()
         say = err_console.print
         tc = self.config.train
@@ -503,7 +504,9 @@ class Trainer:
                         "writing it)")  # fmt: skip
                 checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)
                 try:
-                    step, rates = self._loop(mode, why, batches, checkpointer, latest, started)
+                    step, rates = self._loop(
+                        mode, why, batches, checkpointer, latest, started, show_bus
+                    )
                 except KeyboardInterrupt:
                     raise  # a second signal: now; a write in flight is cleared at the next start
                 except BaseException:
@@ -537,6 +540,7 @@ class Trainer:
         checkpointer: ckpt.Checkpointer,
         latest: Path | None,
         started: float,
+        show_bus: bool,
     ) -> tuple[int, _Throughput]:
         """Steps from ``start_step`` until the end or a stop request; returns the step reached
         and the interval rates."""
@@ -550,7 +554,7 @@ class Trainer:
         step = self.start_step
 
         with (
-            TrainDisplay(tc.steps, self.start_step) as display,
+            TrainDisplay(tc.steps, self.start_step, show_bus) as display,
             MetricsLog(self.run_dir) as metrics,
             stop.installed(),
         ):

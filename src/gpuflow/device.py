@@ -307,9 +307,12 @@ class Device:
         }
         if self.type == "cuda":
             stats = torch.cuda.memory_stats(self.index)
-            host = torch.cuda.host_memory_stats()
+            host_stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.5
+            host = host_stats() if host_stats is not None else {}
             sample.update(
-                pinned_bytes=int(host.get("allocated_bytes.current", 0)),
+                pinned_bytes=int(host["allocated_bytes.current"])
+                if "allocated_bytes.current" in host
+                else None,
                 device_allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
                 device_reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
                 device_mallocs=int(stats.get("segment.all.allocated", 0)),

@@ -87,7 +87,7 @@ def _measure(
     config: RunConfig, device: Device, mode: str, scratch: Path, bench: CheckpointBenchConfig
 ) -> dict[str, Any]:
     trainer = Trainer(config, scratch / "run", device)
-    trainer.build(resume=False)
+    trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
     scalars = AsyncScalars(Trainer.SCALARS, device)
     background = ckpt.Checkpointer(scratch / "async", device, keep=1)
     blocking = ckpt.Checkpointer(scratch / "blocking", device, keep=1, background=False)

@@ -48,7 +48,7 @@ def _measure(
 ) -> dict[str, Any]:
     tc = config.train
     trainer = Trainer(config, run_dir, device)
-    trainer.build(resume=False)
+    trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
     scalars = AsyncScalars(Trainer.SCALARS, device)
     counted = tc.log_interval
     total = warmup + timed + counted

@@ -1,6 +1,6 @@
 """Crashes: `kill -9` at random moments, many of them inside checkpoint writes, and SIGINT or
 SIGTERM once; after each, `--resume`. Nothing is lost, nothing temporary is left behind, and
-the final weights are those of a run that was never interrupted.
+the run ends as a run that was never interrupted ends, down to the last bit of its weights.
 
 The runs are real `gpuflow train` processes, started through a small wrapper around gpuflow's
 own CLI. To land kills inside checkpoint writes without a hook in gpuflow, the wrapper can make
@@ -40,24 +40,47 @@ RUN_SETS = (
 # One thread per process: the cpu kernels then give the same bits in every process (with
 # more threads too, but only for equal counts), and a run leaves a core to the test's polling.
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-WRITE_SLEEP_S = 0.04  # per file: a checkpoint write (two files) stays in flight >= 80 ms
-# `python -c WRAPPER SECONDS train ...`: gpuflow's CLI, each safetensors write SECONDS late.
+# How long the wrapper holds each kind of moment open (seconds), for kills aimed at one: a
+# checkpoint write (per file: two files, >= 80 ms), the last step's folder in place before
+# its copy as best, an old checkpoint's files deleted before its folder.
+SLEEPS = {"write": 0.04, "best": 0.3, "prune": 0.3}
+# `python -c WRAPPER '{"write": 0.04}' train ...`: gpuflow's CLI with those moments held.
 WRAPPER = """
-import sys, time
+import json, shutil, sys, time
+from pathlib import Path
 from gpuflow.cli import main
 from gpuflow.train import checkpoint
 
-write, pause = checkpoint.write_safetensors, float(sys.argv[1])
+sleeps = json.loads(sys.argv[1])
+write, linked_copy, rmtree = checkpoint.write_safetensors, checkpoint._linked_copy, shutil.rmtree
 
 def slow_write(*args):
-    time.sleep(pause)
+    time.sleep(sleeps.get("write", 0))
     return write(*args)
 
+def slow_linked_copy(*args):
+    made = linked_copy(*args)
+    time.sleep(sleeps.get("best", 0))
+    return made
+
+def slow_rmtree(path, *args, **kwargs):
+    if Path(path).name.startswith(checkpoint.STEP_PREFIX) and "prune" in sleeps:
+        for file in Path(path).iterdir():
+            file.unlink()
+        time.sleep(sleeps["prune"])
+    return rmtree(path, *args, **kwargs)
+
 checkpoint.write_safetensors = slow_write
+checkpoint._linked_copy = slow_linked_copy
+shutil.rmtree = slow_rmtree
 sys.exit(main(sys.argv[2:]))
 """
 WAIT_S = 120  # for any one moment or process (2 shared cores can be slow)
 POLL_S = 0.005
+# Random kills stop short of the end: the last checkpoint, its best copy and the report are
+# the subject of a test of their own.
+LAST_KILL_STEP = STEPS - 8
+LAST_KILLED_WRITE = STEPS - 4
 
 
 def _train_args(name: str, data: Path, resume: bool = False) -> list[str]:
@@ -69,11 +92,11 @@ def _train_args(name: str, data: Path, resume: bool = False) -> list[str]:
 
 @contextmanager
 def _launched(
-    args: list[str], cwd: Path, log: Path, write_sleep: float = 0.0
+    args: list[str], cwd: Path, log: Path, sleeps: dict[str, float]
 ) -> Iterator[subprocess.Popen]:
     """A training process started through the wrapper, its output in ``log``; killed on the
     way out if it is still running (a failed test leaves no process behind)."""
-    argv = [sys.executable, "-c", WRAPPER, str(write_sleep), *args]
+    argv = [sys.executable, "-c", WRAPPER, json.dumps(sleeps), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=out, stderr=out)
     try:
@@ -146,6 +169,10 @@ def _hidden(run_dir: Path) -> list[str]:
     return sorted(p.name for f in folders if f.is_dir() for p in f.iterdir() if p.name[0] == ".")
 
 
+def _listing(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
 def _resume_step(run_dir: Path) -> int:
     latest = ckpt.latest_checkpoint(run_dir)
     return ckpt.read_record(latest)["step"] if latest else 0
@@ -159,7 +186,7 @@ class Reference:
     run_dir: Path
     losses: list[tuple[int, float]]
     val_steps: list[int]
-    checkpoints: list[str]
+    best_step: int
 
 
 @pytest.fixture(scope="module")
@@ -174,15 +201,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Refer
         run_dir=run_dir,
         losses=[(r["step"], r["loss"]) for r in records if "loss" in r],
         val_steps=[r["step"] for r in records if "val_loss" in r],
-        checkpoints=sorted(p.name for p in ckpt.checkpoint_dir(run_dir).iterdir()),
+        best_step=ckpt.read_record(ckpt.checkpoint_dir(run_dir) / ckpt.BEST)["step"],
     )
 
 
 def _assert_matches_reference(
     run_dir: Path, reference: Reference, story: str, baseline: bool = False
 ) -> None:
-    """Nothing lost or repeated, nothing temporary left, the uninterrupted run's weights;
-    ``baseline``: also step 0's validation record exactly once (a test of its own, see
+    """Nothing lost or repeated, nothing temporary left, the uninterrupted run's files and
+    weights; ``baseline``: also step 0's validation record exactly once (a test of its own,
     ``test_a_kill_before_the_first_checkpoint_logs_the_baseline_once``).
 
     Exact equality throughout: with one thread per process the cpu kernels give the same bits
@@ -192,16 +219,27 @@ def _assert_matches_reference(
     steps = [step for step, _ in losses]
     assert steps == list(range(1, STEPS + 1)), f"loss records lost or repeated; {story}"
     assert not _hidden(run_dir), f"temporaries left: {_hidden(run_dir)}; {story}"
-    folder = ckpt.checkpoint_dir(run_dir)
-    assert sorted(p.name for p in folder.iterdir()) == reference.checkpoints, story
-    final = ckpt.step_name(STEPS)
-    for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE):
-        expected = (ckpt.checkpoint_dir(reference.run_dir) / final / name).read_bytes()
-        assert (folder / final / name).read_bytes() == expected, f"{final}/{name} differs; {story}"
+    ours, theirs = ckpt.checkpoint_dir(run_dir), ckpt.checkpoint_dir(reference.run_dir)
+    best = ckpt.read_record(ours / ckpt.BEST)["step"]
+    assert best == reference.best_step, (
+        f"checkpoints/best is step {best}, the uninterrupted run's step {reference.best_step}; "
+        + story
+    )
+    listed, expected = set(_listing(run_dir)), set(_listing(reference.run_dir))
+    assert listed == expected, (
+        f"extra: {sorted(listed - expected)}, missing: {sorted(expected - listed)}; {story}"
+    )
+    for folder in (ckpt.step_name(STEPS), ckpt.BEST):
+        for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE):
+            assert (ours / folder / name).read_bytes() == (theirs / folder / name).read_bytes(), (
+                f"{folder}/{name} differs from the uninterrupted run's; {story}"
+            )
     assert losses == reference.losses, f"the loss curve differs; {story}"
     val_steps = [r["step"] for r in records if "val_loss" in r and (baseline or r["step"])]
-    expected = [step for step in reference.val_steps if baseline or step]
-    assert val_steps == expected, f"validation records at {val_steps}, not {expected}; {story}"
+    expected_steps = [step for step in reference.val_steps if baseline or step]
+    assert val_steps == expected_steps, (
+        f"validation records at steps {val_steps}, not {expected_steps}; {story}"
+    )
 
 
 # ---- kill -9 ------------------------------------------------------------------------------
@@ -209,16 +247,21 @@ def _assert_matches_reference(
 
 @dataclass(frozen=True)
 class Kill:
-    """When to kill a process: ``launch``, ``delay`` seconds after it starts (importing,
-    cleaning up, restoring or training); ``step``, once it has logged step resumed + ``ahead``;
-    ``write``, while its ``ahead``-th checkpoint write is in flight. Then ``delay`` more.
-
-    Starting takes about 2 s (importing torch, building, restoring), so ``launch`` kills land
-    in that or in the first steps."""
+    """When to kill a process: ``launch``, ``delay`` seconds after it starts (starting takes
+    about 2 s: importing torch, cleaning up, restoring; then it trains); ``step``, once it has
+    logged step resumed + ``ahead``; ``write``, while its ``ahead``-th checkpoint write is in
+    flight; ``best``, while the last step's checkpoint is in place and its copy as best is
+    not; ``prune``, while an old checkpoint's files are deleted and its folder is not. Then
+    (but ``launch``) ``delay`` seconds more."""
 
     kind: str
-    ahead: int
-    delay: float
+    ahead: int = 0
+    delay: float = 0.0
+
+    @property
+    def sleeps(self) -> dict[str, float]:
+        """What the wrapper holds open: only the moment this kill is aimed at."""
+        return {self.kind: SLEEPS[self.kind]} if self.kind in SLEEPS else {}
 
 
 def random_plan(seed: int, count: int) -> list[Kill]:
@@ -228,7 +271,7 @@ def random_plan(seed: int, count: int) -> list[Kill]:
     plan = []
     for kind in rng.choices(("launch", "step", "write"), weights=(1, 2, 2), k=count):
         if kind == "launch":
-            plan.append(Kill(kind, 0, rng.uniform(1.0, 3.0)))
+            plan.append(Kill(kind, 0, rng.uniform(0.5, 2.5)))
         elif kind == "step":
             plan.append(Kill(kind, rng.randint(1, 5), rng.uniform(0.0, 0.03)))
         else:  # well inside the write's two sleeps
@@ -240,10 +283,10 @@ def _moment(kill: Kill, run_dir: Path) -> Callable[[subprocess.Popen], bool]:
     """Whether ``kill``'s moment (before its delay) has come for a process started just after
     this call."""
     start = _resume_step(run_dir)
-    last = STEPS - 1  # kills stop short of the end, so that every planned kill kills
     metrics = run_dir / "metrics.jsonl"
     before = _file_id(metrics)  # a resumed run rewrites the file: then its records are its own
     launched = time.monotonic()
+    folder = ckpt.checkpoint_dir(run_dir)
 
     def logged(step: int) -> bool:
         if _file_id(metrics) in (before, None):
@@ -251,17 +294,44 @@ def _moment(kill: Kill, run_dir: Path) -> Callable[[subprocess.Popen], bool]:
         return max(_logged_steps(run_dir), default=0) >= step
 
     if kill.kind == "launch":
-        return lambda proc: time.monotonic() - launched >= kill.delay or logged(last)
+        return lambda proc: time.monotonic() - launched >= kill.delay or logged(LAST_KILL_STEP)
     if kill.kind == "step":
-        return lambda proc: logged(min(start + kill.ahead, last))
-    step = min((start // CHECKPOINT_INTERVAL + kill.ahead) * CHECKPOINT_INTERVAL, STEPS)
-    tmp = f".{ckpt.step_name(step)}.tmp-"
-    return lambda proc: (ckpt.checkpoint_dir(run_dir) / f"{tmp}{proc.pid}").exists()
+        return lambda proc: logged(min(start + kill.ahead, LAST_KILL_STEP))
+    if kill.kind == "best":
+        last = folder / ckpt.step_name(STEPS)
+        return lambda proc: (folder / f".best.tmp-{proc.pid}").exists() and last.is_dir()
+    if kill.kind == "prune":
+        return lambda proc: (
+            folder.is_dir()
+            and any(
+                p.name.startswith(ckpt.STEP_PREFIX) and not (p / ckpt.STATE_FILE).exists()
+                for p in folder.iterdir()
+            )
+        )
+    step = (start // CHECKPOINT_INTERVAL + kill.ahead) * CHECKPOINT_INTERVAL
+    tmp = f".{ckpt.step_name(min(step, LAST_KILLED_WRITE))}.tmp-"
+    return lambda proc: (folder / f"{tmp}{proc.pid}").exists()
 
 
-def crash_and_resume(workdir: Path, data: Path, plan: list[Kill]) -> tuple[Path, list[str]]:
+@dataclass
+class Crashes:
+    run_dir: Path
+    story: list[str]  # one line per kill, then the last --resume's exit status
+    final: subprocess.CompletedProcess
+
+    @property
+    def inside_writes(self) -> int:
+        return sum("inside a write" in line for line in self.story)
+
+    def report(self) -> str:
+        kills = len(self.story) - 1
+        summary = f"{kills} kills, {self.inside_writes} inside a checkpoint write"
+        return "\n".join([summary, *self.story])
+
+
+def crash_and_resume(workdir: Path, data: Path, plan: list[Kill]) -> Crashes:
     """Kill the run at each moment of ``plan`` and start it again (with ``--resume`` once it
-    has a folder), then let it finish. Returns the run folder and one line per kill."""
+    has a folder), then let it finish."""
     run_dir = workdir / "runs" / "crash"
     story = []
     for number, kill in enumerate(plan, start=1):
@@ -269,8 +339,7 @@ def crash_and_resume(workdir: Path, data: Path, plan: list[Kill]) -> tuple[Path,
         log = workdir / f"attempt{number:02d}.log"
         start, moment = _resume_step(run_dir), _moment(kill, run_dir)
         metrics = _file_id(run_dir / "metrics.jsonl")
-        write_sleep = WRITE_SLEEP_S if kill.kind == "write" else 0.0
-        with _launched(args, workdir, log, write_sleep) as proc:
+        with _launched(args, workdir, log, kill.sleeps) as proc:
             came = _wait_until(moment, proc)
             time.sleep(kill.delay if kill.kind != "launch" else 0.0)
             proc.send_signal(signal.SIGKILL)
@@ -282,44 +351,59 @@ def crash_and_resume(workdir: Path, data: Path, plan: list[Kill]) -> tuple[Path,
         reached = max(_logged_steps(run_dir), default=0) if own else start
         when = f"after step {reached:2d}" if reached > start else "before its first step"
         left = [n for n in _hidden(run_dir) if n.endswith(f"-{proc.pid}")]
-        where = f"inside a write, left {', '.join(left)}" if left else "outside any write"
+        where = f"inside a write, left {', '.join(left)}" if left else "left no temporary"
         story.append(f"kill {number:2d} ({kill.kind}) from step {start:2d} {when}: {where}")
     final = _finish(_train_args("crash", data, resume=run_dir.exists()), workdir)
-    assert final.returncode == 0, "\n".join([*story, final.stderr])
-    return run_dir, story
+    errors = [line for line in final.stderr.splitlines() if line.startswith("error")]
+    story.append(f"then --resume: exit status {final.returncode} {' '.join(errors)}".rstrip())
+    return Crashes(run_dir, story, final)
 
 
-def _inside_writes(story: list[str]) -> int:
-    return sum("inside a write" in line for line in story)
-
-
-def _report(story: list[str]) -> str:
-    summary = f"{len(story)} kills, {_inside_writes(story)} inside a checkpoint write"
-    return "\n".join([summary, *story])
+def _assert_recovered(crashes: Crashes, reference: Reference, baseline: bool = False) -> None:
+    """The crashed run ended as the uninterrupted one (see ``_assert_matches_reference``)."""
+    _assert_matches_reference(crashes.run_dir, reference, crashes.report(), baseline)
+    assert crashes.final.returncode == 0, crashes.report() + "\n" + crashes.final.stderr
 
 
 def test_kill_9_three_times_then_resume_loses_nothing(workdir, prepared, reference):
     # Kills at three different places of the run, two while a checkpoint is being written.
     plan = [Kill("write", 2, 0.02), Kill("step", 3, 0.01), Kill("write", 3, 0.03)]
-    run_dir, story = crash_and_resume(workdir, prepared, plan)
-    print(_report(story))
-    _assert_matches_reference(run_dir, reference, _report(story))
-    assert _inside_writes(story) >= 1, _report(story)
+    crashes = crash_and_resume(workdir, prepared, plan)
+    print(crashes.report())
+    _assert_recovered(crashes, reference)
+    assert crashes.inside_writes >= 1, crashes.report()
+
+
+@pytest.mark.slow
+def test_kill_9_at_twenty_random_moments_then_resume_loses_nothing(workdir, prepared, reference):
+    crashes = crash_and_resume(workdir, prepared, random_plan(seed=20, count=20))
+    print(crashes.report())
+    _assert_recovered(crashes, reference)
+    assert crashes.inside_writes >= 4, crashes.report()
 
 
 def test_a_kill_before_the_first_checkpoint_logs_the_baseline_once(workdir, prepared, reference):
     # The run has logged its step-0 validation loss; killed while its first checkpoint is being
     # written, its resume starts again from step 0.
-    run_dir, story = crash_and_resume(workdir, prepared, [Kill("write", 1, 0.0)])
-    _assert_matches_reference(run_dir, reference, _report(story), baseline=True)
+    crashes = crash_and_resume(workdir, prepared, [Kill("write", 1)])
+    _assert_recovered(crashes, reference, baseline=True)
 
 
-@pytest.mark.slow
-def test_kill_9_at_twenty_random_moments_then_resume_loses_nothing(workdir, prepared, reference):
-    run_dir, story = crash_and_resume(workdir, prepared, random_plan(seed=20, count=20))
-    print(_report(story))
-    _assert_matches_reference(run_dir, reference, _report(story))
-    assert _inside_writes(story) >= 4, _report(story)
+def test_a_kill_between_the_last_checkpoint_and_its_best_copy_loses_nothing(
+    workdir, prepared, reference
+):
+    # The last step's folder is in place, so the run looks finished; its best copy, the
+    # pruning of the oldest checkpoint and the report are still to come.
+    assert reference.best_step == STEPS, "the last validation loss must be the run's best"
+    _assert_recovered(crash_and_resume(workdir, prepared, [Kill("best")]), reference)
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_part_of_it(
+    workdir, prepared, reference
+):
+    # The first write past train.keep_checkpoints deletes the oldest checkpoint: killed once
+    # its files are gone and its folder is not.
+    _assert_recovered(crash_and_resume(workdir, prepared, [Kill("prune")]), reference)
 
 
 # ---- SIGINT and SIGTERM ---------------------------------------------------------------------
@@ -327,7 +411,7 @@ def test_kill_9_at_twenty_random_moments_then_resume_loses_nothing(workdir, prep
 
 @pytest.mark.parametrize(
     ("sig", "kill"),
-    [(signal.SIGINT, Kill("write", 3, 0.02)), (signal.SIGTERM, Kill("step", 6, 0.0))],
+    [(signal.SIGINT, Kill("write", 3, 0.02)), (signal.SIGTERM, Kill("step", 6))],
     ids=["sigint-inside-a-write", "sigterm-between-writes"],
 )
 def test_a_signal_saves_where_the_run_stops_and_resume_matches(
@@ -335,8 +419,7 @@ def test_a_signal_saves_where_the_run_stops_and_resume_matches(
 ):
     run_dir, log = workdir / "runs" / "stopped", workdir / "stopped.log"
     moment = _moment(kill, run_dir)
-    write_sleep = WRITE_SLEEP_S if kill.kind == "write" else 0.0
-    with _launched(_train_args("stopped", prepared), workdir, log, write_sleep) as proc:
+    with _launched(_train_args("stopped", prepared), workdir, log, kill.sleeps) as proc:
         assert _wait_until(moment, proc), log.read_text()
         time.sleep(kill.delay)
         proc.send_signal(sig)

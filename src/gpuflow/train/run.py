@@ -281,7 +281,9 @@ class RunFolder:
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         try:
-            if exc_type is not None and self._started:
+            # An error rolls back; a second Ctrl-C (KeyboardInterrupt) keeps what is there,
+            # a write perhaps still running: --resume carries on from it.
+            if exc_type is not None and issubclass(exc_type, Exception) and self._started:
                 self._roll_back()
         finally:
             self._unlock()

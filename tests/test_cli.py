@@ -51,7 +51,6 @@ def test_info_prints_a_readable_summary(workdir):
     assert "devices" in result.stdout and "link probe" in result.stdout
 
 
-@pytest.mark.slow
 def test_train_from_nothing_then_sample(workdir):
     """No data prepared: train prepares the built-in corpus, trains, reports; sample reads it."""
     args = (
@@ -118,7 +117,6 @@ def test_prepare_prints_a_summary(workdir, small_corpus):
     assert "tokens/s" in result.stdout
 
 
-@pytest.mark.slow
 def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared):
     sets = [
         a

@@ -51,8 +51,9 @@ STATE_FILE = "state.json"
 # Optimizer flags that describe the machine, not the run: the live optimizer's win on load.
 _EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 # What this module leaves behind when killed mid-write: ``.step_000300.tmp-<pid>`` while a
-# checkpoint is built, ``.best.old-<pid>`` while a complete one is being replaced.
-_TEMPORARY = re.compile(rf"^\.({STEP_PREFIX}\d+|{BEST})\.(tmp|old)-\d+$")
+# checkpoint is built, ``.best.old-<pid>`` while a complete one is being replaced,
+# ``.step_000100.pruned-<pid>`` while an old one is deleted.
+_TEMPORARY = re.compile(rf"^\.({STEP_PREFIX}\d+|{BEST})\.(tmp|old|pruned)-\d+$")
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -80,14 +81,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
-    found = [
-        p
-        for p in folder.iterdir()
-        if p.name.startswith(STEP_PREFIX)
-        and p.name.removeprefix(STEP_PREFIX).isdigit()
-        and (p / STATE_FILE).is_file()
-    ]
+    found = [p for p in folder.iterdir() if _is_step_folder(p) and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
+
+
+def _is_step_folder(path: Path) -> bool:
+    return (
+        path.name.startswith(STEP_PREFIX)
+        and path.name.removeprefix(STEP_PREFIX).isdigit()
+        and path.is_dir()
+    )
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -113,14 +116,18 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
     handled = []
     for path in sorted(folder.iterdir()):
         match = _TEMPORARY.match(path.name)
-        if not match or not path.is_dir():
-            continue
-        final = folder / match.group(1)
-        if match.group(2) == "old" and not final.exists():
-            os.replace(path, final)
-        else:
+        if match and path.is_dir():
+            final = folder / match.group(1)
+            if match.group(2) == "old" and not final.exists():
+                os.replace(path, final)
+            else:
+                shutil.rmtree(path)
+            handled.append(path.name)
+        elif _is_step_folder(path) and not (path / STATE_FILE).exists():
+            # Only an interrupted delete of an older gpuflow (which removed files in place)
+            # leaves one: complete folders are renamed in, and state.json was written inside.
             shutil.rmtree(path)
-        handled.append(path.name)
+            handled.append(path.name)
     if handled:
         fsync_dir(folder)
     return handled
@@ -291,16 +298,24 @@ class Checkpointer:
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
-            first = folder / names[0]
-            _install(tmp, first)
+            # The step checkpoint goes in last: it is what a resume starts from, so a crash
+            # before it repeats the steps since the previous one, and writes ``best`` again.
             for name in names[1:]:
-                _install(_linked_copy(first, folder / f".{name}.tmp-{os.getpid()}"), folder / name)
+                _install(_linked_copy(tmp, folder / f".{name}.tmp-{os.getpid()}"), folder / name)
+            _install(tmp, folder / names[0])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        for old in list_checkpoints(self.run_dir)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        self.written.append(first)
+        self._prune()
+        self.written.append(folder / names[0])
         self.write_seconds.append(time.perf_counter() - started)
+
+    def _prune(self) -> None:
+        """Delete all but the newest ``keep`` step checkpoints: each is renamed out of sight
+        first, so a crash mid-delete leaves a temporary, never half a checkpoint."""
+        for old in list_checkpoints(self.run_dir)[: -self.keep]:
+            doomed = old.with_name(f".{old.name}.pruned-{os.getpid()}")
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def step_name(step: int) -> str:

@@ -499,7 +499,8 @@ class Trainer:
             mode, why = self.mode, self.mode_note
             with open_batches(mode, self, self.start_step, tc.steps) as batches:
                 folder.start(self.config, self.data.tokenizer_path)
-                if truncate_metrics(self.run_dir, self.start_step):
+                # Records past the checkpoint are trained again; with none, the baseline too.
+                if truncate_metrics(self.run_dir, self.start_step if latest else -1):
                     say("dropped the torn last line of metrics.jsonl (the run was stopped while "
                         "writing it)")  # fmt: skip
                 checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)

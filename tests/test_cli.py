@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,9 +147,11 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared)
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted: saved" in err and "--resume" in err
+    # The validation loss reported is the last one measured, and says when that was: step 0.
+    assert re.search(r"stopped at step \d+: train loss [\d.]+, val loss [\d.]+ at step 0,", out)
     stopped_at = max(r["step"] for r in read_metrics(workdir / "runs" / "cut"))
     assert 5 <= stopped_at < 150
 
@@ -201,6 +204,11 @@ def _bad_shard_folder(folder, damage):
         (None, ["train", "--set", "model.flavour=1"], "unknown key model.flavour"),
         (None, ["train", "--set", "model.n_head=3"], "must be divisible by model.n_head"),
         (None, ["train", "--set", "train.batch_size=-1"], "train.batch_size must be > 0"),
+        (
+            None,
+            ["train", "--set", "data.dir=tokens", "--set", "model.max_len=40000"],
+            "has no run of 40001 tokens",
+        ),
         ("toml", ["train", "--config", "run.toml"], "unknown key train.epochs"),
         ("not-a-run", ["sample", "--run", "notes"], "notes is not a gpuflow run"),
         (None, ["sample", "--run", "runs/nothing"], "run folder runs/nothing does not exist"),

@@ -413,56 +413,51 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="measure a path beside its baseline; JSON to runs/bench (or --out)"
     )
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = bench.add_parser(
+
+    def bench_parser(name: str, help: str, overrides: bool = True) -> argparse.ArgumentParser:
+        """A ``bench NAME`` parser with the options every benchmark has."""
+        parser = bench.add_parser(name, help=help)
+        if overrides:
+            parser.add_argument(
+                "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+            )
+        parser.add_argument(
+            "--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps"
+        )
+        parser.add_argument("--out", help="results folder (default: runs/bench)")
+        parser.set_defaults(func=cmd_bench)
+        return parser
+
+    p = bench_parser(
         "transfer",
-        help="pinned/pageable/pooled copies, packing, payload codecs, DeviceLoader vs DataLoader",
+        "pinned/pageable/pooled copies, packing, payload codecs, DeviceLoader vs DataLoader",
+        overrides=False,
     )
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
-    p.add_argument("--out", help="results folder (default: runs/bench)")
-    p.set_defaults(func=cmd_bench)
-    p = bench.add_parser(
+    p = bench_parser(
         "train",
-        help="each data path (naive, standard, streamed, resident, resident-graph) on one model: "
+        "each data path (naive, standard, streamed, resident, resident-graph) on one model: "
         "tokens/s, MFU, bytes, syncs and cudaMalloc per step",
     )
     p.add_argument("--preset", default="seed-d384", help="the model and batch (default seed-d384)")
     p.add_argument("--modes", help="comma-separated data paths (default: all of them)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per mode (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
-    p.add_argument(
-        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
-    )
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
-    p.add_argument("--out", help="results folder (default: runs/bench)")
-    p.set_defaults(func=cmd_bench)
-    p = bench.add_parser(
+    p = bench_parser(
         "checkpoint",
-        help="how long saving a checkpoint stops training: the usual blocking save vs "
-        "gpuflow's async one, and how long the write takes",
+        "how long saving a checkpoint stops training: the usual blocking save vs gpuflow's "
+        "async one, and how long the write takes",
     )
     p.add_argument("--preset", default="gpt2-124m", help="the model (default gpt2-124m)")
     p.add_argument("--window", type=int, default=10, help="steps per timed window (default 10)")
     p.add_argument("--rounds", type=int, default=3, help="saves of each kind (default 3)")
-    p.add_argument(
-        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
-    )
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
-    p.add_argument("--out", help="results folder (default: runs/bench)")
-    p.set_defaults(func=cmd_bench)
-    p = bench.add_parser(
+    p = bench_parser(
         "soak",
-        help="a long training run sampling host, pinned and device memory and cudaMalloc "
-        "calls; exit 1 if any grows after warm-up",
+        "a long training run sampling host, pinned and device memory and cudaMalloc calls; "
+        "exit 1 if any grows after warm-up",
     )
     p.add_argument("--preset", default="tiny", help="the run to soak (default tiny)")
     p.add_argument("--steps", type=int, default=10_000, help="steps to train (default 10000)")
-    p.add_argument(
-        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
-    )
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
-    p.add_argument("--out", help="results folder (default: runs/bench)")
-    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
         "profile",

@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue run --name (default: the most recently active run) from its "
-        "latest checkpoint",
+        help="continue run --name (default: the most recently active run) from its latest "
+        "intact checkpoint; --preset/--config must give its saved config, --set changes it",
     )
     p.add_argument("--steps", type=int, help="total steps to train (overrides train.steps)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")

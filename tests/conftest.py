@@ -93,9 +93,12 @@ FAST = (
 )
 
 
-def gpuflow_cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``python -m gpuflow ARGS`` in a subprocess, as a user would from a shell."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+def gpuflow_cli(
+    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -m gpuflow ARGS`` in a subprocess, as a user would from a shell (``env``:
+    extra environment variables)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "gpuflow", *args],
         cwd=cwd,

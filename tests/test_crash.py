@@ -29,7 +29,7 @@ import pytest
 
 from gpuflow.train import checkpoint as ckpt
 
-from .conftest import FAST
+from .conftest import FAST, gpuflow_cli
 
 STEPS = 80
 CHECKPOINT_INTERVAL = 2
@@ -112,14 +112,7 @@ def _launched(
 
 def _finish(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ``python -m gpuflow ARGS`` to its end, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "gpuflow", *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S * 2,
-    )
+    return gpuflow_cli(*args, cwd=cwd, timeout=WAIT_S * 2, env=ENV)
 
 
 def _wait_until(ready: Callable[[subprocess.Popen], bool], proc: subprocess.Popen) -> bool:

@@ -171,7 +171,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from gpuflow.console import out_console
     from gpuflow.device import Device
     from gpuflow.train.config import apply_overrides, parse_set, resolve_config
-    from gpuflow.train.profile import profile_training
+    from gpuflow.train.profile import OUTPUT_FILES, profile_training
     from gpuflow.train.run import RUNS_DIR
 
     device = Device.resolve(args.device)
@@ -182,9 +182,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
     result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)
     _print_profile(result)
-    written = [
-        name for name in ("trace.json", "timeline.png", "profile.json") if (out / name).exists()
-    ]
+    written = [f"{out}/{name}" for name in OUTPUT_FILES if (out / name).exists()]
     if result["note"]:
         out_console.print(f"note: {result['note']}")
     out_console.print(f"wrote {', '.join(written)}")

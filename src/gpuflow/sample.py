@@ -65,13 +65,13 @@ def generate_no_sync(model: GPT, idx: torch.Tensor, config: SampleConfig) -> tor
 def choose_checkpoint(run_dir: Path, which: str) -> Path:
     """The checkpoint ``which`` names: ``best`` (the latest when the run has no best yet),
     ``latest``, or a ``step_*`` folder."""
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is None and ckpt.best_checkpoint(run_dir) is None:
+    latest, best = ckpt.latest_checkpoint(run_dir), ckpt.best_checkpoint(run_dir)
+    if latest is None and best is None:
         raise GpuflowError(f"{run_dir} has no checkpoint yet; train it first")
     if which == "best":
-        return ckpt.best_checkpoint(run_dir) or latest
+        return best or latest
     if which == "latest":
-        return latest or ckpt.best_checkpoint(run_dir)
+        return latest or best
     path = ckpt.checkpoint_dir(run_dir) / which
     if not (path / ckpt.STATE_FILE).is_file():
         names = ", ".join(p.name for p in ckpt.list_checkpoints(run_dir))

@@ -76,13 +76,6 @@ class Layout:
     def nbytes(self) -> int:
         return max((self.offsets[g] + self.sizes[g] for g in self.groups), default=0)
 
-    def key(self) -> tuple:
-        """What makes two layouts the same (names, types and shapes, in order)."""
-        return tuple(
-            (g, tuple((s.name, s.dtype, s.shape) for s in slots))
-            for g, slots in self.groups.items()
-        )
-
 
 class Snapshot:
     """One capture: its layout and host bytes, valid until ``release``."""
@@ -116,7 +109,7 @@ class Snapshot:
 
     def release(self) -> None:
         """The host bytes are no longer needed: the next capture may reuse them."""
-        self._owner._release(self)
+        self._owner._free.set()
 
 
 class StateSnapshot:
@@ -202,9 +195,6 @@ class StateSnapshot:
             except torch.OutOfMemoryError:
                 return None
         return self._staging
-
-    def _release(self, snapshot: Snapshot) -> None:
-        self._free.set()
 
     def close(self) -> None:
         """Wait for the copy in flight and let both buffers go."""

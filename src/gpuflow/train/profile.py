@@ -36,9 +36,10 @@ from gpuflow.metrics import TransferMetrics, from_activity
 from gpuflow.mirror import AsyncScalars
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.run import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
 
-OUTPUT_FILES = ("trace.json", "timeline.png", "profile.json")
+OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
 HOST_ONLY_NOTE = (
     "on the cpu there is no device to trace: the step time is the host's, and the timeline, "
     "link utilisation and overlap need an accelerator; the ledger's counts hold as on one"
@@ -51,7 +52,7 @@ def check_output_folder(out_dir: Path) -> None:
         return
     if not out_dir.is_dir():
         raise GpuflowError(f"{out_dir} is a file; pass --out a folder for the profile")
-    if (out_dir / "profile.json").is_file() or not any(out_dir.iterdir()):
+    if (out_dir / PROFILE_FILE).is_file() or not any(out_dir.iterdir()):
         return
     raise GpuflowError(
         f"{out_dir} exists and is not a gpuflow profile folder; pass --out a new or empty "
@@ -142,7 +143,7 @@ def profile_training(
         "step_clock": "device" if traced else "host",
         "note": None if traced else HOST_ONLY_NOTE,
     }
-    write_text_atomic(out_dir / "profile.json", json.dumps(result, indent=2) + "\n")
+    write_text_atomic(out_dir / PROFILE_FILE, json.dumps(result, indent=2) + "\n")
     timeline = out_dir / "timeline.png"
     if traced:
         _plot(timed.activity, result["ledger"]["per_step"], timeline)

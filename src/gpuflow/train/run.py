@@ -137,7 +137,7 @@ def resumed_config(
                 f"from this --preset/--config ({_first_difference(config, given)}); drop "
                 "--preset/--config (use --set to change a setting)"
             )
-    explicit = any(next(iter(c.get("train", {})), "") == "decay_steps" for c in changes)
+    explicit = any("decay_steps" in c.get("train", {}) for c in changes)
     old, new = saved.train, config.train
     if old.schedule_steps != new.schedule_steps and not explicit:
         latest = ckpt.latest_checkpoint(run_dir)

@@ -496,8 +496,7 @@ class Trainer:
         tc = self.config.train
         with RunFolder(self.run_dir, resume, say) as folder:
             latest = self.build(resume, say)
-            mode, why = self.mode, self.mode_note
-            with open_batches(mode, self, self.start_step, tc.steps) as batches:
+            with open_batches(self.mode, self, self.start_step, tc.steps) as batches:
                 folder.start(self.config, self.data.tokenizer_path)
                 # Records past the checkpoint are trained again; with none, the baseline too.
                 if truncate_metrics(self.run_dir, self.start_step if latest else -1):
@@ -505,9 +504,7 @@ class Trainer:
                         "writing it)")  # fmt: skip
                 checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)
                 try:
-                    step, rates = self._loop(
-                        mode, why, batches, checkpointer, latest, started, show_bus
-                    )
+                    step, rates = self._loop(batches, checkpointer, latest, started, show_bus)
                 except KeyboardInterrupt:
                     raise  # a second signal: now; a write in flight is cleared at the next start
                 except BaseException:
@@ -535,8 +532,6 @@ class Trainer:
 
     def _loop(
         self,
-        mode: str,
-        why: str | None,
         batches: Batches,
         checkpointer: ckpt.Checkpointer,
         latest: Path | None,
@@ -546,7 +541,7 @@ class Trainer:
         """Steps from ``start_step`` until the end or a stop request; returns the step reached
         and the interval rates."""
         tc = self.config.train
-        device = self.device
+        device, mode, why = self.device, self.mode, self.mode_note
         scalars = AsyncScalars(self.SCALARS, device)
         throughput = _Throughput(self.tokens_per_step, device)
         # Per logging step, its lr and timing, held until its scalars land on the host.

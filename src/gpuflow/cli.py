@@ -468,7 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=10, help="steps to profile (default 10)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--out", help="output folder (default: runs/profile-<preset>)")
+    p.add_argument(
+        "--out",
+        help="output folder: new, empty or an earlier profile's (default: runs/profile-<preset>)",
+    )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N, xpu, mps")
     p.set_defaults(func=cmd_profile)
 

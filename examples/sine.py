@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpuflow
-from gpuflow.ledger import StepTotals
-from gpuflow.loader import LoaderStats
+from gpuflow.accounting.ledger import StepTotals
+from gpuflow.transfer.loader import LoaderStats
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpuflow
-from gpuflow.ledger import StepTotals
-from gpuflow.loader import LoaderStats
+from gpuflow.accounting.ledger import StepTotals
+from gpuflow.transfer.loader import LoaderStats
 
 INPUTS = np.array([[0, 0], [0, 1], [1, 0], [1, 1]], dtype=np.float32)  # (4, 2)
 TARGETS = np.array([[0], [1], [1], [0]], dtype=np.float32)  # (4, 1)

@@ -13,7 +13,7 @@ import pytest
 
 from gpuflow.data.corpus import default_corpus
 from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 
 SMALL_VOCAB = 512
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.model import GPT, ModelConfig
-from gpuflow.snapshot import Layout, StateSnapshot
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.optim import build_optimizer
+from gpuflow.transfer.snapshot import Layout, StateSnapshot
 
 
 def _mixed() -> dict[str, dict[str, torch.Tensor]]:

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from gpuflow.cli import main
 from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
+from gpuflow.interface.cli import main
 from gpuflow.train.run import read_metrics
 
 from .conftest import FAST, gpuflow_cli

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuflow.errors import GpuflowError
-from gpuflow.model import GPT
+from gpuflow.common.errors import GpuflowError
+from gpuflow.model.gpt import GPT
 from gpuflow.train.config import PRESETS, parse_set, resolve_config, to_toml
 
 

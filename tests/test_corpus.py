@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.corpus import default_corpus, iter_documents, resolve_corpus_files
-from gpuflow.errors import GpuflowError
 
 
 def test_folder_expands_to_supported_files_in_sorted_order(small_corpus):

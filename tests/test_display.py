@@ -8,7 +8,7 @@ import re
 import pytest
 from rich.console import Console
 
-from gpuflow.console import out_console, table
+from gpuflow.common.console import out_console, table
 from gpuflow.train import display as display_module
 from gpuflow.train.display import TrainDisplay
 

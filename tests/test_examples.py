@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.budgets import BudgetExceeded
-from gpuflow.device import Device
+from gpuflow.accounting.budgets import BudgetExceeded
+from gpuflow.device.accelerator import Device
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

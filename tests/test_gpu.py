@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.device import Device
-from gpuflow.linkprobe import probe_link
-from gpuflow.loader import DeviceLoader, upload_tokens
-from gpuflow.mirror import AsyncScalars, HostMirror, host_snapshot
-from gpuflow.model import GPT
-from gpuflow.packing import pack, unpack
-from gpuflow.pinned import PinnedPool
-from gpuflow.sample import SampleConfig, sample
+from gpuflow.device.accelerator import Device
+from gpuflow.device.linkprobe import probe_link
+from gpuflow.interface.sample import SampleConfig, sample
+from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.run import read_metrics
 from gpuflow.train.trainer import Trainer
+from gpuflow.transfer.loader import DeviceLoader, upload_tokens
+from gpuflow.transfer.mirror import AsyncScalars, HostMirror, host_snapshot
+from gpuflow.transfer.packing import pack, unpack
+from gpuflow.transfer.pinned import PinnedPool
 
 from .conftest import FAST
 
@@ -274,7 +274,7 @@ def test_a_pinned_source_is_copied_directly_without_staging(accel):
 
 
 def test_ledger_agrees_with_the_profilers_memcpy_events(accel, tmp_path):
-    from gpuflow.crosscheck import ProfiledLedger
+    from gpuflow.accounting.crosscheck import ProfiledLedger
 
     pinned = torch.randn(1 << 18).pin_memory()  # 1 MiB
     pageable = torch.randn(1024)  # 4 KiB
@@ -303,7 +303,7 @@ def _streaming_trainer(accel, prepared, workdir):
 
 
 def test_streamed_step_budget_holds_on_the_device(accel, prepared, workdir):
-    from gpuflow.budgets import budget
+    from gpuflow.accounting.budgets import budget
 
     trainer, ids = _streaming_trainer(accel, prepared, workdir)
     with DeviceLoader(trainer.token_batches(), accel) as loader:
@@ -322,7 +322,7 @@ def test_streamed_step_budget_holds_on_the_device(accel, prepared, workdir):
 
 
 def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, workdir):
-    from gpuflow.budgets import BudgetExceeded, budget
+    from gpuflow.accounting.budgets import BudgetExceeded, budget
 
     trainer, _ = _streaming_trainer(accel, prepared, workdir)
 
@@ -348,7 +348,7 @@ def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, 
 def test_profile_command_writes_a_trace_and_its_copies_agree(accel, prepared, workdir):
     import json
 
-    from gpuflow.train.profile import profile_training
+    from gpuflow.interface.profile import profile_training
 
     config = resolve_config(
         "tiny", None, [*FAST, f"data.dir={prepared}", "train.data_path=streamed"]
@@ -366,7 +366,7 @@ def test_profile_command_writes_a_trace_and_its_copies_agree(accel, prepared, wo
 
 
 def test_every_kind_of_host_wait_is_counted_on_the_device(accel):
-    from gpuflow.ledger import TransferLedger
+    from gpuflow.accounting.ledger import TransferLedger
 
     x = torch.arange(8, device=accel.torch, dtype=torch.float32)
     stream, event = torch.cuda.Stream(), torch.cuda.Event()
@@ -434,9 +434,9 @@ def test_captured_and_eager_steps_give_the_same_losses(accel, prepared, workdir)
 
 
 def test_resident_graph_steps_move_nothing_and_never_wait(accel, prepared, workdir):
-    from gpuflow.budgets import budget
-    from gpuflow.mirror import AsyncScalars
+    from gpuflow.accounting.budgets import budget
     from gpuflow.train.datapath import open_batches
+    from gpuflow.transfer.mirror import AsyncScalars
 
     config = resolve_config(
         "tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=40", "train.log_interval=5"]
@@ -514,9 +514,9 @@ def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, wor
 
 
 def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared, workdir):
-    from gpuflow.ledger import TransferLedger
-    from gpuflow.mirror import AsyncScalars
+    from gpuflow.accounting.ledger import TransferLedger
     from gpuflow.train.datapath import open_batches
+    from gpuflow.transfer.mirror import AsyncScalars
 
     config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=4"])
     trainer = Trainer(config, workdir / "runs" / "naive", accel)
@@ -536,7 +536,7 @@ def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared,
 
 
 def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdir):
-    from gpuflow.train.profile import profile_training
+    from gpuflow.interface.profile import profile_training
 
     config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}"])
     result = profile_training(config, workdir / "profile-graph", accel, steps=4, warmup=4)
@@ -551,7 +551,7 @@ def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdi
 def test_the_fused_head_kernel_matches_fp32_cross_entropy(accel, vocab):
     import torch.nn.functional as F
 
-    from gpuflow.head import linear_cross_entropy
+    from gpuflow.model.head import linear_cross_entropy
 
     g = torch.Generator(device=accel.torch).manual_seed(0)
     hidden = torch.randn(512, 64, device=accel.torch, generator=g)
@@ -618,7 +618,7 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm(accel, prepared, wor
 def test_compiled_attention_uses_flex_and_matches_sdpa(accel):
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from gpuflow.model import CausalSelfAttention, ModelConfig
+    from gpuflow.model.gpt import CausalSelfAttention, ModelConfig
 
     if accel.type != "cuda":
         pytest.skip("FlexAttention is taken on CUDA only")
@@ -681,8 +681,8 @@ def test_the_master_adamw_kernel_matches_its_reference(accel, monkeypatch):
 
 
 def test_a_snapshot_is_one_copy_without_a_host_wait(accel):
-    from gpuflow.ledger import TransferLedger
-    from gpuflow.snapshot import StateSnapshot
+    from gpuflow.accounting.ledger import TransferLedger
+    from gpuflow.transfer.snapshot import StateSnapshot
 
     state = {
         "model": {

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuflow.head import kernel_config, linear_cross_entropy
+from gpuflow.model.head import kernel_config, linear_cross_entropy
 
 
 def _pair(n: int = 48, c: int = 16, v: int = 300, seed: int = 0):

@@ -16,14 +16,14 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import gpuflow
-from gpuflow.budgets import BudgetExceeded, budget
-from gpuflow.crosscheck import Interval, device_activity
-from gpuflow.device import Device, HostEvent
-from gpuflow.ledger import TransferLedger
-from gpuflow.loader import DeviceLoader
-from gpuflow.metrics import from_activity, intersection, merged
+from gpuflow.accounting.budgets import BudgetExceeded, budget
+from gpuflow.accounting.crosscheck import Interval, device_activity
+from gpuflow.accounting.ledger import TransferLedger
+from gpuflow.accounting.metrics import from_activity, intersection, merged
+from gpuflow.device.accelerator import Device, HostEvent
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
+from gpuflow.transfer.loader import DeviceLoader
 
 from .conftest import FAST
 
@@ -186,7 +186,7 @@ def test_the_pytest_marker_and_fixture(pytester):
     pytester.makepyfile(
         """
         import pytest, torch
-        from gpuflow.device import Device
+        from gpuflow.device.accelerator import Device
 
         @pytest.mark.transfer_budget(syncs=0, device="cpu")
         def test_over():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.errors import GpuflowError
-from gpuflow.loader import DeviceLoader
-from gpuflow.pinned import size_class
+from gpuflow.common.errors import GpuflowError
+from gpuflow.transfer.loader import DeviceLoader
+from gpuflow.transfer.pinned import size_class
 
 
 def token_batches(n: int, shape=(4, 9)):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpuflow.device import Device
-from gpuflow.model import GPT, ModelConfig
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.master_adamw import MasterAdamW

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.device import Device
-from gpuflow.mirror import AsyncScalars, HostMirror, host_snapshot
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.mirror import AsyncScalars, HostMirror, host_snapshot
 
 
 def test_async_scalars_report_means_per_interval():

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from gpuflow.model import GPT, ModelConfig, flops_per_token
+from gpuflow.model.gpt import GPT, ModelConfig, flops_per_token
 
 SMALL = ModelConfig(vocab_size=300, n_layer=2, n_head=4, d_model=32, max_len=16)
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gpuflow.errors import GpuflowError
-from gpuflow.packing import ALIGN, Ragged, pack, plan_pack, rebuild, unpack
+from gpuflow.common.errors import GpuflowError
+from gpuflow.transfer.packing import ALIGN, Ragged, pack, plan_pack, rebuild, unpack
 
 Pair = namedtuple("Pair", "left right")
 

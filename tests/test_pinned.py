@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from gpuflow.errors import GpuflowError
-from gpuflow.pinned import PinnedPool, size_class
+from gpuflow.common.errors import GpuflowError
+from gpuflow.transfer.pinned import PinnedPool, size_class
 
 
 class CopyInFlight:

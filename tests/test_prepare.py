@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import gpuflow.data.prepare as prepare_module
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.corpus import resolve_corpus_files
 from gpuflow.data.prepare import PrepareConfig, PrepareSummary, prepare
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer import EOT, load_tokenizer, train_tokenizer
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.errors import GpuflowError
 from gpuflow.train.config import train_command
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident import ResidentTokens, window_starts
 from gpuflow.data.shards import Shard, write_shard
-from gpuflow.errors import GpuflowError
 
 B, T = 4, 16
 

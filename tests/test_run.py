@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.cli import main
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import Shard, write_shard
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.interface.cli import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.optim import lr_at

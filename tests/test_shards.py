@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gpuflow.atomic import write_atomic
+from gpuflow.common.atomic import write_atomic
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import HEADER_BYTES, Shard, ShardWriter, token_dtype_for, write_shard
-from gpuflow.errors import GpuflowError
 
 
 @settings(max_examples=40, deadline=None)

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import validation_windows
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.model import GPT
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.optim import build_optimizer

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.bench.train import _measure
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig
 
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from gpuflow.model import GPT
+from gpuflow.model.gpt import GPT
 from gpuflow.train.config import preset as preset_config
 from gpuflow.train.trainer import COMPILE_OPTIONS
 

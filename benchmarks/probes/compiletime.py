@@ -24,7 +24,7 @@ if len(sys.argv) == 1:
     sys.exit()
 
 import gpuflow.train.trainer as trainer_module  # noqa: E402
-from gpuflow.device import Device  # noqa: E402
+from gpuflow.device.accelerator import Device  # noqa: E402
 from gpuflow.train.config import resolve_config  # noqa: E402
 
 name = sys.argv[1]

@@ -1,7 +1,7 @@
 """Probe: the output head + cross-entropy, forward and backward, three ways.
 
 stock: F.cross_entropy(F.linear(h, W).float(), y) under bf16 autocast, compiled;
-fused: gpuflow.head.linear_cross_entropy (Triton softmax-gradient kernel), compiled;
+fused: gpuflow.model.head.linear_cross_entropy (Triton softmax-gradient kernel), compiled;
 fused-ops: the same with its tensor-operation fallback instead of the kernel, compiled.
 Shapes: seed-d384 (N 4096, C 384, V 16000) and gpt2-124m at B 16 (N 16384, C 768, V 50304).
 
@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import gpuflow.head as head
+import gpuflow.model.head as head
 
 
 def stock(h, w, y):

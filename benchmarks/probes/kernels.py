@@ -8,7 +8,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpuflow.crosscheck import device_activity
+from gpuflow.accounting.crosscheck import device_activity
 
 trace = json.loads(Path(sys.argv[1]).read_text())
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10

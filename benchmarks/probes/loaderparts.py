@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from gpuflow.device import Device
-from gpuflow.loader import DeviceLoader
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader
 
 MB = 1 << 20
 N = 64

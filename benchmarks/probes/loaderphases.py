@@ -10,9 +10,9 @@ import json
 import torch
 from phasetimer import T, timed
 
-import gpuflow.loader as L
-from gpuflow.device import Device
-from gpuflow.pinned import PinnedPool
+import gpuflow.transfer.loader as L
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.pinned import PinnedPool
 
 MB = 1 << 20
 N, WARM = 72, 8

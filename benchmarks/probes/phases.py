@@ -6,10 +6,10 @@ import time
 import torch
 from phasetimer import T, timed
 
-import gpuflow.loader as L
-from gpuflow.device import Device
-from gpuflow.packing import plan_pack as real_plan
-from gpuflow.pinned import PinnedPool
+import gpuflow.transfer.loader as L
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import plan_pack as real_plan
+from gpuflow.transfer.pinned import PinnedPool
 
 MB = 1 << 20
 N = 96

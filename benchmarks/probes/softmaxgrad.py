@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from gpuflow.head import _softmax_grad_rows, kernel_config
+from gpuflow.model.head import _softmax_grad_rows, kernel_config
 
 rows = []
 for n, v in ((4096, 16000), (32768, 50304)):

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from gpuflow.device import Device
-from gpuflow.packing import plan_pack, rebuild
-from gpuflow.pinned import release_cached_host_memory
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import plan_pack, rebuild
+from gpuflow.transfer.pinned import release_cached_host_memory
 
 MB = 1 << 20
 dev = Device("cuda")

@@ -1,7 +1,7 @@
 """Probe: the captured training step with and without the fused head and the clip in AdamW.
 
 before: F.linear + F.cross_entropy head, clip_grad_norm_ (a pass over the gradients);
-head: gpuflow.head.linear_cross_entropy, clip_grad_norm_;
+head: gpuflow.model.head.linear_cross_entropy, clip_grad_norm_;
 head+clip: the fused head and the clip's factor passed to fused AdamW as grad_scale;
 main: what the trainer does (head+clip, combo kernels, the model's own attention, bf16
 weights over fp32 masters updated by MasterAdamW's one kernel);
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from abrows import measure_row
 
-import gpuflow.model as model_module
-from gpuflow.device import Device
+import gpuflow.model.gpt as model_module
+from gpuflow.device.accelerator import Device
 from gpuflow.train.config import resolve_config
 from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.train.trainer import Trainer

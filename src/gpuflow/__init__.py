@@ -10,19 +10,19 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncScalars": "gpuflow.mirror",
-    "BudgetExceeded": "gpuflow.budgets",
-    "Device": "gpuflow.device",
-    "DeviceLoader": "gpuflow.loader",
-    "GpuflowError": "gpuflow.errors",
-    "HostMirror": "gpuflow.mirror",
-    "PinnedPool": "gpuflow.pinned",
-    "Ragged": "gpuflow.packing",
+    "AsyncScalars": "gpuflow.transfer.mirror",
+    "BudgetExceeded": "gpuflow.accounting.budgets",
+    "Device": "gpuflow.device.accelerator",
+    "DeviceLoader": "gpuflow.transfer.loader",
+    "GpuflowError": "gpuflow.common.errors",
+    "HostMirror": "gpuflow.transfer.mirror",
+    "PinnedPool": "gpuflow.transfer.pinned",
+    "Ragged": "gpuflow.transfer.packing",
     "ResidentTokens": "gpuflow.data.resident",
-    "TransferLedger": "gpuflow.ledger",
-    "budget": "gpuflow.budgets",
-    "pack": "gpuflow.packing",
-    "unpack": "gpuflow.packing",
+    "TransferLedger": "gpuflow.accounting.ledger",
+    "budget": "gpuflow.accounting.budgets",
+    "pack": "gpuflow.transfer.packing",
+    "unpack": "gpuflow.transfer.packing",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,3 +1,3 @@
-from gpuflow.cli import main
+from gpuflow.interface.cli import main
 
 raise SystemExit(main())

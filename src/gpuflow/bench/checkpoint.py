@@ -29,13 +29,13 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from gpuflow.console import err_console
-from gpuflow.device import Device
-from gpuflow.mirror import AsyncScalars
+from gpuflow.common.console import err_console
+from gpuflow.device.accelerator import Device
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
+from gpuflow.transfer.mirror import AsyncScalars
 
 KINDS = ("pytorch", "blocking", "async")
 
@@ -165,7 +165,7 @@ def _measure(
 
 
 def print_checkpoint_table(result: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     out = table(
         "save",

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.atomic import write_text_atomic
-from gpuflow.device import Device
+from gpuflow.common.atomic import write_text_atomic
+from gpuflow.device.accelerator import Device
 
 # Benchmarks write here unless told otherwise (--out): beside the runs, not into a checkout.
 RESULTS_DIR = Path("runs") / "bench"

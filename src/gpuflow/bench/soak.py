@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 from gpuflow.train.config import resolve_config
 from gpuflow.train.run import read_metrics
 from gpuflow.train.trainer import Trainer
@@ -114,7 +114,7 @@ def plot_soak(result: dict[str, Any], path: Path) -> Path:
 
 
 def print_soak_table(result: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     out = table(
         "after warm-up",

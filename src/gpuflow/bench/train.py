@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.console import err_console
-from gpuflow.device import Device
-from gpuflow.ledger import TransferLedger
-from gpuflow.mirror import AsyncScalars
+from gpuflow.accounting.ledger import TransferLedger
+from gpuflow.common.console import err_console
+from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.trainer import Trainer
+from gpuflow.transfer.mirror import AsyncScalars
 
 MODES = ("naive", "standard", "streamed", "resident", "resident-graph")
 
@@ -140,7 +140,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
 
 
 def print_train_table(result: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     # Two tables of a few columns each, rows in the same order: one table of ten does not
     # fit 80 columns with its figures whole.

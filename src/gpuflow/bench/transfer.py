@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from gpuflow.bench.common import device_ms, gb_per_s, wall_ms
-from gpuflow.console import err_console
-from gpuflow.device import Device
-from gpuflow.loader import DeviceLoader
-from gpuflow.packing import plan_pack, rebuild
-from gpuflow.pinned import PinnedPool, release_cached_host_memory
+from gpuflow.common.console import err_console
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader
+from gpuflow.transfer.packing import plan_pack, rebuild
+from gpuflow.transfer.pinned import PinnedPool, release_cached_host_memory
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -429,7 +429,7 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_transfer_tables(r: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     peak = r["peak"]["h2d_gb_s"]
 

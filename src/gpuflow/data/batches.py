@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import Shard
-from gpuflow.errors import GpuflowError
 
 
 class WindowSampler:

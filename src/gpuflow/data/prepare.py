@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 from rich.progress import DownloadColumn, TransferSpeedColumn
 
-from gpuflow.atomic import fsync_dir, write_text_atomic
-from gpuflow.console import err_console, progress_bar
+from gpuflow.common.atomic import fsync_dir, write_text_atomic
+from gpuflow.common.console import err_console, progress_bar
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.corpus import Document, default_corpus, iter_documents, resolve_corpus_files
 from gpuflow.data.shards import ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
-from gpuflow.errors import GpuflowError
 
 META_FORMAT = "gpuflow-tokens-1"
 DEFAULT_VOCAB = 16000

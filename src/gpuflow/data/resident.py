@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from rich.progress import DownloadColumn
 
-from gpuflow.console import progress_bar
+from gpuflow.common.console import progress_bar
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import Shard
 from gpuflow.data.tokens import check_ids
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.pinned import PinnedPool
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.pinned import PinnedPool
 
 UPLOAD_CHUNK_BYTES = 64 << 20
 _PROGRESS_MIN_BYTES = 256 << 20  # smaller corpora upload too fast for a bar to help

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuflow.atomic import write_atomic
-from gpuflow.errors import GpuflowError
+from gpuflow.common.atomic import write_atomic
+from gpuflow.common.errors import GpuflowError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gpuflow.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols and the end-of-text token

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import Shard
-from gpuflow.errors import GpuflowError
 
 
 @dataclass(frozen=True)

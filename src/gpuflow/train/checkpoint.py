@@ -36,12 +36,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpuflow.atomic import fsync_dir
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.model import check_state_shapes
-from gpuflow.snapshot import Slot, Snapshot, StateSnapshot
+from gpuflow.common.atomic import fsync_dir
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import check_state_shapes
 from gpuflow.train.master_adamw import MasterAdamW
+from gpuflow.transfer.snapshot import Slot, Snapshot, StateSnapshot
 
 STEP_PREFIX = "step_"
 BEST = "best"

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from gpuflow.errors import GpuflowError
-from gpuflow.model import ModelConfig
+from gpuflow.common.errors import GpuflowError
+from gpuflow.model.gpt import ModelConfig
 
 DATA_PATHS = ("auto", "naive", "standard", "streamed", "resident", "resident-graph")
 

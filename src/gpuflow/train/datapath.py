@@ -1,6 +1,6 @@
 """How each training step gets its batch: the data-path modes of ``train.data_path``.
 
-- ``naive``: the pipeline this project replaces (``gpuflow.train.naive``): each sequence on
+- ``naive``: the pipeline this project replaces (``gpuflow.baselines.naive``): each sequence on
   its own, the embedding tables downloaded and the lookup done on the host, blocking
   uploads, the loss read after every sequence, no device memory caching.
 - ``standard``: what most PyTorch code does (nanoGPT's ``get_batch``): the batch sampled on
@@ -25,8 +25,8 @@ import torch
 from gpuflow.data.batches import WindowSampler
 from gpuflow.data.resident import ResidentTokens
 from gpuflow.data.shards import Shard
-from gpuflow.device import Device
-from gpuflow.loader import DeviceLoader
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader
 
 
 def resolve_data_path(requested: str, device: Device) -> tuple[str, str | None]:

@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from gpuflow.console import err_console
+from gpuflow.common.console import err_console
 
 BAR_MIN, BAR_MAX = 10, 40  # a bar narrower than BAR_MIN says nothing: leave it out
 SEP = "  "

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 
 try:  # Triton ships with CUDA builds of torch only
     import triton

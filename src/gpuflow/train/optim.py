@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 from gpuflow.train.config import TrainConfig
 
 

@@ -18,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuflow.atomic import fsync_dir, write_text_atomic
-from gpuflow.errors import GpuflowError
+from gpuflow.common.atomic import fsync_dir, write_text_atomic
+from gpuflow.common.errors import GpuflowError
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import (
     RunConfig,
@@ -39,7 +39,7 @@ REPORT_FILE = "report.json"
 PLOT_FILE = "training.png"
 TOKENIZER_FILE = "tokenizer.json"
 PROFILE_FILE = "profile.json"  # marks a `gpuflow profile` folder, which is not a run
-# Temporary files of gpuflow.atomic (".config.toml.tmp-<pid>") and the plot's.
+# Temporary files of gpuflow.common.atomic (".config.toml.tmp-<pid>") and the plot's.
 _OWN_TEMPORARY = re.compile(
     rf"^\.({re.escape(CONFIG_FILE)}|{re.escape(METRICS_FILE)}|{re.escape(REPORT_FILE)}"
     rf"|{re.escape(PLOT_FILE)})\.tmp(-\d+)?$"

@@ -29,25 +29,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.console import err_console
+from gpuflow.accounting.ledger import StepTotals, TransferLedger
+from gpuflow.baselines.naive import naive_gradients
+from gpuflow.common.console import err_console
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import WindowSampler, validation_windows
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.device import Device, out_of_memory_figures
-from gpuflow.errors import GpuflowError
-from gpuflow.ledger import StepTotals, TransferLedger
-from gpuflow.loader import upload_tokens
-from gpuflow.mirror import AsyncScalars, read_now
-from gpuflow.model import GPT, flops_per_token
+from gpuflow.device.accelerator import Device, out_of_memory_figures
+from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, lr_tensor
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import Batches, open_batches, resolve_data_path
 from gpuflow.train.display import TrainDisplay
 from gpuflow.train.master_adamw import MasterAdamW, with_fp32_masters
-from gpuflow.train.naive import naive_gradients
 from gpuflow.train.optim import build_optimizer, global_grad_norm, lr_at
 from gpuflow.train.run import TOKENIZER_FILE, MetricsLog, RunFolder, truncate_metrics
+from gpuflow.transfer.loader import upload_tokens
+from gpuflow.transfer.mirror import AsyncScalars, read_now
 
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones
 # (the weights' bf16 casts, say) as one, +2.7% tokens/s (benchmarks/NOTES.md, where tuning

@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 
 PROBE_BYTES = 64 << 20
 

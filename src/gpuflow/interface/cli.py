@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpuflow.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -26,8 +26,8 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
 
     import torch
 
-    from gpuflow.device import Device, allocator_settings, available_devices
-    from gpuflow.linkprobe import PROBE_BYTES, probe_link
+    from gpuflow.device.accelerator import Device, allocator_settings, available_devices
+    from gpuflow.device.linkprobe import PROBE_BYTES, probe_link
 
     device = Device.resolve(device_spec)
     link = probe_link(device)
@@ -51,7 +51,7 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     sw = info["software"]
     out_console.print(
@@ -103,7 +103,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gpuflow.console import out_console
+    from gpuflow.common.console import out_console
     from gpuflow.data.prepare import PrepareConfig, prepare
     from gpuflow.train.config import train_command
 
@@ -126,9 +126,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gpuflow.console import out_console
-    from gpuflow.device import Device
-    from gpuflow.report import write_report
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.report import write_report
     from gpuflow.train.config import apply_overrides, resolve_config
     from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, resumed_config
     from gpuflow.train.trainer import Trainer
@@ -168,10 +168,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gpuflow.console import out_console
-    from gpuflow.device import Device
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.profile import OUTPUT_FILES, profile_training
     from gpuflow.train.config import apply_overrides, parse_set, resolve_config
-    from gpuflow.train.profile import OUTPUT_FILES, profile_training
     from gpuflow.train.run import RUNS_DIR
 
     device = Device.resolve(args.device)
@@ -190,7 +190,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _print_profile(result: dict[str, Any]) -> None:
-    from gpuflow.console import out_console, table
+    from gpuflow.common.console import out_console, table
 
     m, steps = result["metrics"], result["steps"]
 
@@ -233,8 +233,8 @@ def _print_profile(result: dict[str, Any]) -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from gpuflow.device import Device
-    from gpuflow.sample import SampleConfig, sample
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.sample import SampleConfig, sample
 
     config = SampleConfig(
         prompt=args.prompt,
@@ -253,8 +253,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from gpuflow.bench.common import write_result
-    from gpuflow.console import out_console
-    from gpuflow.device import Device
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
 
     device = Device.resolve(args.device)
     out_console.print(f"bench {args.bench} on {device} ({device.name()})")
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         torch = sys.modules.get("torch")  # loaded by any command that could run out
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise
-        from gpuflow.device import out_of_memory_figures
+        from gpuflow.device.accelerator import out_of_memory_figures
 
         print(
             f"error: out of device memory ({out_of_memory_figures(exc)}); lower the batch "

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gpuflow.atomic import write_text_atomic
+from gpuflow.common.atomic import write_text_atomic
 from gpuflow.train.config import RunConfig, to_dict
 from gpuflow.train.run import PLOT_FILE, REPORT_FILE, read_metrics
 from gpuflow.train.trainer import TrainResult

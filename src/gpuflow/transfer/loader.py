@@ -1,7 +1,7 @@
 """Host -> device movement of batches: ``DeviceLoader`` and one-off uploads.
 
 ``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
-(``gpuflow.packing``: one buffer, integers narrowed) into pinned memory from a
+(``gpuflow.transfer.packing``: one buffer, integers narrowed) into pinned memory from a
 ``PinnedPool`` (large tensors that are already pinned stay where they are, with no staging
 copy) and queues its copy on a side stream into one of ``depth`` device slots, while the
 device computes on earlier batches. Nothing waits on the host: the copy into a slot waits,
@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.packing import PackPlan, plan_pack, rebuild
-from gpuflow.pinned import PinnedBuffer, PinnedPool, size_class
-from gpuflow.tally import report_copy
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import PackPlan, plan_pack, rebuild
+from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, size_class
+from gpuflow.transfer.tally import report_copy
 
 _POLL_S = 0.05  # how often blocked threads look up to see whether the loader is closing
 
@@ -129,7 +129,7 @@ class DeviceLoader:
     """See the module docstring.
 
     ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
-    ``gpuflow.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
+    ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
     ``depth`` batches). ``timing`` records events for ``stats``' device times.
     """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpuflow.crosscheck import Interval
+from gpuflow.accounting.crosscheck import Interval
 
 
 def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 
 _GROUP_ALIGN = 64  # bytes: each group's region starts on a cache line
 

@@ -7,7 +7,7 @@
     def step(): ...
 
 A budget is a ``TransferLedger`` over the region with limits on its totals; ``None`` means
-no limit. For tests, ``gpuflow.testing`` (a pytest plugin, loaded automatically) adds the
+no limit. For tests, ``gpuflow.accounting.testing`` (a pytest plugin, loaded automatically) adds the
 ``transfer_budget`` marker and the ``transfer_ledger`` fixture.
 """
 
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.ledger import StepTotals, TransferEvent, TransferLedger
+from gpuflow.accounting.ledger import StepTotals, TransferEvent, TransferLedger
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SHOWN = 10  # offending operations listed per exceeded limit

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.device import Device
+from gpuflow.device.accelerator import Device
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ all live where the model lives (the fix the seed's trainer needed for its 768 MB
 downloads per batch). Pre-LayerNorm blocks, causal attention (FlexAttention in a compiled
 bf16 CUDA step with contexts up to 128 and heads up to 64 wide,
 ``scaled_dot_product_attention`` otherwise), a GELU MLP and an output head tied to the token
-table, its cross-entropy fused with it (``gpuflow.head``).
+table, its cross-entropy fused with it (``gpuflow.model.head``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from gpuflow.errors import GpuflowError
-from gpuflow.head import linear_cross_entropy
+from gpuflow.common.errors import GpuflowError
+from gpuflow.model.head import linear_cross_entropy
 
 
 @dataclass(frozen=True)

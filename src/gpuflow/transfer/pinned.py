@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
 
 MIN_CLASS_BYTES = 4096
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.tokenizer import eot_id, load_tokenizer
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.loader import upload_tokens
-from gpuflow.mirror import read_now
-from gpuflow.model import GPT
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.run import TOKENIZER_FILE, open_run
+from gpuflow.transfer.loader import upload_tokens
+from gpuflow.transfer.mirror import read_now
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     if marker.args:
         raise pytest.UsageError("transfer_budget takes keyword limits only, e.g. syncs=0")
-    from gpuflow.budgets import budget
+    from gpuflow.accounting.budgets import budget
 
     with budget(**marker.kwargs):
         return (yield)
@@ -48,7 +48,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 @pytest.fixture
 def transfer_ledger() -> Iterator[Any]:
     """An open ``gpuflow.TransferLedger`` around the test's body."""
-    from gpuflow.ledger import TransferLedger
+    from gpuflow.accounting.ledger import TransferLedger
 
     with TransferLedger() as ledger:
         yield ledger

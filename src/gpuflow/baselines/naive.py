@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.mirror import host_copy_now, read_now
+from gpuflow.transfer.mirror import host_copy_now, read_now
 
 
 def naive_gradients(trainer: Any, host_tokens: np.ndarray) -> torch.Tensor:

@@ -22,7 +22,7 @@ What it sees, and how:
 What it cannot see: copies made by other threads (a DataLoader's pin thread, a user's own
 worker), copies that C++ code makes without going through the dispatcher (inside custom
 kernels or extensions, CUDA-graph replays, NCCL), and waits inside C++. The profiler mode
-(``gpuflow.crosscheck``) reads the device's real memcpy events and shows any difference.
+(``gpuflow.accounting.crosscheck``) reads the device's real memcpy events and shows any difference.
 
 Each event carries the source location of the first frame outside torch and gpuflow's
 transfer layer, so a stray ``.item()`` in a training step points at its own line. While a
@@ -45,8 +45,9 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpuflow import tally
-from gpuflow.device import Device, HostEvent, HostStream
+from gpuflow.common.layers import LOOKED_THROUGH
+from gpuflow.device.accelerator import Device, HostEvent, HostStream
+from gpuflow.transfer import tally
 
 COPY_KINDS = ("h2d", "d2h", "d2d")
 
@@ -68,24 +69,9 @@ _MASK_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.
 _WATCHED = {_ITEM, _TO_COPY, _COPY, *_DATA_DEPENDENT, *_MASK_INDEXING}
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
-_GPUFLOW_DIR = Path(__file__).parent
-# gpuflow's transfer layer: its frames are skipped when locating an event. Training code,
-# the CLI and user code count as the caller.
-_INTERNAL = tuple(
-    str(_GPUFLOW_DIR / name)
-    for name in (
-        "ledger.py",
-        "budgets.py",
-        "crosscheck.py",
-        "device.py",
-        "loader.py",
-        "mirror.py",
-        "packing.py",
-        "pinned.py",
-        "tally.py",
-        "testing.py",
-    )
-)
+# The layers that carry a crossing out (gpuflow.common.layers): their frames are skipped when
+# locating an event, so that training code, the CLI and user code count as the caller.
+_INTERNAL = tuple(str(Path(__file__).parents[1] / layer) + os.sep for layer in LOOKED_THROUGH)
 _SKIPPED = (_TORCH_DIR, f"{os.sep}contextlib.py", "<frozen ")
 
 
@@ -260,7 +246,7 @@ def _emit(make: Callable[[TransferLedger], TransferEvent]) -> None:
 def _record_reported(
     kind: str, nbytes: int, op: str, dtype: str | None, pinned: bool | None
 ) -> None:
-    """A copy another thread made for this one (``gpuflow.tally``)."""
+    """A copy another thread made for this one (``gpuflow.transfer.tally``)."""
     where = caller_location()
     _emit(
         lambda ledger: TransferEvent(

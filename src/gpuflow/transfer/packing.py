@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
 
 ALIGN = 16  # bytes: every view aligned for any dtype and for 16-byte vector loads
 LOSSY_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -7,8 +7,8 @@ more under the profiler alone (the timing: the ledger slows the host), and write
 - ``trace.json``: the profiler's trace of the timed steps (Perfetto / chrome://tracing);
 - ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
 - ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
-  the transfer metrics (``gpuflow.metrics``); per-batch figures are medians over the steps
-  (a loader's closing wait lands in a step of its own after the last).
+  the transfer metrics (``gpuflow.accounting.metrics``); per-batch figures are medians over
+  the steps (a loader's closing wait lands in a step of its own after the last).
 
 On the cpu there is no device to trace: the step time comes from the host's clock, there is
 no timeline, and the copy metrics stay empty; the ledger's counts still hold. The output
@@ -26,18 +26,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gpuflow.atomic import write_text_atomic
-from gpuflow.console import err_console
-from gpuflow.crosscheck import DeviceTrace, Interval, ProfiledLedger
-from gpuflow.device import Device
-from gpuflow.errors import GpuflowError
-from gpuflow.linkprobe import probe_link
-from gpuflow.metrics import TransferMetrics, from_activity
-from gpuflow.mirror import AsyncScalars
+from gpuflow.accounting.crosscheck import DeviceTrace, Interval, ProfiledLedger
+from gpuflow.accounting.metrics import TransferMetrics, from_activity
+from gpuflow.common.atomic import write_text_atomic
+from gpuflow.common.console import err_console
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import open_batches, resolve_data_path
 from gpuflow.train.run import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
+from gpuflow.transfer.mirror import AsyncScalars
 
 OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
 HOST_ONLY_NOTE = (

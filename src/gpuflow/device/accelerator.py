@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gpuflow.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError
 
 ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
 

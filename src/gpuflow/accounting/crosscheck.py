@@ -8,7 +8,7 @@
         print(row)                     # h2d/d2h copies and bytes: ledger vs profiler
 
 The profiler sees every copy the device made, from any thread or C++ code, which the ledger
-may not (see ``gpuflow.ledger``); the ledger knows each copy's source line, which the
+may not (see ``gpuflow.accounting.ledger``); the ledger knows each copy's source line, which the
 profiler does not. The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 Device-to-device rows are shown but not compared: the profiler's DtoD also counts copies
 within one device (``clone`` and the like), which the ledger treats as compute. Nothing is
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.device import Device
-from gpuflow.ledger import COPY_KINDS, TransferLedger
+from gpuflow.accounting.ledger import COPY_KINDS, TransferLedger
+from gpuflow.device.accelerator import Device
 
 _KIND_OF_NAME = {"HtoD": "h2d", "DtoH": "d2h", "DtoD": "d2d", "PtoP": "d2d"}
 

@@ -1,0 +1,1 @@
+"""The pipelines gpuflow replaces, kept to measure against: the naive and standard data paths."""

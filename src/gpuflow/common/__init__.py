@@ -1,0 +1,1 @@
+"""Shared by every layer: the error type, atomic file writes, the consoles."""

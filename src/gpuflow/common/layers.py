@@ -1,0 +1,28 @@
+"""gpuflow's layers, bottom first: the folders of ``src/gpuflow``, in the order data flows.
+
+A module imports only from its own layer and those below it (``tests/test_architecture.py``
+checks this), and only the layers in ``CROSSING`` move bytes between host and device.
+``bench`` and ``interface`` sit on top: they measure and drive everything else.
+"""
+
+from __future__ import annotations
+
+LAYERS = (
+    "common",  # errors, atomic writes, consoles: shared by every layer
+    "device",
+    "transfer",  # the memory layer (pinned pools) lives here too
+    "accounting",
+    "data",
+    "model",
+    "baselines",  # the naive and standard data paths: below train, which runs them
+    "train",
+    "bench",
+    "interface",
+)
+
+# The layers whose job is to cross the bus: everything else asks them.
+CROSSING = ("transfer", "data")
+
+# The layers the ledger looks through when it names where an operation came from: their
+# frames are the means of a crossing, the caller above them is its cause.
+LOOKED_THROUGH = ("common", "device", "transfer", "accounting")

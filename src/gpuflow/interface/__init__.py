@@ -1,0 +1,1 @@
+"""What users run: the command line, reports, sampling and profiling."""

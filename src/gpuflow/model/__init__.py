@@ -1,0 +1,1 @@
+"""The model: a GPT whose embedding runs on the device, and its fused output head."""

@@ -20,6 +20,7 @@ from gpuflow.accounting.budgets import BudgetExceeded, budget
 from gpuflow.accounting.crosscheck import Interval, device_activity
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.accounting.metrics import from_activity, intersection, merged
+from gpuflow.data.sources import StreamedBatches
 from gpuflow.device.accelerator import Device, HostEvent
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
@@ -267,18 +268,23 @@ def test_a_profiler_trace_is_read_into_kernels_and_copies(tmp_path):
 
 
 def test_streamed_training_step_moves_only_its_token_ids(prepared, workdir):
-    """The streamed mode's budget, on the cpu for the logic: after warm-up, a step takes
-    one batch of uint16 ids (B x (T+1) x 2 bytes, 16-byte aligned) and never waits."""
-    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=6"])
+    """The streamed path's budget, on the cpu for the logic, through the step the trainer
+    runs: after warm-up, a step takes one batch of uint16 ids (B x (T+1) x 2 bytes, 16-byte
+    aligned) and never waits."""
+    config = resolve_config(
+        "tiny",
+        None,
+        [*FAST, f"data.dir={prepared}", "train.steps=6", "train.data_path=streamed"],
+    )
     trainer = Trainer(config, workdir / "runs" / "b", Device("cpu"))
     trainer.build(resume=False)
     ids = config.train.batch_size * (config.model.max_len + 1)
-    with DeviceLoader(trainer.token_batches(), "cpu") as loader:
-        batches = iter(loader)
-        trainer.train_step_on_tokens(0, next(batches))  # warm-up
+    with trainer.open_step(0, 6) as train_step:
+        assert isinstance(train_step.batches, StreamedBatches)
+        train_step(0)  # warm-up
         for step in range(1, 4):
             with budget(h2d_bytes=(2 * ids + 15) // 16 * 16, d2h_bytes=0, syncs=0, device="cpu"):
-                trainer.train_step_on_tokens(step, next(batches))
+                train_step(step)
 
 
 @pytest.mark.parametrize(("data_path", "bytes_per_id"), [("streamed", 2), ("resident", 0)])

@@ -18,8 +18,9 @@ from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.optim import lr_at
 from gpuflow.train.run import RunFolder, latest_run_dir, read_metrics
+from gpuflow.train.schedule import lr_at
+from gpuflow.train.step import EagerStep
 from gpuflow.train.trainer import Trainer
 
 from .conftest import FAST
@@ -43,11 +44,11 @@ def _files(root):
 def test_a_failure_after_the_folder_exists_removes_it_and_the_name_is_free(
     prepared, workdir, monkeypatch, capsys
 ):
-    def broken(self, *args, **kwargs):
+    def broken(*args, **kwargs):
         raise GpuflowError("the first step failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "stepper", broken)
+        patch.setattr(EagerStep, "__call__", broken)
         assert _train_cli(prepared, "--name", "x", "--steps", "4") == 2
     assert "the first step failed" in capsys.readouterr().err
     assert not (workdir / "runs" / "x").exists()
@@ -59,11 +60,11 @@ def test_a_failed_resume_keeps_the_config_it_had(prepared, workdir, monkeypatch,
     assert _train_cli(prepared, "--name", "r", "--steps", "2") == 0
     config_before = (workdir / "runs" / "r" / "config.toml").read_text()
 
-    def broken(self, *args, **kwargs):
+    def broken(*args, **kwargs):
         raise GpuflowError("the first step failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "stepper", broken)
+        patch.setattr(EagerStep, "__call__", broken)
         code = _train_cli(
             prepared, "--name", "r", "--resume", "--steps", "3", sets=("train.lr=1e-5",)
         )
@@ -122,13 +123,13 @@ def test_ids_past_the_vocabulary_are_refused_whatever_meta_json_says(data_copy, 
 
 
 def test_out_of_memory_is_one_line_naming_what_to_lower(prepared, workdir, monkeypatch, capsys):
-    def out_of_memory(self, *args, **kwargs):
+    def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
             "79.19 GiB of which 3.42 GiB is free. Including non-PyTorch memory, ..."
         )
 
-    monkeypatch.setattr(Trainer, "stepper", out_of_memory)
+    monkeypatch.setattr(EagerStep, "__call__", out_of_memory)
     assert _train_cli(prepared, "--name", "big", "--steps", "2") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == err[-1:], err

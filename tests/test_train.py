@@ -241,9 +241,9 @@ def test_an_unknown_data_path_is_refused(prepared):
 def test_interval_throughput_leaves_pauses_out():
     import time
 
-    from gpuflow.train.trainer import _Throughput
+    from gpuflow.train.meter import Throughput
 
-    throughput = _Throughput(tokens_per_step=1000, device=Device.resolve("cpu"))
+    throughput = Throughput(tokens_per_step=1000, device=Device.resolve("cpu"))
     throughput.restart()
     for _ in range(2):
         time.sleep(0.05)  # a 50 ms step

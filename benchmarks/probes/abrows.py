@@ -9,6 +9,8 @@ from typing import Any
 from gpuflow.bench.train import _measure
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig
+from gpuflow.train.datapath import DataPath
+from gpuflow.train.step import StepOptions
 
 
 def measure_row(
@@ -20,8 +22,10 @@ def measure_row(
     rows: list[dict[str, Any]],
     out: str | None,
     meta: dict[str, Any],
+    options: StepOptions | None = None,
 ) -> dict[str, Any]:
-    row = _measure(config, device, "resident-graph", Path(scratch) / f"{label}{round_}", 10, 50)
+    run_dir = Path(scratch) / f"{label}{round_}"
+    row = _measure(config, device, DataPath.RESIDENT_GRAPH, run_dir, 10, 50, options=options)
     row.update(variant=label, round=round_)
     print(
         f"{label:10s} round {round_}: {row['tokens_per_s']:,.0f} tok/s "

@@ -14,7 +14,7 @@ import torch
 
 from gpuflow.model.gpt import GPT
 from gpuflow.train.config import preset as preset_config
-from gpuflow.train.trainer import COMPILE_OPTIONS
+from gpuflow.train.step import COMPILE_OPTIONS
 
 name = sys.argv[1] if len(sys.argv) > 1 else "seed-d384"
 config = preset_config(name)
@@ -27,7 +27,7 @@ for label in ("fp32+autocast", "bf16"):
     model = GPT(config.model).cuda()
     if label == "bf16":
         model = model.to(torch.bfloat16)
-    forward = torch.compile(model, options=COMPILE_OPTIONS)
+    forward = torch.compile(model, options=dict(COMPILE_OPTIONS))
 
     def step(forward=forward, model=model, label=label):
         with torch.autocast("cuda", torch.bfloat16, enabled=label != "bf16", cache_enabled=False):

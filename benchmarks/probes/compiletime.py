@@ -23,16 +23,17 @@ if len(sys.argv) == 1:
         subprocess.run([sys.executable, __file__, name], env=env, check=True)
     sys.exit()
 
-import gpuflow.train.trainer as trainer_module  # noqa: E402
 from gpuflow.device.accelerator import Device  # noqa: E402
 from gpuflow.train.config import resolve_config  # noqa: E402
+from gpuflow.train.step import StepOptions  # noqa: E402
+from gpuflow.train.trainer import Trainer  # noqa: E402
 
 name = sys.argv[1]
-trainer_module.COMPILE_OPTIONS = SETTINGS[name]
+options = StepOptions(compile_options=SETTINGS[name])
 run_dir = Path(f"/tmp/compiletime-{name}")
 config = resolve_config("seed-d384", None, ["train.steps=30"])
 started = time.time()
-result = trainer_module.Trainer(config, run_dir, Device.resolve("auto")).run()
+result = Trainer(config, run_dir, Device.resolve("auto"), options).run()
 lines = (run_dir / "metrics.jsonl").read_text().splitlines()
 first = next(json.loads(line) for line in lines if "tokens_per_s" in line)
 print(

@@ -28,6 +28,10 @@ Each event carries the source location of the first frame outside torch and gpuf
 transfer layer, so a stray ``.item()`` in a training step points at its own line. While a
 ledger is open every aten operation pays a Python call (a few microseconds): use it on the
 steps you measure, not on a whole run.
+
+Longer than most modules: the dispatch mode, the wait wrappers and the ledgers share one
+thread-local state (which ledgers are open, whether a wait is already being counted), and
+split apart each would reach into the others' private parts.
 """
 
 from __future__ import annotations
@@ -131,6 +135,16 @@ class StepTotals:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def per_step(self, steps: int = 1) -> dict[str, float]:
+        """What each of ``steps`` steps moved, waited for and allocated: the bus fields of
+        metrics.jsonl and of ``gpuflow bench train``."""
+        return {
+            "h2d_bytes_per_step": self.h2d_bytes / steps,
+            "d2h_bytes_per_step": self.d2h_bytes / steps,
+            "syncs_per_step": self.syncs / steps,
+            "device_allocs_per_step": self.device_allocs / steps,
+        }
 
 
 @dataclass(frozen=True)

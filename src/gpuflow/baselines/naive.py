@@ -11,18 +11,31 @@ the tables on the device, so the model still learns what the other paths learn.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
+from gpuflow.data.batches import WindowSampler
+from gpuflow.data.sources import BatchSource
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT
 from gpuflow.transfer.mirror import host_copy_now, read_now
 
 
-def naive_gradients(trainer: Any, host_tokens: np.ndarray) -> torch.Tensor:
+class NaiveBatches(BatchSource):
+    """Batches left on the host, as int64: the naive step embeds them there."""
+
+    reads_loss_each_log = True
+
+    def __init__(self, sampler: WindowSampler) -> None:
+        self.sampler = sampler
+
+    def host_tokens(self, step: int) -> np.ndarray:
+        return self.sampler.batch(step).astype(np.int64)  # (B, T+1), on the host
+
+
+def naive_gradients(model: GPT, device: Device, host_tokens: np.ndarray) -> torch.Tensor:
     """Forward and backward of every sequence of ``host_tokens`` (B, T+1) int64 on its own,
     the naive way; returns the batch's mean loss. The optimizer step is the caller's."""
-    model, device = trainer.model, trainer.device
     batch, window = host_tokens.shape
     T = window - 1
     total = torch.zeros((), device=device.torch)

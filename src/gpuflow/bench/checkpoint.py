@@ -33,9 +33,8 @@ from gpuflow.common.console import err_console
 from gpuflow.device.accelerator import Device
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig, resolve_config
-from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.datapath import resolve_data_path
 from gpuflow.train.trainer import Trainer
-from gpuflow.transfer.mirror import AsyncScalars
 
 KINDS = ("pytorch", "blocking", "async")
 
@@ -63,16 +62,16 @@ def _pytorch_save(folder: Path, trainer: Trainer) -> None:
 def run_checkpoint_bench(device: Device, bench: CheckpointBenchConfig) -> dict[str, Any]:
     steps = bench.warmup + bench.window * (2 * len(KINDS) + 1) * bench.rounds + 100
     config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
-    mode, _ = resolve_data_path(config.train.data_path, device)
+    path, _ = resolve_data_path(config.train.data_path, device)
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-checkpoint-"))
     try:
         with err_console.status(f"measuring checkpoint saves of {bench.preset}..."):
-            result = _measure(config, device, mode, scratch, bench)
+            result = _measure(config, device, scratch, bench)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {
         "preset": bench.preset,
-        "data_path": mode,
+        "data_path": str(path),
         "config": {
             "warmup": bench.warmup,
             "window": bench.window,
@@ -84,16 +83,14 @@ def run_checkpoint_bench(device: Device, bench: CheckpointBenchConfig) -> dict[s
 
 
 def _measure(
-    config: RunConfig, device: Device, mode: str, scratch: Path, bench: CheckpointBenchConfig
+    config: RunConfig, device: Device, scratch: Path, bench: CheckpointBenchConfig
 ) -> dict[str, Any]:
     trainer = Trainer(config, scratch / "run", device)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
-    scalars = AsyncScalars(Trainer.SCALARS, device)
     background = ckpt.Checkpointer(scratch / "async", device, keep=1)
     blocking = ckpt.Checkpointer(scratch / "blocking", device, keep=1, background=False)
     step = 0
-    with open_batches(mode, trainer, 0, config.train.steps) as batches:
-        step_fn = trainer.stepper(mode, batches, scalars)
+    with trainer.open_step(0, config.train.steps) as step_fn:
 
         def window(save: Callable[[], None] | None) -> float:
             """Seconds for ``bench.window`` steps, with ``save`` after the first."""
@@ -107,7 +104,7 @@ def _measure(
                     save()
             device.synchronize()
             seconds = time.perf_counter() - started
-            scalars.flush(step)
+            step_fn.scalars.flush(step)
             shutil.rmtree(scratch / "pytorch", ignore_errors=True)  # keep the disk from filling
             return seconds
 
@@ -132,7 +129,7 @@ def _measure(
                 after = window(None)
                 plain += [before, after]
                 stalls[kind].append(with_save - statistics.median([before, after]))
-        scalars.drain(step)
+        step_fn.scalars.drain(step)
     background.close()
     blocking.close()
     step_s = statistics.median(plain) / bench.window

@@ -1,31 +1,32 @@
 """``gpuflow bench train``: every data path on the same model and data, in one process.
 
-For each mode (``gpuflow.train.datapath``) a fresh model from the same seed trains
-``warmup`` untimed steps, ``timed`` steps between two device synchronisations (tokens/s and
+For each data path (``gpuflow.train.datapath.DataPath``) a fresh model from the same seed
+trains ``warmup`` untimed steps, ``timed`` steps between two device synchronisations (tokens/s and
 MFU), then one logging interval under the transfer ledger (bytes each way, host syncs and
 cudaMalloc calls per step, the interval's scalar readback included). The same step on a
 pre-placed synthetic batch (the batch drawn once and reused: no data path at all), eager and
-captured, shows each mode's data-path overhead as a percentage.
+captured, shows each path's data-path overhead as a percentage.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.common.console import err_console
+from gpuflow.data.sources import FixedBatch
 from gpuflow.device.accelerator import Device
-from gpuflow.train.config import RunConfig, resolve_config
-from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
+from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.feed import open_batches
+from gpuflow.train.step import StepOptions
 from gpuflow.train.trainer import Trainer
-from gpuflow.transfer.mirror import AsyncScalars
 
-MODES = ("naive", "standard", "streamed", "resident", "resident-graph")
+MODES = tuple(str(path) for path in DataPath.runnable())
 
 
 @dataclass(frozen=True)
@@ -40,53 +41,43 @@ class TrainBenchConfig:
 def _measure(
     config: RunConfig,
     device: Device,
-    mode: str,
+    path: DataPath,
     run_dir: Path,
     warmup: int,
     timed: int,
     synthetic: bool = False,
+    options: StepOptions | None = None,
 ) -> dict[str, Any]:
-    tc = config.train
-    trainer = Trainer(config, run_dir, device)
-    trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
-    scalars = AsyncScalars(Trainer.SCALARS, device)
-    counted = tc.log_interval
+    """One row: ``path`` (on a pre-placed batch if ``synthetic``), built with ``options``."""
+    counted = config.train.log_interval
     total = warmup + timed + counted
-    with open_batches(mode, trainer, 0, total) as batches:
-        draw: Callable[[], Any] | None = None
-        if synthetic:  # one batch, drawn before the clock starts and reused by every step
-            fixed = tuple(t.clone() for t in batches.inputs(0))
-            draw = lambda: fixed  # noqa: E731
-        step_fn = trainer.stepper(mode, batches, scalars, draw)
-
-        def one(step: int) -> None:
-            step_fn(step)
-            if (step + 1) % tc.log_interval == 0:  # the logging step, as train does it
-                trainer.log_readback(batches, scalars, step + 1)
-
+    config = apply_overrides(config, {"train": {"data_path": str(path)}}, "bench train")
+    trainer = Trainer(config, run_dir, device, options)
+    trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
+    source = None
+    if synthetic:  # one batch, drawn before the clock starts and reused by every step
+        with open_batches(path, trainer.plan, device, 0, total) as batches:
+            source = FixedBatch.first_of(batches)
+    with trainer.open_step(0, total, source) as train_step:
         for step in range(warmup):
-            one(step)
+            train_step.run(step)
         device.synchronize()
         started = time.perf_counter()
         for step in range(warmup, warmup + timed):
-            one(step)
+            train_step.run(step)
         device.synchronize()
         seconds = time.perf_counter() - started
         with TransferLedger(device) as ledger:
             for step in range(warmup + timed, total):
-                one(step)
-        scalars.drain(total)
-    totals = ledger.summary().totals
+                train_step.run(step)
+        train_step.scalars.drain(total)
     rate = timed * trainer.tokens_per_step / seconds
     return {
-        "mode": mode + (" (synthetic batch)" if synthetic else ""),
+        "mode": str(path) + (" (synthetic batch)" if synthetic else ""),
         "tokens_per_s": rate,
         "step_ms": seconds * 1e3 / timed,
         "mfu": trainer.mfu(rate),
-        "h2d_bytes_per_step": totals.h2d_bytes / counted,
-        "d2h_bytes_per_step": totals.d2h_bytes / counted,
-        "syncs_per_step": totals.syncs / counted,
-        "device_allocs_per_step": totals.device_allocs / counted,
+        **ledger.summary().totals.per_step(counted),
     }
 
 
@@ -101,7 +92,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
         if device.type == "cuda":
             plan += [("resident-graph", True)]
         for mode, synthetic in plan:
-            run_mode, why = resolve_data_path(mode, device)
+            path, why = resolve_data_path(mode, device)
             if why:
                 skipped[mode] = why
                 continue
@@ -111,7 +102,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
                     _measure(
                         config,
                         device,
-                        run_mode,
+                        path,
                         Path(scratch) / f"{mode}-{synthetic}",
                         bench.warmup,
                         bench.timed,

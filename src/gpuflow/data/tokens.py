@@ -7,6 +7,7 @@ from functools import cached_property
 from pathlib import Path
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.sizes import round_up
 from gpuflow.data.shards import Shard
 
 
@@ -71,9 +72,5 @@ def check_ids(source: Path | str, max_id: int, vocab_size: int) -> None:
         raise GpuflowError(
             f"{source} holds token id {max_id} but model.vocab_size is {vocab_size}; set "
             f"model.vocab_size to at least {max_id + 1} (--set model.vocab_size="
-            f"{_round_up(max_id + 1, 64)}) or prepare the data with --vocab-size {vocab_size}"
+            f"{round_up(max_id + 1, 64)}) or prepare the data with --vocab-size {vocab_size}"
         )
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple

@@ -34,10 +34,9 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
-from gpuflow.train.datapath import open_batches, resolve_data_path
+from gpuflow.train.datapath import DataPath
 from gpuflow.train.run import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
-from gpuflow.transfer.mirror import AsyncScalars
 
 OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
 HOST_ONLY_NOTE = (
@@ -70,12 +69,10 @@ def profile_training(
     check_output_folder(out_dir)
     trainer = Trainer(config, out_dir, device)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
-    scalars = AsyncScalars(Trainer.SCALARS, device)
     peak = probe_link(device).get("h2d_pinned")
-
-    mode, why = resolve_data_path(config.train.data_path, device)
-    if why:
-        err_console.print(why)
+    mode = trainer.path
+    if trainer.path_note:
+        err_console.print(trainer.path_note)
 
     total = warmup + 2 * steps
     with ExitStack() as stack:
@@ -84,23 +81,18 @@ def profile_training(
         # its first batches before the profiler started). Other paths upload or capture once,
         # before the regions, and keep their batches.
         shared = None
-        if mode != "streamed":
-            shared = stack.enter_context(open_batches(mode, trainer, 0, total))
-            shared_step = trainer.stepper(mode, shared, scalars)
+        if mode is not DataPath.STREAMED:
+            shared = stack.enter_context(trainer.open_step(0, total))
 
         def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
             with ExitStack() as own:
-                if shared is None:
-                    batches = own.enter_context(open_batches(mode, trainer, first, first + count))
-                    step_fn = trainer.stepper(mode, batches, scalars)
-                else:
-                    batches, step_fn = shared, shared_step
+                train_step = shared or own.enter_context(trainer.open_step(first, first + count))
                 for step in range(first, first + count):
-                    step_fn(step)
+                    train_step(step)
                     if step == first + count - 1:  # one logging step per pass, as train does
-                        trainer.log_readback(batches, scalars, step + 1)
+                        train_step.readback(step + 1)
                     after_step()
-            scalars.drain(first + count)
+                train_step.scalars.drain(first + count)
 
         train(0, warmup)
         # Counting every operation slows the host, so the ledger and the timing get a pass
@@ -128,7 +120,7 @@ def profile_training(
     )
     result = {
         "preset": config.preset,
-        "data_path": mode,
+        "data_path": str(mode),
         "device": device.describe(),
         "steps": steps,
         "warmup": warmup,

@@ -22,6 +22,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.run import TOKENIZER_FILE, open_run
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
+from gpuflow.transfer.upload import place
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def sample(run: Path | str, config: SampleConfig, device: Device) -> str:
     model = GPT(run_config.model)
     record = ckpt.load_weights(checkpoint, model)
     check_finite(model, checkpoint, record)
-    model.to(device.torch).eval()
+    place(model, device.torch).eval()
 
     eot = eot_id(tokenizer)
     prompt_ids = [eot, *tokenizer.encode(config.prompt, add_special_tokens=False).ids]

@@ -5,63 +5,83 @@ the host's launching, not the device's arithmetic, sets the pace. A CUDA graph r
 step's kernels once and replays them with one launch. What makes the step capturable:
 - every tensor it reads or writes lives at a fixed address: parameters, the optimizer's
   state (its step counts are device tensors), the resident corpus, the scalar sums;
-- the batch is drawn on the device from ``ResidentTokens``' step counter (a device tensor
-  the step advances), not passed in from the host;
-- the learning rate is a device tensor computed inside the step from that counter, so the
-  warmup and cosine schedule keeps moving across replays (a Python float would be baked
-  into the graph at capture);
+- the batch is drawn on the device from a device step counter the step advances
+  (``gpuflow.data.sources.CapturableSource``), not passed in from the host;
+- the learning rate is a device tensor computed inside the step from that counter
+  (``gpuflow.train.schedule.lr_tensor``), so the schedule keeps moving across replays;
 - gradient clipping computes its scale on the device, and autocast keeps no cast cache.
 
-``CapturedStep`` warms the step up eagerly on a side stream (real training steps: cuBLAS
-and the allocator settle), then captures it; ``replay`` runs one more step.
+``CapturedStep`` runs the sequence: the first ``warmup`` calls eagerly on a side stream (real
+training steps: cuBLAS and the allocator settle), then one capture (which runs nothing),
+then ``after_capture`` (MasterAdamW points its table at the graph's gradients), then a
+replay per call. The graph API is a ``Graphs`` object, so that the sequence runs on the CPU
+with a stand-in (``tests/test_capture.py``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
-
-from gpuflow.train.config import TrainConfig
 
 WARMUP_STEPS = 3
 
 
-def lr_tensor(step: torch.Tensor, config: TrainConfig) -> torch.Tensor:
-    """``gpuflow.train.optim.lr_at`` computed on the device from a 0-d step tensor."""
-    s = step.float()
-    warm = config.lr * (s + 1) / max(1, config.warmup_steps)
-    span = max(1, config.schedule_steps - config.warmup_steps)
-    progress = ((s - config.warmup_steps) / span).clamp(0.0, 1.0)
-    floor = config.lr * config.min_lr_ratio
-    decayed = floor + 0.5 * (config.lr - floor) * (1 + torch.cos(math.pi * progress))
-    return torch.where(s < config.warmup_steps, warm, decayed)
+class Graph(Protocol):
+    def replay(self) -> None: ...
 
 
-class CapturedStep:
-    """``body`` (one training step, device work only) captured as a CUDA graph."""
+class Graphs(Protocol):
+    """What capturing needs from the device."""
 
-    def __init__(self, body: Callable[[], None]) -> None:
-        self.body = body
-        self.graph: torch.cuda.CUDAGraph | None = None
+    def run_on_side_stream(self, body: Callable[[], None]) -> None: ...
 
-    def warm_up(self, steps: int = WARMUP_STEPS) -> None:
-        """Run ``body`` eagerly ``steps`` times on a side stream, as capture requires."""
+    def capture(self, body: Callable[[], None]) -> Graph: ...
+
+
+class CudaGraphs:
+    """``torch.cuda``'s graphs: warm-up on a side stream, as capture requires."""
+
+    def run_on_side_stream(self, body: Callable[[], None]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(steps):
-                self.body()
+            body()
         torch.cuda.current_stream().wait_stream(side)
 
-    def capture(self) -> None:
+    def capture(self, body: Callable[[], None]) -> Graph:
         """Record ``body`` without running it: the device state does not move."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.body()
-        self.graph = graph
+            body()
+        return graph
 
-    def replay(self) -> None:
-        assert self.graph is not None, "capture() first"
-        self.graph.replay()
+
+class CapturedStep:
+    """``body`` (one training step, device work only): eager ``warmup`` times, then captured
+    once and replayed on every later call."""
+
+    def __init__(
+        self,
+        body: Callable[[], None],
+        warmup: int = WARMUP_STEPS,
+        after_capture: Callable[[], None] = lambda: None,
+        graphs: Graphs | None = None,
+    ) -> None:
+        self.body = body
+        self.warmup = warmup
+        self.after_capture = after_capture
+        self.graphs = graphs if graphs is not None else CudaGraphs()
+        self.graph: Graph | None = None
+        self.calls = 0
+
+    def __call__(self) -> None:
+        if self.calls < self.warmup:
+            self.graphs.run_on_side_stream(self.body)
+        else:
+            if self.graph is None:
+                self.graph = self.graphs.capture(self.body)
+                self.after_capture()
+            self.graph.replay()
+        self.calls += 1

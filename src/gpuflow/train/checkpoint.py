@@ -15,6 +15,10 @@ built in a hidden temporary folder, every file fsynced, then renamed into place,
 are kept. A process killed mid-write leaves only its temporary folder, which the next run in
 the folder removes (``remove_stale_temporaries``). Reading checks each file's size against
 the one recorded, and ``resumable_checkpoint`` falls back past damaged checkpoints.
+
+Longer than most modules: writing and reading share the folder's layout (step names, the
+temporary-then-rename install, the file sizes in state.json), and each guarantee above is
+a property of the pair.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from gpuflow.common.atomic import fsync_dir
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import check_state_shapes
-from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.transfer.snapshot import Slot, Snapshot, StateSnapshot
 
 STEP_PREFIX = "step_"
@@ -158,11 +161,10 @@ def checkpoint_state(
         for key, value in slots.items()
         if isinstance(value, torch.Tensor)
     }
-    weights = (
-        optimizer.full_precision_state(model)  # the fp32 masters, not the bf16 copies
-        if isinstance(optimizer, MasterAdamW)
-        else model.state_dict()
-    )
+    # An optimizer that holds the weights at a higher precision than the model (MasterAdamW's
+    # fp32 masters under bf16 copies) gives them as the model's state.
+    full_precision = getattr(optimizer, "full_precision_state", None)
+    weights = full_precision(model) if full_precision else model.state_dict()
     groups = [
         {k: _json_value(v) for k, v in g.items() if k != "params"}
         for g in optim_state["param_groups"]

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.sizes import round_up
 from gpuflow.model.gpt import ModelConfig
-
-DATA_PATHS = ("auto", "naive", "standard", "streamed", "resident", "resident-graph")
+from gpuflow.train.datapath import DataPath
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class TrainConfig:
     checkpoint_interval: int = 1000  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 3
     seed: int = 1337
-    # How batches reach the device: auto (resident-graph on CUDA, else resident), naive,
-    # standard, streamed, resident or resident-graph; see gpuflow.train.datapath.
+    # How batches reach the device: a DataPath (gpuflow.train.datapath); auto is
+    # resident-graph on CUDA, else resident.
     data_path: str = "auto"
     # Compile the model's forward and backward with torch.compile where it can run (CUDA:
     # Triton kernels); elsewhere the model runs eagerly. Costs tens of seconds at start-up.
@@ -71,9 +71,9 @@ class TrainConfig:
             ),
             non_negative=("warmup_steps", "decay_steps", "weight_decay", "grad_clip", "seed"),
         )
-        if self.data_path not in DATA_PATHS:
+        if self.data_path not in tuple(DataPath):
             raise GpuflowError(
-                f"train.data_path must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}"
+                f"train.data_path must be one of {', '.join(DataPath)}, got {self.data_path!r}"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise GpuflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -178,7 +178,7 @@ def train_command(vocab_size: int, data_dir: str | Path) -> str:
     if exact:
         name = sorted(exact, key=lambda n: n != "seed-d384")[0]
         return f"gpuflow train --preset {name} --set {data}"
-    vocab = -(-vocab_size // 64) * 64
+    vocab = round_up(vocab_size, 64)
     return f"gpuflow train --preset tiny --set {data} --set model.vocab_size={vocab}"
 
 

@@ -1,8 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule."""
+"""AdamW with decoupled weight decay on matrices only; the global gradient norm."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -38,14 +36,3 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     norm, three significant digits, to the clip and the logs."""
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # one launch per few tensors
     return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio`` at
-    ``schedule_steps``, and that rate after it."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.schedule_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    floor = config.lr * config.min_lr_ratio
-    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * progress))

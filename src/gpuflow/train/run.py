@@ -30,7 +30,7 @@ from gpuflow.train.config import (
     resolve_config,
     to_toml,
 )
-from gpuflow.train.optim import lr_at
+from gpuflow.train.schedule import lr_at
 
 RUNS_DIR = Path("runs")
 CONFIG_FILE = "config.toml"

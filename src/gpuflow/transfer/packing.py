@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 
 ALIGN = 16  # bytes: every view aligned for any dtype and for 16-byte vector loads
@@ -184,10 +185,6 @@ class Packed:
     spec: Any
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _view(buffer: torch.Tensor, leaf: Leaf, dtype: torch.dtype) -> torch.Tensor:
     return buffer[leaf.offset : leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
 
@@ -304,7 +301,7 @@ class _Planner:
     ) -> Leaf:
         numel = math.prod(shape)
         leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype)
-        self.offset = _aligned(self.offset + leaf.nbytes)
+        self.offset = round_up(self.offset + leaf.nbytes, ALIGN)
         self.logical += numel * dtype.itemsize
         self.layout.append((leaf, source, direct))
         return leaf

@@ -1,0 +1,182 @@
+"""The training loop: steps, and *when* to log, sample the bus, evaluate, checkpoint, stop.
+
+The step (``gpuflow.train.step``) does the work; ``Cadence`` says when the rest happens,
+``BusMeter`` and ``Throughput`` (``gpuflow.train.meter``) measure, and a logging step's
+record waits until its scalars have landed on the host, a few steps later.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import TrainConfig
+from gpuflow.train.display import TrainDisplay
+from gpuflow.train.meter import BusMeter, Throughput
+from gpuflow.train.run import MetricsLog
+from gpuflow.train.schedule import lr_at
+from gpuflow.train.step import TrainStep
+
+if TYPE_CHECKING:
+    from gpuflow.train.trainer import Trainer
+
+
+class _StopFlag:
+    """Turns the first Ctrl-C (SIGINT) or SIGTERM (what schedulers and ``kill`` send) into a
+    request to stop at the next step boundary, with a checkpoint."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        def handler(signum: int, frame: object) -> None:
+            if self.requested:  # a second signal: stop now, without a checkpoint
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            previous = {sig: signal.signal(sig, handler) for sig in self.SIGNALS}
+        except ValueError:  # not the main thread: leave signals alone
+            yield
+            return
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, evaluates and checkpoints, after ``done`` steps."""
+
+    config: TrainConfig
+
+    def logs(self, done: int) -> bool:
+        return done % self.config.log_interval == 0
+
+    def evaluates(self, done: int) -> bool:
+        return done % self.config.eval_interval == 0 or done == self.config.steps
+
+    def checkpoints(self, done: int, stopping: bool) -> bool:
+        tc = self.config
+        return done % tc.checkpoint_interval == 0 or done == tc.steps or stopping
+
+
+class TrainLoop:
+    """The loop of one ``Trainer.run``: it runs the step and decides when to log, sample the
+    bus, evaluate, checkpoint and stop; and it writes the records."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        train_step: TrainStep,
+        checkpointer: ckpt.Checkpointer,
+        started: float,
+        show_bus: bool,
+    ) -> None:
+        self.trainer, self.train_step, self.checkpointer = trainer, train_step, checkpointer
+        self.started, self.show_bus = started, show_bus
+        self.config = trainer.config.train
+        self.throughput = Throughput(trainer.tokens_per_step, trainer.device)
+        first_sampled = trainer.start_step + train_step.warmup
+        self.bus = BusMeter(trainer.device, self.config.log_interval, first_sampled)
+        # Per logging step, its lr and timing, held until its scalars land on the host.
+        self.pending: dict[int, dict[str, Any]] = {}
+
+    def run(self, latest: Path | None) -> int:
+        """Steps from ``start_step`` until the end or a stop request; returns the step reached."""
+        trainer, tc, when = self.trainer, self.config, Cadence(self.config)
+        step = trainer.start_step
+        stop = _StopFlag()
+        with (
+            TrainDisplay(tc.steps, step, self.show_bus) as self.display,
+            MetricsLog(trainer.run_dir) as self.metrics,
+            stop.installed(),
+        ):
+            why = f" ({trainer.path_note})" if trainer.path_note else ""
+            self.display.note(f"data path: {trainer.path}{why}")
+            if latest is not None:
+                self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")
+            else:  # the untrained baseline, so the curve shows what was learnt
+                self.evaluate(step)
+            self.throughput.restart()  # time training, not setup
+            while step < tc.steps:
+                with self.bus.step(step, self.throughput):  # sampled: under the ledger
+                    self.train_step(step)
+                step += 1
+                stopping = stop.requested  # read once: a signal may land mid-iteration
+                checkpoint_now = when.checkpoints(step, stopping)
+                if when.logs(step) or checkpoint_now:  # metrics are whole up to a checkpoint
+                    self.close_interval(step)
+                evaluate_now = when.evaluates(step)
+                with self.throughput.paused(evaluate_now or checkpoint_now):
+                    names = []
+                    if checkpoint_now:
+                        self.publish(self.train_step.scalars.drain(step))  # diverged: stops
+                        names.append(ckpt.step_name(step))
+                    if evaluate_now and self.evaluate(step) < trainer.best_val:
+                        trainer.best_val = trainer._last_val
+                        names.append(ckpt.BEST)
+                    if names:
+                        trainer.save(self.checkpointer, step, tuple(names))
+                if stopping:
+                    break
+        return step
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        self.display.record(record)
+
+    def evaluate(self, step: int) -> float:
+        val = self.trainer._last_val = self.trainer._evaluate()
+        self.emit({"step": step, "val_loss": val})
+        return val
+
+    def close_interval(self, step: int) -> None:
+        """A logging step: the interval's timing and bus figures wait for its scalars."""
+        interval = self.throughput.close_interval()
+        with self.bus.readback():
+            results = self.train_step.readback(step)
+        self.pending[step] = {
+            "lr": lr_at(step - 1, self.config),
+            "interval": interval,  # timed when its scalars land
+            "elapsed_s": time.perf_counter() - self.started,
+            **self.bus.take(),
+            **self.trainer.device.memory_sample(),  # host reads only: the soak's record
+        }
+        self.publish(results)
+        self.display.step(step)
+
+    def publish(self, results: list[tuple[int, dict[str, float]]]) -> None:
+        """Write the records whose scalars have landed."""
+        for tag, means in results:
+            fields = self.pending.pop(tag)
+            rate = self.throughput.rate(fields.pop("interval"))  # its scalars landed
+            mfu = self.trainer.mfu(rate)
+            self.emit({"step": tag, **means, **fields, "tokens_per_s": rate, "mfu": mfu})
+            if not math.isfinite(means["loss"]):
+                self.diverged(tag, means["loss"])
+
+    def diverged(self, step: int, loss: float) -> None:
+        """Stop a run whose loss is no longer a number, before it saves such weights."""
+        self.checkpointer.wait()
+        written = self.checkpointer.written
+        where = (
+            f"its last good checkpoint is {written[-1].name}" if written else "it has no checkpoint"
+        )
+        raise GpuflowError(
+            f"training diverged: the loss is {loss} at step {step} ({where}); lower train.lr "
+            f"(now {self.config.lr:g}) or raise train.warmup_steps and train again"
+        )

@@ -1,0 +1,226 @@
+"""The training step: one object per data path, device work only.
+
+``build_step`` gives the step of a data path over a model, its optimizer (chosen by the
+trainer when it is built: ``optimizer_for``) and a batch source. Calling the step runs one
+optimizer step and adds its loss and grad norm to the step's ``AsyncScalars``; ``readback``
+is what a logging step reads back. Three kinds:
+
+- ``EagerStep``: forward, backward, clip, update, from the source's (inputs, targets);
+- ``NaiveStep``: the naive baseline's per-sequence gradients, then the same update;
+- ``GraphStep``: the whole step, batch draw and learning rate included, as one CUDA graph.
+
+Nothing here reads from the device: the host's part is launching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from gpuflow.baselines.naive import NaiveBatches, naive_gradients
+from gpuflow.data.sources import BatchSource, CapturableSource
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT
+from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
+from gpuflow.train.config import TrainConfig
+from gpuflow.train.datapath import DataPath
+from gpuflow.train.master_adamw import with_fp32_masters
+from gpuflow.train.optim import global_grad_norm
+from gpuflow.train.schedule import lr_at, lr_tensor
+from gpuflow.transfer.mirror import AsyncScalars, read_now
+
+# At seed-d384's size the step is made of small kernels: inductor launches independent ones
+# (the weights' bf16 casts, say) as one, +2.7% tokens/s (benchmarks/NOTES.md, where tuning
+# inductor's kernels is left out: +1% for 95 s more of compiling).
+COMPILE_OPTIONS = MappingProxyType({"combo_kernels": True})
+SCALARS = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step is built beyond what the run's config says: what probes vary. The defaults
+    are what ``gpuflow train`` runs."""
+
+    compile_options: Mapping[str, Any] = field(default_factory=lambda: dict(COMPILE_OPTIONS))
+    # The captured step's bf16 weights over fp32 masters, where MasterAdamW's kernel runs.
+    master_weights: bool = True
+    # The clip's factor handed to fused AdamW as ``grad_scale`` (else ``clip_grad_norm_``,
+    # a pass over the gradients of its own).
+    fused_clip: bool = True
+    graphs: Graphs | None = None  # the graph API; None: CUDA's
+
+
+def optimizer_for(
+    path: DataPath, adamw: torch.optim.Optimizer, device: Device, options: StepOptions
+) -> torch.optim.Optimizer:
+    """The optimizer ``path``'s step runs: the captured step hands ``adamw`` (restored from
+    a checkpoint, if any) to a MasterAdamW where its kernel runs; the others keep it."""
+    if path is DataPath.RESIDENT_GRAPH and options.master_weights:
+        return with_fp32_masters(adamw, device)
+    return adamw
+
+
+def compiled_forward(model: GPT, device: Device, options: StepOptions) -> torch.nn.Module:
+    """The model's forward (and so backward) compiled where torch.compile makes kernels
+    (CUDA); the model itself elsewhere."""
+    if device.type != "cuda":
+        return model
+    # A fresh compile per model: compiled code cached for an earlier model in this process
+    # was seen to run it eagerly instead (the benchmark builds several).
+    torch._dynamo.reset()
+    return torch.compile(model, options=dict(options.compile_options))
+
+
+class Update:
+    """Clip, step and clear the gradients; returns the grad norm (on the device)."""
+
+    def __init__(
+        self, model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float, fused_clip: bool
+    ) -> None:
+        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+        self.fused_clip = fused_clip and bool(optimizer.defaults.get("fused"))
+        self._no_clip = torch.zeros((), device=next(model.parameters()).device)
+
+    def __call__(self) -> torch.Tensor:
+        if self.grad_clip > 0 and self.fused_clip:
+            # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
+            # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
+            # max_norm / (norm + 1e-6) capped at 1, inverted).
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = global_grad_norm(grads)
+            self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
+        elif self.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        else:
+            grad_norm = self._no_clip
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+
+class TrainStep:
+    """One optimizer step of a data path: ``step(n)`` queues step ``n``'s device work."""
+
+    def __init__(
+        self,
+        model: GPT,
+        forward: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig,
+        device: Device,
+        batches: BatchSource,
+        options: StepOptions,
+    ) -> None:
+        self.model, self.forward, self.optimizer = model, forward, optimizer
+        self.config, self.device, self.batches = config, device, batches
+        self.update = Update(model, optimizer, config.grad_clip, options.fused_clip)
+        self.scalars = AsyncScalars(SCALARS, device)
+        self.last_loss: torch.Tensor | None = None  # an eager step's, for readback
+        # Steps that compile or capture: warm-up, not what a step costs.
+        self.warmup = WARMUP_STEPS + 1 if forward is not model else 0
+
+    def __call__(self, step: int) -> None:
+        raise NotImplementedError
+
+    def set_lr(self, step: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.config)
+
+    def readback(self, step: int) -> list[tuple[int, dict[str, float]]]:
+        """What a logging step reads back: the scalars that have landed (no wait), and for
+        the baselines, the loss read at once, as a standard loop prints it."""
+        if self.batches.reads_loss_each_log and self.last_loss is not None:
+            read_now(self.last_loss)
+        return self.scalars.flush(step)
+
+    def run(self, step: int) -> None:
+        """Step ``step``, then the readback if it ends a logging interval: what the trainer
+        does each step, for code that measures it."""
+        self(step)
+        if (step + 1) % self.config.log_interval == 0:
+            self.readback(step + 1)
+
+
+class EagerStep(TrainStep):
+    def __call__(self, step: int) -> None:
+        self.set_lr(step)
+        inputs, targets = self.batches.inputs(step)  # (B, T) int64 each, on the device
+        with self.device.autocast():
+            loss = self.forward(inputs, targets)
+        loss.backward()
+        self.last_loss = loss
+        self.scalars.add(loss=loss, grad_norm=self.update())
+
+
+class NaiveStep(TrainStep):
+    batches: NaiveBatches
+
+    def __call__(self, step: int) -> None:
+        self.set_lr(step)
+        self.last_loss = naive_gradients(self.model, self.device, self.batches.host_tokens(step))
+        self.scalars.add(loss=self.last_loss, grad_norm=self.update())
+
+
+class GraphStep(TrainStep):
+    """The step captured whole: the batch is drawn and the learning rate computed on the
+    device from the source's step counter, so every replay trains the next step."""
+
+    batches: CapturableSource
+
+    def __init__(self, *args: Any, graphs: Graphs | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.warmup = WARMUP_STEPS + 1
+        # The optimizer reads the learning rate from a device tensor the step itself writes.
+        self.lr = torch.zeros((), device=self.device.torch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+            group["capturable"] = True  # fused AdamW keeps its step counts on the device
+        draw = self.batches.draw
+        schedule = lambda step: lr_tensor(step, self.config)  # noqa: E731
+        if self.forward is not self.model:
+            # Compiled, the draw's dozen small kernels (hash, gather, widen) fuse into a few,
+            # and the schedule's ten into one.
+            if self.batches.worth_compiling:
+                draw = torch.compile(draw, options=dict(COMPILE_OPTIONS))
+            schedule = torch.compile(schedule, options=dict(COMPILE_OPTIONS))
+        self._draw, self._schedule = draw, schedule
+        rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
+        self.captured = CapturedStep(self._body, after_capture=rebind, graphs=graphs)
+
+    def _body(self) -> None:
+        self.lr.copy_(self._schedule(self.batches.counter))
+        inputs, targets = self._draw()  # (B, T) int64 each; the counter moves on
+        with self.device.autocast(cache=False):
+            loss = self.forward(inputs, targets)
+        loss.backward()
+        self.scalars.accumulate(loss=loss, grad_norm=self.update())
+
+    def __call__(self, step: int) -> None:
+        self.batches.prepare(step)  # a chunk switch happens here, outside the graph
+        self.captured()
+        self.scalars.count()
+
+
+def build_step(
+    path: DataPath,
+    model: GPT,
+    forward: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    device: Device,
+    batches: BatchSource,
+    options: StepOptions,
+) -> TrainStep:
+    """The step of ``path`` over ``batches``."""
+    args = (model, forward, optimizer, config, device, batches, options)
+    if path is DataPath.NAIVE:
+        return NaiveStep(*args)
+    if path is DataPath.RESIDENT_GRAPH:
+        if not isinstance(batches, CapturableSource):
+            raise ValueError(f"{type(batches).__name__} cannot be drawn inside a CUDA graph")
+        return GraphStep(*args, graphs=options.graphs)
+    return EagerStep(*args)

@@ -118,3 +118,20 @@ def test_the_gradient_norm_of_bf16_gradients_is_summed_in_fp32():
     norm = global_grad_norm(grads)
     assert norm.dtype == torch.float32
     assert norm.item() == pytest.approx(exact, rel=1e-5)  # a bf16 result is 4e-3 off here
+
+
+def test_the_hand_over_reads_every_step_counter_in_one_read(monkeypatch):
+    import gpuflow.train.master_adamw as module
+
+    reads = []
+    real_read = module.read_now
+    monkeypatch.setattr(module, "read_now", lambda t: reads.append(t.numel()) or real_read(t))
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    adamw = _adamw(params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        adamw.step()
+    opt = MasterAdamW(adamw)
+    assert reads == [len(SHAPES)]  # one read of all three counters, not one per parameter
+    assert opt.step_count.item() == 2

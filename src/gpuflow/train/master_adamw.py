@@ -23,7 +23,10 @@ import math
 
 import torch
 
+from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer.mirror import read_now
+from gpuflow.transfer.upload import DeviceTable, upload_values
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -117,7 +120,7 @@ class MasterAdamW(torch.optim.Optimizer):
         offsets, end = [], 0
         for n in numels:
             offsets.append(end)
-            end += -(-n // ALIGN) * ALIGN
+            end += round_up(n, ALIGN)
         device = self._params[0].device
         self.master = torch.zeros(end, device=device)  # (N,) fp32
         self.exp_avg = torch.zeros_like(self.master)
@@ -126,7 +129,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self._views = [
             (o, n, p.shape) for o, n, p in zip(offsets, numels, self._params, strict=True)
         ]
-        steps = []
+        counters = []
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 self._view(self.master, i).copy_(p)
@@ -134,8 +137,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 if "exp_avg" in moments:
                     self._view(self.exp_avg, i).copy_(moments["exp_avg"])
                     self._view(self.exp_avg_sq, i).copy_(moments["exp_avg_sq"])
-                    steps.append(float(moments["step"]))
-            self.step_count.fill_(max(steps, default=0.0))
+                    counters.append(torch.as_tensor(moments["step"]).float().reshape(()))
+            # AdamW counts steps per parameter; all its counters are read in one go.
+            self.step_count.fill_(max(read_now(torch.stack(counters))) if counters else 0.0)
             self.weights = self.master.to(torch.bfloat16)  # (N,)
             for i, p in enumerate(self._params):
                 p.data = self._view(self.weights, i)
@@ -144,14 +148,14 @@ class MasterAdamW(torch.optim.Optimizer):
         self._lr = torch.zeros((), device=device)
 
         blocks = [(t, s) for t, n in enumerate(numels) for s in range(0, n, BLOCK)]
-        self._block_tensor = torch.tensor([t for t, _ in blocks], dtype=torch.int32, device=device)
-        self._block_start = torch.tensor([s for _, s in blocks], dtype=torch.int64, device=device)
-        self._offset = torch.tensor(offsets, dtype=torch.int64, device=device)
-        self._numel = torch.tensor(numels, dtype=torch.int64, device=device)
+        self._block_tensor = upload_values([t for t, _ in blocks], torch.int32, device)
+        self._block_start = upload_values([s for _, s in blocks], torch.int64, device)
+        self._offset = upload_values(offsets, torch.int64, device)
+        self._numel = upload_values(numels, torch.int64, device)
         decay = [float(g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
-        self._decay = torch.tensor(decay, device=device)
-        self._grad_addrs = torch.zeros(len(numels), dtype=torch.int64, device=device)
-        self._table: list[int] | None = None  # the addresses ``_grad_addrs`` holds
+        self._decay = upload_values(decay, torch.float32, device)
+        # Rewritten only when the gradients move: each eager step, and once after a capture.
+        self._grad_addrs = DeviceTable(len(numels), device)
         self._captured: list[int] | None = None
         self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
 
@@ -196,13 +200,12 @@ class MasterAdamW(torch.optim.Optimizer):
         addrs = [g.data_ptr() for g in grads]
         if torch.cuda.is_current_stream_capturing():
             self._captured = addrs  # a copy from the host cannot be captured: done after
-        elif addrs != self._table:
-            self._grad_addrs.copy_(torch.tensor(addrs, dtype=torch.int64))
-            self._table = addrs
+        else:
+            self._grad_addrs.write(addrs)
         beta1, beta2 = self.defaults["betas"]
         aligned = self._sizes_aligned and all(a % 16 == 0 for a in addrs)
         _master_adamw_kernel[(len(self._block_tensor),)](
-            self._grad_addrs,
+            self._grad_addrs.tensor,
             self._block_tensor,
             self._block_start,
             self._offset,
@@ -229,8 +232,8 @@ class MasterAdamW(torch.optim.Optimizer):
     def bind_captured_gradients(self) -> None:
         """After a capture: point the table at the gradients' addresses in the graph."""
         if self._captured is not None:
-            self._grad_addrs.copy_(torch.tensor(self._captured, dtype=torch.int64))
-            self._table, self._captured = self._captured, None
+            self._grad_addrs.write(self._captured)
+            self._captured = None
 
     def _reference_step(
         self, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor

@@ -89,7 +89,7 @@ FAST = (
     "train.warmup_steps=5",
     "train.eval_batches=2",
     "train.lr=0.003",
-    "train.compile=false",  # compiling takes longer than these runs (test_gpu checks it)
+    "train.compile=false",  # compiling takes longer than these runs (tests/gpu check it)
 )
 
 

@@ -1,4 +1,4 @@
-"""HostMirror, AsyncScalars and host snapshots on the cpu path (GPU: test_gpu.py)."""
+"""HostMirror, AsyncScalars and host snapshots on the cpu path (GPU: tests/gpu/test_transfer.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""The transfer ledger and budgets on a real device: against the profiler's record, over
+the production streamed step, and at every kind of host wait."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuflow.accounting.budgets import BudgetExceeded, budget
+from gpuflow.data.sources import StreamedBatches
+from gpuflow.train.config import resolve_config
+from gpuflow.train.trainer import Trainer
+
+from ..conftest import FAST
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ledger_agrees_with_the_profilers_memcpy_events(accel, tmp_path):
+    from gpuflow.accounting.crosscheck import ProfiledLedger
+
+    pinned = torch.randn(1 << 18).pin_memory()  # 1 MiB
+    pageable = torch.randn(1024)  # 4 KiB
+    on_device = torch.randn(1 << 14, device=accel.torch)  # 64 KiB
+    landing = torch.empty(1 << 14).pin_memory()
+    accel.synchronize()
+    with ProfiledLedger(tmp_path / "trace.json", accel) as run:
+        pinned.to(accel.torch, non_blocking=True)
+        pageable.to(accel.torch)  # blocking: a sync
+        landing.copy_(on_device, non_blocking=True)
+        for i in range(3):
+            on_device[i].item()  # 4 bytes down and a sync, each
+    rows = {row.kind: row for row in run.comparison()}
+    assert (rows["h2d"].ledger_copies, rows["h2d"].ledger_bytes) == (2, (1 << 20) + 4096)
+    assert (rows["d2h"].ledger_copies, rows["d2h"].ledger_bytes) == (4, (1 << 16) + 12)
+    assert rows["h2d"].agrees and rows["d2h"].agrees, rows
+    assert run.ledger.summary().totals.syncs == 4
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+def _streaming_trainer(accel, prepared, workdir):
+    """A built trainer on the streamed path, and the token ids one of its batches holds."""
+    config = resolve_config(
+        "tiny",
+        None,
+        [*FAST, f"data.dir={prepared}", "train.steps=12", "train.data_path=streamed"],
+    )
+    trainer = Trainer(config, workdir / "runs" / "budget", accel)
+    trainer.build(resume=False)
+    return trainer, config.train.batch_size * (config.model.max_len + 1)
+
+
+def test_streamed_step_budget_holds_on_the_device(accel, prepared, workdir):
+    trainer, ids = _streaming_trainer(accel, prepared, workdir)
+    with trainer.open_step(0, 12) as train_step:  # the step `gpuflow train` runs
+        assert isinstance(train_step.batches, StreamedBatches)
+        for step in range(3):  # warm-up: the allocator fills its cache
+            train_step(step)
+        accel.synchronize()
+        for step in range(3, 8):
+            limits = budget(
+                h2d_bytes=(2 * ids + 15) // 16 * 16, d2h_bytes=0, syncs=0, device_allocs=0
+            )
+            with limits:
+                train_step(step)
+            totals = limits.ledger.summary().totals
+            assert totals.h2d_bytes == 2 * ids and totals.h2d_copies == 1
+
+
+def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, workdir):
+    trainer, _ = _streaming_trainer(accel, prepared, workdir)
+    with trainer.open_step(0, 12) as train_step:
+
+        def leaky_step(step):
+            train_step(step)
+            print(f"loss {train_step.last_loss.item():.3f}")  # the stray read
+
+        train_step(0)
+        with pytest.raises(BudgetExceeded) as caught, budget(syncs=0):
+            leaky_step(1)
+    line = next(
+        n
+        for n, text in enumerate(Path(__file__).read_text().splitlines(), start=1)
+        if "# the stray read" in text and "text" not in text
+    )
+    assert f"test_accounting.py:{line}" in str(caught.value)
+    assert caught.value.over == {"syncs": (1, 0)}
+
+
+def test_every_kind_of_host_wait_is_counted_on_the_device(accel):
+    from gpuflow.accounting.ledger import TransferLedger
+
+    x = torch.arange(8, device=accel.torch, dtype=torch.float32)
+    stream, event = torch.cuda.Stream(), torch.cuda.Event()
+    with TransferLedger(accel) as ledger:
+        x.tolist()  # wait-tolist
+        x.cpu()  # wait-cpu
+        x.nonzero()
+        x[x > 3]
+        event.record()
+        event.synchronize()
+        stream.synchronize()
+        torch.cuda.synchronize()
+        accel.synchronize()
+        x.sum()  # compute: nothing counted
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    lines = Path(__file__).read_text().splitlines()
+
+    def at(marker: str) -> list[str]:
+        line = next(n for n, t in enumerate(lines, 1) if marker in t and "at(" not in t)
+        return [e.op for e in syncs if e.location.endswith(f":{line}")]
+
+    assert at("# wait-tolist") and at("# wait-cpu") == ["blocking d2h to"]
+    assert [e.op for e in syncs][-6:] == [
+        "nonzero",
+        "boolean-mask indexing",
+        "Event.synchronize",
+        "Stream.synchronize",
+        "torch.cuda.synchronize",
+        "Device.synchronize",
+    ]
+    downloads = [e for e in ledger.events if e.kind == "d2h"]
+    assert sum(e.nbytes for e in downloads) >= 2 * 32  # tolist and cpu: 32 bytes each

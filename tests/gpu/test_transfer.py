@@ -1,0 +1,238 @@
+"""The transfer layer on a real device: packing, the pinned pool, DeviceLoader, HostMirror,
+AsyncScalars, snapshots and one-off uploads."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader, upload_tokens
+from gpuflow.transfer.mirror import AsyncScalars, HostMirror, host_snapshot
+from gpuflow.transfer.packing import pack, unpack
+from gpuflow.transfer.pinned import PinnedPool
+
+pytestmark = pytest.mark.gpu
+
+
+def _busy(device: Device, ms: float = 30.0) -> None:
+    """Keep the current stream busy for about ``ms`` (a spin kernel), so copies queue behind."""
+    if device.type == "cuda":
+        torch.cuda._sleep(int(ms * 2e6))  # cycles: at least ms at clocks up to 2 GHz
+
+
+def test_token_ids_cross_narrow_and_widen_on_the_device(accel):
+    rng = np.random.default_rng(0)
+    for dtype, high in ((np.uint16, 1 << 16), (np.uint32, 1 << 20)):
+        host = rng.integers(0, high, size=(8, 129), dtype=np.int64).astype(dtype)
+        host[0, 0] = high - 1  # the largest id must not wrap to a negative int
+        on_device = upload_tokens(host, accel)
+        assert on_device.device.type == accel.type and on_device.dtype == torch.int64
+        assert np.array_equal(on_device.cpu().numpy(), host.astype(np.int64))
+
+
+def test_async_scalars_arrive_late_but_exact(accel):
+    scalars = AsyncScalars(("a", "b"), accel, depth=2)
+    got = []
+    for interval in range(1, 6):
+        for i in range(4):
+            v = torch.tensor(float(interval * 10 + i), device=accel.torch)
+            scalars.add(a=v, b=v * 2)
+        got += scalars.flush(interval)
+    got += scalars.drain(6)
+    assert [tag for tag, _ in got] == [1, 2, 3, 4, 5]
+    for tag, means in got:
+        assert means["a"] == pytest.approx(tag * 10 + 1.5)
+        assert means["b"] == pytest.approx(2 * (tag * 10 + 1.5))
+
+
+def test_host_snapshot_copies_every_byte(accel):
+    tensors = {f"t{i}": torch.randn(1000 + i, device=accel.torch) for i in range(5)}
+    snap = host_snapshot(tensors)
+    for name, t in tensors.items():
+        assert snap[name].device.type == "cpu"
+        assert torch.equal(snap[name], t.cpu())
+
+
+def test_pack_round_trip_on_the_device_with_every_codec(accel):
+    rng = np.random.default_rng(0)
+    batch = {
+        "ids": torch.from_numpy(rng.integers(0, 50000, (8, 129))),
+        "big_ids": torch.tensor([-(2**40), 2**40]),
+        "image": rng.integers(0, 256, (4, 3, 16, 16), dtype=np.uint8),
+        "x": torch.randn(1000),
+        "rows": [torch.randn(64) for _ in range(100)],
+        "ragged": [[1, 2, 3], [], [70000]],
+        "meta": ("name", 3),
+    }
+    packed = pack(batch, pin_memory=accel.supports_pinned_memory, lossy_float="bf16")
+    out = unpack(packed, accel)
+    accel.synchronize()
+    assert out["ids"].device.type == accel.type and out["ids"].dtype == torch.int64
+    assert torch.equal(out["ids"].cpu(), batch["ids"])
+    assert torch.equal(out["big_ids"].cpu(), batch["big_ids"])
+    assert torch.equal(out["image"].cpu(), torch.from_numpy(batch["image"]))
+    assert torch.equal(out["x"].cpu(), batch["x"].bfloat16().float())
+    assert all(
+        torch.equal(a.cpu(), b.bfloat16().float())
+        for a, b in zip(out["rows"], batch["rows"], strict=True)
+    )
+    assert out["ragged"][2].tolist() == [70000] and out["meta"] == ("name", 3)
+
+
+def test_pinned_pool_buffers_are_pinned_and_wait_for_their_copy(accel):
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+    pool = PinnedPool(accel, max_bytes=64 << 20)
+    buf = pool.acquire(32 << 20)
+    assert buf.bytes.is_pinned()
+    landing = torch.empty(32 << 20, dtype=torch.uint8, device=accel.torch)
+    _busy(accel)  # the copy below cannot start for a while
+    landing.copy_(buf.bytes, non_blocking=True)
+    done = accel.new_event()
+    done.record()
+    pool.release(buf, after=done)
+    other = pool.acquire(32 << 20)  # room under the cap: a different buffer, the first is busy
+    assert other.bytes.data_ptr() != buf.bytes.data_ptr() and not done.query()
+    third = pool.acquire(32 << 20)  # at the cap: waits for the copy, then reuses its buffer
+    assert done.query() and third.bytes.data_ptr() == buf.bytes.data_ptr()
+    assert pool.stats.waits == 1
+    pool.release(other)
+    pool.release(third)
+    pool.close()
+    assert pool.stats.bytes_reserved == 0
+
+
+class _PoisoningLoader(DeviceLoader):
+    """Before each reuse of a slot, fill it with 0xFF on the copy stream and stall that
+    stream, so a consumer that read before the copy finished would see poison."""
+
+    def _issue(self, index, plan, host):
+        slot = self._slots[index]
+        if slot.buffer is not None:
+            with self.device.use_stream(self._copy_stream):
+                self._copy_stream.wait_event(slot.consumer_done)
+                slot.buffer.fill_(255)
+                _busy(self.device, 20.0)
+        return super()._issue(index, plan, host)
+
+
+def test_the_consumer_never_sees_a_slot_before_its_copy_finished(accel):
+    n_batches, n = 12, 4 << 20  # 4 Mi float32 per batch
+    source = (np.full(n, float(i), dtype=np.float32) for i in range(n_batches))
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with _PoisoningLoader(source, accel, depth=2) as loader:
+        for i, batch in enumerate(loader):
+            ok &= (batch == float(i)).all()  # every element, on the consumer's stream
+    assert bool(ok.item())
+    assert loader.stats.batches == n_batches
+
+
+def test_loader_memory_is_flat_and_copies_overlap_compute(accel):
+    batch = torch.randn(1 << 20)  # 4 MB
+    reserved = []
+    with DeviceLoader(itertools.repeat(batch, 2000), accel) as loader:
+        for i, on_device in enumerate(loader, start=1):
+            _busy(accel, 1.0)  # compute that the next copy can hide behind
+            on_device.sum()
+            if i in (100, 2000):
+                accel.synchronize()
+                reserved.append(
+                    (loader._pool.stats.bytes_reserved, torch.cuda.memory_reserved(accel.torch))
+                )
+    assert reserved[0] == reserved[1]
+    stats = loader.stats
+    assert stats.overlap_ms > 0.8 * stats.transfer_ms  # the copies hid behind the compute
+
+
+def test_a_pinned_source_is_copied_directly_without_staging(accel):
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+
+    def source():
+        for i in range(20):  # a fresh pinned tensor per batch, as DataLoader(pin_memory) gives
+            yield {"x": torch.full((1 << 20,), float(i)).pin_memory(), "i": i}
+
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with DeviceLoader(source(), accel, depth=2) as loader:
+        for batch in loader:
+            _busy(accel, 1.0)
+            ok &= (batch["x"] == float(batch["i"])).all()
+    assert bool(ok.item())
+    stats = loader.stats
+    assert stats.copies == 20 and stats.bytes_moved == 20 * (4 << 20)  # one copy each, direct
+    assert loader._pool.stats.misses == 0  # nothing was staged
+
+
+def test_host_mirror_partial_reads_and_async_refresh(accel):
+    table = torch.randn(4096, 1024, device=accel.torch)  # 16 MB
+    mirror = HostMirror(table)
+    assert mirror[7, 5] == pytest.approx(table[7, 5].item())
+    assert mirror.stats.bytes_fetched == 4
+    _busy(accel, 50.0)
+    table.mul_(2.0)  # queued behind the busy kernel
+    started = time.perf_counter()
+    mirror.refresh_async()
+    assert time.perf_counter() - started < 0.02  # queued, not waited for
+    np.testing.assert_array_equal(mirror.numpy(), table.cpu().numpy())
+
+
+def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
+    if accel.type != "cuda":
+        pytest.skip("CUDA graphs")
+    state = torch.zeros(16, device=accel.torch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        state.add_(1)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state.add_(1)
+    mirror = HostMirror(state)
+    before = mirror.numpy()[0]
+    graph.replay()
+    assert mirror.is_fresh()  # the replay did not bump the version: the mirror cannot know
+    mirror.mark_dirty()
+    assert mirror.numpy()[0] == before + 1
+
+
+def test_a_snapshot_is_one_copy_without_a_host_wait(accel):
+    from gpuflow.accounting.ledger import TransferLedger
+    from gpuflow.transfer.snapshot import StateSnapshot
+
+    state = {
+        "model": {
+            "w": torch.randn(1024, 1024, device=accel.torch),
+            "h": torch.randn(333, device=accel.torch).to(torch.bfloat16),
+        },
+        "optimizer": {
+            "m": torch.randn(4096, device=accel.torch),
+            "step": torch.tensor(3.0, device=accel.torch),
+        },
+    }
+    expected = {g: {k: v.cpu() for k, v in t.items()} for g, t in state.items()}
+    snapshots = StateSnapshot(accel)
+    for round_ in range(3):  # later captures reuse both buffers
+        _busy(accel, 50)  # the device is still busy when the snapshot is asked for
+        started = time.perf_counter()
+        snap = snapshots.capture(state)
+        queued_s = time.perf_counter() - started
+        state["model"]["w"].add_(1.0)  # the next step's update: queued after, never seen
+        if round_ > 0:  # (the first pins its host buffer, which may wait for the device)
+            assert queued_s < 0.025, round_  # returned while the device was still busy
+        snap.wait()
+        for group, tensors in expected.items():
+            for name, tensor in tensors.items():
+                assert torch.equal(snap.tensors(group)[name], tensor), (round_, name)
+        snap.release()
+        expected["model"]["w"] += 1.0
+    with TransferLedger(accel) as ledger:
+        snapshots.capture(state).release()
+    totals = ledger.summary().totals
+    assert totals.syncs == 0 and totals.d2h_copies == 1, totals
+    assert totals.allocator_requests == 0 and totals.device_allocs == 0, totals

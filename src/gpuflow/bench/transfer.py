@@ -10,6 +10,9 @@ Sections, each beside its baseline:
 - streaming: ``DeviceLoader`` versus ``DataLoader(pin_memory=True)`` + ``.to(non_blocking)``
   on 64 MB float batches with a little compute each;
 - memory: pinned and device memory after warm-up and after 10,000 loader iterations.
+
+Longer than most modules: every table shares one ``TransferBench``'s buffers and one
+result, and the tables' printing sits beside the measurements it reports.
 """
 
 from __future__ import annotations

@@ -1,0 +1,323 @@
+"""What each ``gpuflow`` command does, given its parsed arguments (``gpuflow.interface.cli``
+parses them). Each returns the exit status; bad input raises ``GpuflowError``. Heavy imports
+(torch) happen inside the commands, so that ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from gpuflow.common.errors import GpuflowError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # what a shell reports for a process stopped by Ctrl-C
+
+# ---- info -----------------------------------------------------------------------------------
+
+
+def _gather_info(device_spec: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    from gpuflow.device.accelerator import Device, allocator_settings, available_devices
+    from gpuflow.device.linkprobe import PROBE_BYTES, probe_link
+
+    device = Device.resolve(device_spec)
+    link = probe_link(device)
+    return {
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        },
+        "devices": [d.describe() for d in available_devices()],
+        "selected": str(device),
+        "allocator": allocator_settings(),
+        "link_probe": {
+            "device": str(device),
+            "bytes": PROBE_BYTES if link else None,
+            "gb_per_s": link,
+            "note": None if link else "skipped: the cpu has no host-device link to measure",
+        },
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    from gpuflow.common.console import out_console, table
+
+    sw = info["software"]
+    out_console.print(
+        f"[bold]gpuflow info[/]  python {sw['python']}  torch {sw['torch']}  "
+        f"cuda {sw['cuda'] or '-'}  cudnn {sw['cudnn'] or '-'}"
+    )
+    devices = table("device", "name", "memory", "details", title="devices")
+    for d in info["devices"]:
+        memory = d.get("total_memory_bytes")
+        details = ", ".join(
+            f"{k.replace('_', ' ')} {v}"
+            for k, v in d.items()
+            if k in ("compute_capability", "multiprocessors", "peak_bf16_tflops", "threads") and v
+        )
+        devices.add_row(
+            d["device"], d["name"], f"{memory / 2**30:.1f} GiB" if memory else "-", details
+        )
+    out_console.print(devices)
+    allocator = info["allocator"]
+    out_console.print(
+        "allocator: "
+        + (", ".join(f"{k}={v}" for k, v in allocator.items()) if allocator else "torch defaults")
+    )
+    probe = info["link_probe"]
+    if not probe["gb_per_s"]:
+        out_console.print(f"link probe: {probe['note']}")
+        return
+    rates = table(
+        "copy",
+        "GB/s",
+        title=f"link probe on {probe['device']}, {probe['bytes'] >> 20} MiB per copy, median of 5",
+    )
+    for name, rate in probe["gb_per_s"].items():
+        label = "d2d (read + write)" if name == "d2d" else name.replace("_", " ")
+        rates.add_row(label, f"{rate:.1f}")
+    out_console.print(rates)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = _gather_info(args.device)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        _print_info(info)
+    return 0
+
+
+# ---- prepare --------------------------------------------------------------------------------
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gpuflow.common.console import out_console
+    from gpuflow.data.prepare import PrepareConfig, prepare
+    from gpuflow.train.config import train_command
+
+    config = PrepareConfig(
+        data=tuple(args.data or ()),
+        out=args.out or "",
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer or "",
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        force=args.force,
+    )
+    summary = prepare(config)
+    out_console.print(summary.describe())
+    out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
+    return 0
+
+
+# ---- train ----------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.report import write_report
+    from gpuflow.train.config import apply_overrides, resolve_config
+    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, resumed_config
+    from gpuflow.train.trainer import Trainer
+
+    device = Device.resolve(args.device)
+    if args.resume:
+        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        config = resumed_config(run_dir, args.set or (), args.steps, args.preset, args.config)
+    else:
+        config = resolve_config(args.preset, args.config, args.set or ())
+        if args.steps is not None:
+            config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+        run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
+
+    out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}")
+    result = Trainer(config, run_dir, device).run(resume=args.resume, show_bus=args.bus)
+    report = write_report(config, result)
+    rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
+    mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+    val = (
+        f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"
+        if report["final_val_loss"] is not None
+        else "no val loss yet"
+    )
+    train_loss = report["final_train_loss"]
+    out_console.print(
+        f"{'stopped' if result.interrupted else 'finished'} at step {result.last_step}: "
+        f"train loss {'-' if train_loss is None else f'{train_loss:.4f}'}, {val}, "
+        f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
+    )
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+# ---- profile --------------------------------------------------------------------------------
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.profile import OUTPUT_FILES, profile_training
+    from gpuflow.train.config import apply_overrides, parse_set, resolve_config
+    from gpuflow.train.run import RUNS_DIR
+
+    device = Device.resolve(args.device)
+    config = resolve_config(args.preset, args.config)
+    for assignment in args.set or ():
+        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
+    out = Path(args.out) if args.out else RUNS_DIR / f"profile-{config.preset}"
+    out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
+    result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)
+    _print_profile(result)
+    written = [f"{out}/{name}" for name in OUTPUT_FILES if (out / name).exists()]
+    if result["note"]:
+        out_console.print(f"note: {result['note']}")
+    out_console.print(f"wrote {', '.join(written)}")
+    return 0
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    from gpuflow.common.console import out_console, table
+
+    m, steps = result["metrics"], result["steps"]
+
+    def fraction(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    title = f"{result['preset']}, {result['data_path']}: {steps} profiled steps (medians)"
+    figures = table("metric", "value", title=title)
+    rows = [
+        (f"step time ({result['step_clock']})", f"{m['step_ms']:.2f} ms"),
+        ("host->device per step", f"{m['h2d_bytes_per_batch']:,.0f} B"),
+        ("device->host per step", f"{m['d2h_bytes_per_batch']:,.0f} B"),
+        ("host syncs per step", f"{m['syncs_per_batch']:g}"),
+        ("cudaMalloc per step", f"{m['device_allocs_per_batch']:g}"),
+        ("link utilisation", fraction(m["link_utilisation"])),
+        ("transfer overhead", fraction(m["transfer_overhead"])),
+        (
+            "memory efficiency",
+            "-" if m["memory_efficiency"] is None else f"{m['memory_efficiency']:.2f}",
+        ),
+        ("overlap efficiency", fraction(m["overlap_efficiency"])),
+    ]
+    for row in rows:
+        figures.add_row(*row)
+    out_console.print(figures)
+    check = table("copies", "ledger", "profiler", "agree", title="cross-check")
+    for row in result["crosscheck"]:
+        check.add_row(
+            row["kind"],
+            f"{row['ledger_copies']} / {row['ledger_bytes']:,} B",
+            f"{row['profiler_copies']} / {row['profiler_bytes']:,} B",
+            ("yes" if row["agrees"] else "[bold red]no[/]")
+            if row["compared"]
+            else "(not compared)",
+        )
+    out_console.print(check)
+
+
+# ---- sample ---------------------------------------------------------------------------------
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.sample import SampleConfig, sample
+
+    config = SampleConfig(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+    )
+    print(sample(args.run, config, Device.resolve(args.device)))
+    return 0
+
+
+# ---- bench ----------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gpuflow.bench.common import write_result
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+
+    device = Device.resolve(args.device)
+    out_console.print(f"bench {args.bench} on {device} ({device.name()})")
+    if args.bench == "transfer":
+        from gpuflow.bench.transfer import (
+            TransferBenchConfig,
+            print_transfer_tables,
+            run_transfer_bench,
+        )
+
+        config = TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
+        results = run_transfer_bench(device, config)
+        print_transfer_tables(results)
+    elif args.bench == "checkpoint":
+        from gpuflow.bench.checkpoint import (
+            CheckpointBenchConfig,
+            print_checkpoint_table,
+            run_checkpoint_bench,
+        )
+
+        if args.rounds < 1 or args.window < 2:
+            raise GpuflowError(
+                f"--rounds must be >= 1 and --window >= 2, got {args.rounds}, {args.window}"
+            )
+        bench = CheckpointBenchConfig(
+            preset=args.preset,
+            window=args.window,
+            rounds=args.rounds,
+            overrides=tuple(args.set or ()),
+        )
+        results = run_checkpoint_bench(device, bench)
+        print_checkpoint_table(results)
+    elif args.bench == "soak":
+        from gpuflow.bench.soak import SoakConfig, plot_soak, print_soak_table, run_soak
+
+        if args.steps < 1:
+            raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+        soak = SoakConfig(preset=args.preset, steps=args.steps, overrides=tuple(args.set or ()))
+        results = run_soak(device, soak)
+        print_soak_table(results)
+        path = write_result(args.bench, device, results, args.out)
+        plot = plot_soak(results, path.with_suffix(".png"))
+        out_console.print(f"results: {path} and {plot}")
+        return 0 if results["flat"] else 1
+    else:
+        from gpuflow.bench.train import MODES, TrainBenchConfig, print_train_table, run_train_bench
+
+        modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else MODES
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise GpuflowError(
+                f"unknown data path {unknown[0]!r} in --modes; choose from {', '.join(MODES)}"
+            )
+        if args.steps < 1:
+            raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+        bench = TrainBenchConfig(
+            preset=args.preset,
+            modes=modes,
+            timed=args.steps,
+            warmup=args.warmup,
+            overrides=tuple(args.set or ()),
+        )
+        results = run_train_bench(device, bench)
+        print_train_table(results)
+    path = write_result(args.bench, device, results, args.out)
+    out_console.print(f"results: {path}")
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------------

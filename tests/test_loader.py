@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.pinned import size_class
 
@@ -163,3 +164,10 @@ def test_closing_wakes_a_thread_waiting_for_a_staging_buffer():
     assert loader._thread.is_alive()
     loader.close()
     assert not loader._thread.is_alive()
+
+
+def test_a_torch_device_is_accepted_wherever_a_device_is():
+    assert Device.resolve(torch.device("cpu")) == Device("cpu")
+    batches = token_batches(3)
+    with DeviceLoader(iter(batches), torch.device("cpu")) as loader:
+        assert [b.tolist() for b in loader] == [b.tolist() for b in batches]

@@ -119,10 +119,13 @@ class Device:
             )
 
     @classmethod
-    def resolve(cls, spec: str | Device | None = "auto") -> Device:
-        """Parse ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ... and check that it exists."""
+    def resolve(cls, spec: str | torch.device | Device | None = "auto") -> Device:
+        """Parse ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ... (or take a ``torch.device``)
+        and check that it exists."""
         if isinstance(spec, Device):
             return spec
+        if isinstance(spec, torch.device):
+            spec = str(spec)  # "cuda" without an index is taken as cuda:0, as the string is
         spec = (spec or "auto").strip().lower()
         if spec == "auto":
             for device_type in ACCELERATOR_TYPES:

@@ -13,7 +13,7 @@ from gpuflow.train.datapath import DataPath
 from gpuflow.train.feed import open_batches
 from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.train.schedule import lr_at, lr_tensor
-from gpuflow.train.step import GraphStep, StepOptions, build_step
+from gpuflow.train.step import GraphStep, StepOptions, StepParts, build_step
 from gpuflow.train.trainer import Trainer
 
 from .conftest import FAST
@@ -99,10 +99,11 @@ def test_the_captured_step_trains_as_the_eager_step_with_master_weights(prepared
         optimizer = MasterAdamW(trainer.optimizer)  # reference path: no triton on the CPU
         graphs = StandInGraphs()
         with open_batches(path, trainer.plan, cpu, 0, 8) as batches:
-            train_step = build_step(
-                path, trainer.model, trainer.model, optimizer, config.train, cpu, batches,
+            parts = StepParts(
+                trainer.model, trainer.model, optimizer, config.train, cpu,
                 StepOptions(graphs=graphs),
             )  # fmt: skip
+            train_step = build_step(path, parts, batches)
             losses[path] = _losses(train_step, 8)
         if path is DataPath.RESIDENT_GRAPH:
             assert isinstance(train_step, GraphStep)
@@ -124,7 +125,7 @@ def test_a_source_without_a_device_draw_is_refused_for_the_captured_step(prepare
         open_batches(DataPath.STANDARD, trainer.plan, cpu, 0, 4) as batches,
         pytest.raises(ValueError, match="cannot be drawn inside a CUDA graph"),
     ):
-        build_step(
-            DataPath.RESIDENT_GRAPH, trainer.model, trainer.model, trainer.optimizer,
-            config.train, cpu, batches, StepOptions(),
-        )  # fmt: skip
+        parts = StepParts(
+            trainer.model, trainer.model, trainer.optimizer, config.train, cpu, StepOptions()
+        )
+        build_step(DataPath.RESIDENT_GRAPH, parts, batches)

@@ -102,26 +102,30 @@ class Update:
         return grad_norm
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What every step is made of, whatever its data path."""
+
+    model: GPT
+    forward: torch.nn.Module  # the model, or its compiled forward
+    optimizer: torch.optim.Optimizer  # ``optimizer_for`` the path
+    config: TrainConfig
+    device: Device
+    options: StepOptions
+
+
 class TrainStep:
     """One optimizer step of a data path: ``step(n)`` queues step ``n``'s device work."""
 
-    def __init__(
-        self,
-        model: GPT,
-        forward: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        config: TrainConfig,
-        device: Device,
-        batches: BatchSource,
-        options: StepOptions,
-    ) -> None:
-        self.model, self.forward, self.optimizer = model, forward, optimizer
-        self.config, self.device, self.batches = config, device, batches
-        self.update = Update(model, optimizer, config.grad_clip, options.fused_clip)
-        self.scalars = AsyncScalars(SCALARS, device)
+    def __init__(self, parts: StepParts, batches: BatchSource) -> None:
+        self.model, self.forward, self.optimizer = parts.model, parts.forward, parts.optimizer
+        self.config, self.device, self.batches = parts.config, parts.device, batches
+        fused_clip = parts.options.fused_clip
+        self.update = Update(self.model, self.optimizer, self.config.grad_clip, fused_clip)
+        self.scalars = AsyncScalars(SCALARS, self.device)
         self.last_loss: torch.Tensor | None = None  # an eager step's, for readback
         # Steps that compile or capture: warm-up, not what a step costs.
-        self.warmup = WARMUP_STEPS + 1 if forward is not model else 0
+        self.warmup = WARMUP_STEPS + 1 if self.forward is not self.model else 0
 
     def __call__(self, step: int) -> None:
         raise NotImplementedError
@@ -171,8 +175,8 @@ class GraphStep(TrainStep):
 
     batches: CapturableSource
 
-    def __init__(self, *args: Any, graphs: Graphs | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, parts: StepParts, batches: BatchSource) -> None:
+        super().__init__(parts, batches)
         self.warmup = WARMUP_STEPS + 1
         # The optimizer reads the learning rate from a device tensor the step itself writes.
         self.lr = torch.zeros((), device=self.device.torch)
@@ -189,7 +193,7 @@ class GraphStep(TrainStep):
             schedule = torch.compile(schedule, options=dict(COMPILE_OPTIONS))
         self._draw, self._schedule = draw, schedule
         rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
-        self.captured = CapturedStep(self._body, after_capture=rebind, graphs=graphs)
+        self.captured = CapturedStep(self._body, after_capture=rebind, graphs=parts.options.graphs)
 
     def _body(self) -> None:
         self.lr.copy_(self._schedule(self.batches.counter))
@@ -205,22 +209,12 @@ class GraphStep(TrainStep):
         self.scalars.count()
 
 
-def build_step(
-    path: DataPath,
-    model: GPT,
-    forward: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: TrainConfig,
-    device: Device,
-    batches: BatchSource,
-    options: StepOptions,
-) -> TrainStep:
+def build_step(path: DataPath, parts: StepParts, batches: BatchSource) -> TrainStep:
     """The step of ``path`` over ``batches``."""
-    args = (model, forward, optimizer, config, device, batches, options)
     if path is DataPath.NAIVE:
-        return NaiveStep(*args)
+        return NaiveStep(parts, batches)
     if path is DataPath.RESIDENT_GRAPH:
         if not isinstance(batches, CapturableSource):
             raise ValueError(f"{type(batches).__name__} cannot be drawn inside a CUDA graph")
-        return GraphStep(*args, graphs=options.graphs)
-    return EagerStep(*args)
+        return GraphStep(parts, batches)
+    return EagerStep(parts, batches)

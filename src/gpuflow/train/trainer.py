@@ -37,6 +37,7 @@ from gpuflow.train.optim import build_optimizer
 from gpuflow.train.run import TOKENIZER_FILE, RunFolder, truncate_metrics
 from gpuflow.train.step import (
     StepOptions,
+    StepParts,
     TrainStep,
     build_step,
     compiled_forward,
@@ -188,10 +189,11 @@ class Trainer:
         over ``source``, which the step then closes); ``build`` first."""
         batches = source or open_batches(self.path, self.plan, self.device, start, stop)
         with batches:
-            yield build_step(
-                self.path, self.model, self.forward, self.optimizer, self.config.train,
-                self.device, batches, self.options,
+            parts = StepParts(
+                self.model, self.forward, self.optimizer, self.config.train, self.device,
+                self.options,
             )  # fmt: skip
+            yield build_step(self.path, parts, batches)
 
     def _evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read)."""

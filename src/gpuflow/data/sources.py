@@ -31,7 +31,6 @@ class BatchSource(AbstractContextManager):
 
     # Whether a logging step reads the loss back at once, as a standard loop prints it.
     reads_loss_each_log = False
-    capturable = False
 
     def inputs(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -46,7 +45,6 @@ class BatchSource(AbstractContextManager):
 class CapturableSource(BatchSource):
     """A source whose draw is device work only, so it can be captured in a CUDA graph."""
 
-    capturable = True
     counter: torch.Tensor  # () int64 on the device: the step the next draw is for
     worth_compiling = False  # whether torch.compile fuses the draw's kernels into fewer
 

@@ -39,10 +39,6 @@ class DataPath(StrEnum):
         """Every path but ``auto``, slowest first: the benchmark's rows."""
         return tuple(p for p in cls if p is not cls.AUTO)
 
-    @property
-    def host_sampled(self) -> bool:
-        return self in (DataPath.NAIVE, DataPath.STANDARD, DataPath.STREAMED)
-
 
 def resolve_data_path(requested: str, device: Device) -> tuple[DataPath, str | None]:
     """The path to run and, when it differs from the one asked for, why."""

@@ -30,10 +30,10 @@ def upload_values(
 class DeviceTable:
     """An (n,) int64 table on the device that the host rewrites when its values change.
 
-    A write is one small blocking copy from pageable memory: it happens between steps, rarely
-    (MasterAdamW's gradient addresses: each eager warm-up step, once after a capture), and
-    leaves no pinned buffer or event behind that a later graph capture could trip over.
-    Writing the values it already holds costs nothing.
+    A write is one small blocking copy from pageable memory: it happens between steps and
+    rarely (MasterAdamW's gradient addresses: each eager warm-up step, once after a capture),
+    so a pinned buffer and an event would buy nothing. Writing the values it already holds
+    costs nothing.
     """
 
     def __init__(self, size: int, device: torch.device) -> None:

@@ -40,7 +40,7 @@ def measure(compute, timing, depth=2):
                 acc += b.sum()
         last.record()
         last.synchronize()
-        pool = loader._pool.stats
+        pool = loader.pool_stats
     ms = first.elapsed_time(last)
     per = {k: round(v * 1e3 / (N - WARM), 3) for k, v in T.items()}
     return {

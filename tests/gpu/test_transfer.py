@@ -107,25 +107,30 @@ def test_pinned_pool_buffers_are_pinned_and_wait_for_their_copy(accel):
     assert pool.stats.bytes_reserved == 0
 
 
-class _PoisoningLoader(DeviceLoader):
+def _poisoning(loader: DeviceLoader) -> DeviceLoader:
     """Before each reuse of a slot, fill it with 0xFF on the copy stream and stall that
     stream, so a consumer that read before the copy finished would see poison."""
+    producer = loader._producer
+    issue = producer._issue
 
-    def _issue(self, index, plan, host):
-        slot = self._slots[index]
+    def poisoned(index, plan, host):
+        slot = producer.slots[index]
         if slot.buffer is not None:
-            with self.device.use_stream(self._copy_stream):
-                self._copy_stream.wait_event(slot.consumer_done)
+            with producer.device.use_stream(producer.copy_stream):
+                producer.copy_stream.wait_event(slot.consumer_done)
                 slot.buffer.fill_(255)
-                _busy(self.device, 20.0)
-        return super()._issue(index, plan, host)
+                _busy(producer.device, 20.0)
+        return issue(index, plan, host)
+
+    producer._issue = poisoned
+    return loader
 
 
 def test_the_consumer_never_sees_a_slot_before_its_copy_finished(accel):
     n_batches, n = 12, 4 << 20  # 4 Mi float32 per batch
     source = (np.full(n, float(i), dtype=np.float32) for i in range(n_batches))
     ok = torch.ones((), dtype=torch.bool, device=accel.torch)
-    with _PoisoningLoader(source, accel, depth=2) as loader:
+    with _poisoning(DeviceLoader(source, accel, depth=2)) as loader:
         for i, batch in enumerate(loader):
             ok &= (batch == float(i)).all()  # every element, on the consumer's stream
     assert bool(ok.item())
@@ -142,7 +147,7 @@ def test_loader_memory_is_flat_and_copies_overlap_compute(accel):
             if i in (100, 2000):
                 accel.synchronize()
                 reserved.append(
-                    (loader._pool.stats.bytes_reserved, torch.cuda.memory_reserved(accel.torch))
+                    (loader.pool_stats.bytes_reserved, torch.cuda.memory_reserved(accel.torch))
                 )
     assert reserved[0] == reserved[1]
     stats = loader.stats
@@ -165,7 +170,7 @@ def test_a_pinned_source_is_copied_directly_without_staging(accel):
     assert bool(ok.item())
     stats = loader.stats
     assert stats.copies == 20 and stats.bytes_moved == 20 * (4 << 20)  # one copy each, direct
-    assert loader._pool.stats.misses == 0  # nothing was staged
+    assert loader.pool_stats.misses == 0  # nothing was staged
 
 
 def test_host_mirror_partial_reads_and_async_refresh(accel):

@@ -253,6 +253,8 @@ _patch_users = 0
 
 
 def _emit(make: Callable[[TransferLedger], TransferEvent]) -> None:
+    if tally.in_housekeeping():  # the transfer layer's own clean-up: not the region's work
+        return
     for ledger in _state.ledgers:
         ledger._events.append(make(ledger))
 

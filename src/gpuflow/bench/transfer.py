@@ -355,7 +355,7 @@ class TransferBench:
 
 
 def _memory_sample(device: Device, loader: DeviceLoader) -> dict[str, int]:
-    sample = {"pinned_pool_bytes": loader._pool.stats.bytes_reserved}
+    sample = {"pinned_pool_bytes": loader.pool_stats.bytes_reserved}
     if device.type == "cuda":
         sample["device_allocated_bytes"] = torch.cuda.memory_allocated(device.torch)
         sample["device_reserved_bytes"] = torch.cuda.memory_reserved(device.torch)

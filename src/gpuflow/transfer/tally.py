@@ -9,7 +9,8 @@ so that the layer can report without importing the ledger.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # (kind, nbytes, op, dtype, pinned) -> None
 CopyListener = Callable[[str, int, str, str | None, bool | None], None]
@@ -37,3 +38,27 @@ def report_copy(
     """Count a copy made on this thread's behalf in every ledger open on this thread."""
     for listener in _listeners.items:
         listener(kind, nbytes, op, dtype, pinned)
+
+
+class _Housekeeping(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_housekeeping = _Housekeeping()
+
+
+@contextmanager
+def housekeeping() -> Iterator[None]:
+    """Waits and copies the transfer layer makes for itself (a closing loader finishing its
+    copies, freeing its memory): the ledgers open on this thread leave them out, so that they
+    do not count against the region of the code that closed it."""
+    _housekeeping.depth += 1
+    try:
+        yield
+    finally:
+        _housekeeping.depth -= 1
+
+
+def in_housekeeping() -> bool:
+    return _housekeeping.depth > 0

@@ -311,3 +311,67 @@ def test_metrics_log_carries_bus_traffic_per_step(prepared, workdir, data_path, 
         assert r["h2d_bytes_per_step"] == bytes_per_id * ids  # uint16 ids, or none at all
         assert r["syncs_per_step"] == 0 and r["device_allocs_per_step"] == 0
         assert r["tokens_per_s"] > 0
+
+
+# ---- ledgers and budgets compose ------------------------------------------------------------
+
+
+def _meta_copy() -> None:
+    torch.zeros(4).to("meta", non_blocking=True)  # 16 bytes host->device, no accelerator
+
+
+def _h2d(ledger: TransferLedger) -> int:
+    return ledger.summary().totals.h2d_bytes
+
+
+def test_ledgers_that_counted_alike_are_still_two_and_leave_in_any_order():
+    outer, inner = TransferLedger("cpu"), TransferLedger("cpu")
+    with outer:
+        with inner:
+            _meta_copy()  # both hold the same events now: equal, were they compared by value
+        _meta_copy()  # the outer one is still counting
+    assert (_h2d(outer), _h2d(inner)) == (32, 16)
+    first, second = TransferLedger("cpu"), TransferLedger("cpu")
+    first.__enter__()
+    second.__enter__()
+    _meta_copy()
+    first.__exit__(None, None, None)  # the outer one leaves first
+    _meta_copy()
+    second.__exit__(None, None, None)
+    assert (_h2d(first), _h2d(second)) == (16, 32)
+    assert _get_current_dispatch_mode() is None  # the recorder left with the last ledger
+
+
+def test_a_budget_inside_a_ledger_and_a_ledger_inside_a_budget():
+    with TransferLedger("cpu") as ledger:
+        with budget(syncs=0, device="cpu"):
+            _meta_copy()
+        with budget(h2d_bytes=16, device="cpu") as inner, TransferLedger("cpu") as innermost:
+            _meta_copy()
+    assert (_h2d(ledger), _h2d(inner), _h2d(innermost)) == (32, 16, 16)
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_budget_entered_again_inside_itself_checks_both_regions():
+    limit = budget(h2d_bytes=16, device="cpu")
+    with pytest.raises(BudgetExceeded) as caught, limit:
+        _meta_copy()
+        with limit:
+            _meta_copy()  # 16 bytes in the inner region: within it
+    assert caught.value.over == {"h2d_bytes": (32, 16)}  # the outer region saw both
+    assert _get_current_dispatch_mode() is None
+
+
+def test_the_marker_and_the_fixture_in_one_test(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch
+
+        @pytest.mark.transfer_budget(h2d_bytes=16, device="cpu")
+        def test_both(transfer_ledger):
+            torch.zeros(4).to("meta")
+            assert transfer_ledger.summary().totals.h2d_bytes == 16
+        """
+    )
+    pytester.runpytest_subprocess("-p", "gpuflow").assert_outcomes(passed=1)

@@ -94,6 +94,7 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         self.limits = Budget(h2d_bytes, d2h_bytes, d2d_bytes, syncs, device_allocs)
         self.device = device
         self.ledger: TransferLedger | None = None  # the last checked region's ledger
+        self._active: list[Any] = []  # the open regions, innermost last
 
     @contextmanager
     def _region(self) -> Iterator[TransferLedger]:
@@ -105,11 +106,13 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         self.limits.check(summary.totals, ledger.events)
 
     def __enter__(self) -> TransferLedger:
-        self._active = self._region()
-        return self._active.__enter__()
+        region = self._region()
+        ledger = region.__enter__()
+        self._active.append(region)  # a budget entered again, nested, checks both regions
+        return ledger
 
     def __exit__(self, *exc: Any) -> bool | None:
-        return self._active.__exit__(*exc)
+        return self._active.pop().__exit__(*exc)
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)

@@ -412,10 +412,10 @@ def _remove_waits() -> None:
 # ---- the public ledger ------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # a ledger is a region: two are never the same because they counted alike
 class TransferLedger:
-    """See the module docstring. Ledgers nest: an operation counts in every open ledger of
-    its thread. ``device`` is whose allocator statistics are read."""
+    """See the module docstring. Ledgers nest, in any order of exit: an operation counts in
+    every open ledger of its thread. ``device`` is whose allocator statistics are read."""
 
     device: Device | str = "auto"
     _events: list[TransferEvent] = field(default_factory=list, init=False, repr=False)
@@ -442,12 +442,16 @@ class TransferLedger:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _state.ledgers.remove(self)
-        if not _state.ledgers and _state.mode is not None:
-            mode, _state.mode = _state.mode, None
-            mode.__exit__(None, None, None)
-            tally.stop_listening(_record_reported)
-        _remove_waits()
+        try:
+            _state.ledgers[:] = [ledger for ledger in _state.ledgers if ledger is not self]
+        finally:  # whatever happens, the last ledger out takes the recorder with it
+            if not _state.ledgers and _state.mode is not None:
+                mode, _state.mode = _state.mode, None
+                try:
+                    mode.__exit__(None, None, None)
+                finally:
+                    tally.stop_listening(_record_reported)
+            _remove_waits()
         self._region_end = self._allocator.read()
         if self._step_start < len(self._events) or not self._steps:
             self.step()  # the events since the last step() form a last step

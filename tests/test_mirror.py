@@ -20,10 +20,10 @@ def test_async_scalars_report_means_per_interval():
     assert scalars.flush(5) == []  # nothing accumulated since
 
 
-def test_async_scalars_require_every_name():
+def test_the_captured_form_of_async_scalars_requires_every_name():
     scalars = AsyncScalars(("loss", "norm"), Device("cpu"))
     with pytest.raises(ValueError, match="exactly"):
-        scalars.add(loss=torch.tensor(1.0))
+        scalars.accumulate(loss=torch.tensor(1.0))  # a graph sums every name, every step
 
 
 def test_host_snapshot_is_a_detached_copy():
@@ -95,3 +95,31 @@ def test_refresh_async_is_adopted_only_if_the_tensor_did_not_change_since():
     mirror.refresh_async()
     weights.add_(1)  # changed after the refresh was queued: the refresh is stale
     assert mirror.numpy().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_async_scalars_take_what_a_training_loop_has():
+    scalars = AsyncScalars(["loss", "acc", "lr"])  # device: auto
+    scalars.add(loss=torch.tensor(2.0), acc=0.5, lr=torch.tensor([1e-3]))  # 0-d, float, (1,)
+    scalars.add(loss=torch.tensor(4.0))  # a subset: acc and lr keep one value each
+    scalars.add(loss=1e-8, acc=torch.tensor(0.25, dtype=torch.float64))
+    [(tag, means)] = scalars.drain(3)
+    assert tag == 3
+    assert means["loss"] == (2.0 + 4.0 + 1e-8) / 3  # float64 sums: the 1e-8 is not lost
+    assert means["acc"] == 0.375 and means["lr"] == pytest.approx(1e-3)
+    scalars.add(acc=1.0)
+    assert scalars.drain(4) == [(4, {"acc": 1.0})]  # names given in no add() are left out
+    with pytest.raises(ValueError, match="shape"):
+        scalars.add(loss=torch.ones(3))
+    with pytest.raises(ValueError, match="names from"):
+        scalars.add(los=1.0)
+    assert AsyncScalars(["x"], torch.device("cpu")).device == AsyncScalars(["x"], "cpu").device
+
+
+def test_a_host_mirror_of_a_parameter_reads_like_any_tensor():
+    weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    mirror = HostMirror(weight)
+    assert mirror.numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
+    with torch.no_grad():
+        weight.add_(1)  # an optimizer step
+    assert not mirror.is_fresh()
+    assert mirror[1].tolist() == [4, 5, 6]

@@ -284,3 +284,10 @@ def test_an_exception_in_the_loop_without_with_exits_with_its_status(tmp_path):
     assert done.returncode == 1, done.stderr
     assert "ValueError: the loop failed" in done.stderr
     assert "terminate called" not in done.stderr
+
+
+def test_a_pool_too_small_for_a_batch_names_the_loaders_knob():
+    loader = DeviceLoader([np.zeros(1 << 20, dtype=np.float32)], "cpu", pool_bytes=1 << 16)
+    with pytest.raises(GpuflowError, match="raise DeviceLoader's pool_bytes"):
+        next(loader)
+    loader.close()

@@ -28,9 +28,7 @@ arrays = st.sampled_from(_DTYPES).flatmap(
 leaves = st.one_of(
     arrays,
     arrays.map(torch.from_numpy),
-    st.lists(st.lists(st.integers(0, 2**40), max_size=6), min_size=1, max_size=5).filter(
-        lambda seqs: any(seqs)
-    ),
+    st.lists(st.lists(st.integers(0, 2**40), max_size=6), min_size=1, max_size=5),
     st.sampled_from(["text", 3, 2.5, None]),
 )
 batches = st.recursive(
@@ -46,12 +44,13 @@ batches = st.recursive(
 
 
 def is_ragged(obj) -> bool:
-    """The documented rule: integer lists (at least one non-empty) in a list or tuple."""
+    """The documented rule: integer lists (empty ones too) in a list or tuple that is not a
+    namedtuple."""
     return (
         isinstance(obj, list | tuple)
+        and not hasattr(obj, "_fields")
         and len(obj) > 0
         and all(isinstance(s, list | tuple) and all(type(v) is int for v in s) for s in obj)
-        and any(len(s) for s in obj)
     )
 
 
@@ -191,3 +190,52 @@ def test_public_names_resolve():
         assert getattr(gpuflow, name).__name__ == name
     with pytest.raises(AttributeError):
         gpuflow.NotAThing  # noqa: B018
+
+
+# ---- what users pass ------------------------------------------------------------------------
+
+
+def test_a_dataclass_batch_crosses_field_by_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        images: torch.Tensor
+        labels: torch.Tensor
+        name: str = "train"
+
+    batch = Batch(torch.ones(2, 3, dtype=torch.uint8), torch.tensor([1, 7]))
+    out = unpack(pack(batch), "cpu")
+    assert isinstance(out, Batch) and out.name == "train"
+    assert out.images.tolist() == batch.images.tolist() and out.labels.tolist() == [1, 7]
+    assert out.labels.dtype == torch.int64
+
+
+def test_what_cannot_be_packed_is_refused_not_left_on_the_host():
+    class Moves:
+        def to(self, device):
+            return self
+
+    for batch, match in [
+        ({"x": Moves()}, "has .to\\(\\)"),
+        ({"x": torch.eye(3).to_sparse()}, "sparse_coo tensor cannot be packed"),
+        ({"x": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, "nested"),
+    ]:
+        with pytest.raises(GpuflowError, match=match):
+            pack(batch)
+
+
+def test_sequences_that_are_all_empty_are_still_ragged():
+    some = unpack(pack({"ids": [[1, 2], []]}), "cpu")["ids"]
+    none = unpack(pack({"ids": [[], []]}), "cpu")["ids"]
+    assert isinstance(some, Ragged) and isinstance(none, Ragged)
+    assert none.lengths() == [0, 0] and some.lengths() == [2, 0]
+
+
+def test_the_fp16_range_check_sees_past_an_inf_already_there():
+    with pytest.raises(GpuflowError, match="beyond fp16's range"):
+        pack({"x": torch.tensor([float("inf"), 70000.0])}, lossy_float="fp16")
+    out = unpack(
+        pack({"x": torch.tensor([float("inf"), float("nan"), 1.5])}, lossy_float="fp16"), "cpu"
+    )
+    assert out["x"][0].item() == float("inf") and out["x"][2].item() == 1.5

@@ -174,8 +174,7 @@ class _Producer:
                 plan = plan_pack(batch, **self.pack_options)
                 host = None
                 if plan.has_staged:
-                    self._size_pool_for(plan.nbytes)
-                    host = self.pool.acquire(plan.nbytes, timeout=None)
+                    host = self._staging_buffer(plan.nbytes)
                     plan.write_into(host.bytes)
                 index = self._take_free_slot(stop)
                 with self.lock:
@@ -195,6 +194,19 @@ class _Producer:
             if close_source is not None:
                 with suppress(Exception):
                     close_source()
+
+    def _staging_buffer(self, nbytes: int) -> PinnedBuffer:
+        self._size_pool_for(nbytes)
+        try:
+            return self.pool.acquire(nbytes, timeout=None)
+        except GpuflowError as exc:
+            if self.pool_bytes is None or "cap" not in str(exc):
+                raise
+            raise GpuflowError(  # the loader's knob, not the pool's
+                f"a {nbytes:,}-byte batch needs more pinned staging memory than "
+                f"pool_bytes={self.pool_bytes:,} allows; raise DeviceLoader's pool_bytes or "
+                "leave it unset (depth batches)"
+            ) from None
 
     def _size_pool_for(self, nbytes: int) -> None:
         """Cap the staging pool at ``depth`` batches: one being packed while the others'

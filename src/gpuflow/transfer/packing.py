@@ -2,8 +2,9 @@
 
 A training batch is often many small tensors, and each separate copy pays a launch and a
 DMA setup (about 8 µs on an H200, so 1000 tensors of 4 KB take 4 ms apart and 0.08 ms as one
-copy). ``pack`` lays every tensor of a nested batch (dicts, lists, tuples, namedtuples of
-torch tensors and numpy arrays, plus ``Ragged`` integer sequences) end to end in one host
+copy). ``pack`` lays every tensor of a nested batch (dicts, lists, tuples, namedtuples and
+dataclasses of torch tensors and numpy arrays, plus ``Ragged`` integer sequences: a list or
+tuple of integer lists, empty ones included, is taken as one) end to end in one host
 buffer, each at a 16-byte aligned offset, narrowing on the way; ``unpack`` turns one device
 copy of that buffer back into the same structure, as views of it.
 
@@ -15,11 +16,14 @@ Codecs, applied per tensor while packing:
   as 16-bit floats and are upcast on the device. fp16 refuses values it would turn to inf.
 - uint8 and bool cross as they are (image data): upcast them on the device yourself.
 
-Strings, numbers, None and tensors already on a device pass through untouched.
+Strings, numbers, None and tensors already on a device pass through untouched. Sparse and
+nested tensors, and other objects with a ``.to()``, are refused with an error rather than
+left on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -105,8 +109,11 @@ class _Node:
     kind: Callable[..., Any]
     children: tuple[Any, ...]
     keys: tuple[Any, ...] | None = None
+    keywords: bool = False  # a dataclass: built as kind(**fields)
 
     def build(self, items: list[Any]) -> Any:
+        if self.keywords:
+            return self.kind(**dict(zip(self.keys, items, strict=True)))
         if self.keys is not None:
             return self.kind(zip(self.keys, items, strict=True))
         if hasattr(self.kind, "_fields"):
@@ -219,13 +226,14 @@ def _same_shape_tensors(items: list[Any] | tuple[Any, ...]) -> bool:
 
 
 def _looks_ragged(obj: Any) -> bool:
-    """A non-empty list/tuple of integer lists: ragged token sequences, say."""
+    """A non-empty list/tuple of integer lists: ragged token sequences, say. Empty ones
+    count too, so that a batch whose sequences all happen to be empty is still ragged."""
     return (
         isinstance(obj, list | tuple)
+        and not hasattr(obj, "_fields")  # a namedtuple is a record, whatever it holds
         and len(obj) > 0
         and all(isinstance(item, list | tuple) for item in obj)
         and all(_is_int_sequence(item) for item in obj)
-        and any(len(item) for item in obj)
     )
 
 
@@ -247,6 +255,12 @@ class _Planner:
             # (ascontiguousarray would turn a 0-d array into a 1-d one)
             obj = torch.from_numpy(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
         if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_nested:
+                raise GpuflowError(
+                    f"a {obj.layout} tensor{' (nested)' if obj.is_nested else ''} cannot be "
+                    "packed: only dense tensors can; pass .to_dense() (or .values() and "
+                    "indices as their own tensors), or move it with .to() yourself"
+                )
             return obj if obj.device.type != "cpu" else self._leaf(obj)
         if isinstance(obj, Ragged):
             return self._ragged(obj)
@@ -259,7 +273,26 @@ class _Planner:
             if not hasattr(obj, "_fields") and _same_shape_tensors(obj):
                 return self._stack(obj)
             return _Node(type(obj), tuple(map(self.plan, obj)))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return self._dataclass(obj)
+        if hasattr(obj, "to") or hasattr(obj, "pin_memory"):
+            raise GpuflowError(
+                f"a {type(obj).__name__} has .to() but is not a tensor, array or container "
+                "gpuflow can pack, so it would stay on the host; give its tensors in a dict, "
+                "list, tuple or dataclass"
+            )
         return obj  # str, int, float, None...: not data to move
+
+    def _dataclass(self, obj: Any) -> _Node:
+        fields = dataclasses.fields(obj)
+        if not all(f.init for f in fields):
+            raise GpuflowError(
+                f"{type(obj).__name__} has fields outside __init__, so it cannot be rebuilt "
+                "on the device; give its tensors in a dict or a plain dataclass"
+            )
+        keys = tuple(f.name for f in fields)
+        children = tuple(self.plan(getattr(obj, k)) for k in keys)
+        return _Node(type(obj), children, keys, keywords=True)
 
     def _stack(self, items: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> _StackSpec:
         first = items[0]
@@ -316,8 +349,10 @@ class _Planner:
                 return torch.int32
         if self.lossy is not None and dtype in _FLOAT_SOURCES:
             if self.lossy == torch.float16 and tensor.numel():
-                peak = float(tensor.abs().max())
-                if np.isfinite(peak) and peak > torch.finfo(torch.float16).max:
+                # The largest finite magnitude: an inf or NaN already there crosses as itself.
+                finite = torch.where(torch.isfinite(tensor), tensor.abs(), 0)
+                peak = float(finite.max())
+                if peak > torch.finfo(torch.float16).max:
                     raise GpuflowError(
                         f"a float tensor holds {peak:.4g}, beyond fp16's range (65504); it would "
                         "cross as inf: use lossy_float='bf16'"

@@ -130,10 +130,14 @@ class PinnedPool:
                     continue
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    why = (
+                        f"no buffer came back within {timeout:g} s"
+                        if timeout
+                        else "none is waiting on a copy, so it would wait forever"
+                    )
                     raise GpuflowError(
                         f"the pinned pool is full: {self._lent:,} of {self.max_bytes:,} bytes are "
-                        f"lent out and none is waiting on a copy, so a {nbytes:,}-byte buffer "
-                        "would wait forever; release a buffer first or raise max_bytes"
+                        f"lent out and {why}; release a buffer first or raise max_bytes"
                     )
                 self._lock.wait(remaining)
 

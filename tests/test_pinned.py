@@ -114,7 +114,7 @@ def test_another_thread_releasing_unblocks_a_waiting_acquire():
     pool.release(held)
     waiter.join(timeout=5)
     assert got and got[0].bytes.data_ptr() == held.bytes.data_ptr()
-    with pytest.raises(GpuflowError, match="no buffer came back within 0.05 s"):
+    with pytest.raises(GpuflowError, match=r"no buffer came back within 0\.05 s"):
         pool.acquire(4096, timeout=0.05)  # a wait with a limit: it did not wait forever
 
 

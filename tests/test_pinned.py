@@ -154,4 +154,3 @@ def test_buffer_views_see_the_same_bytes():
     buf = pool.acquire(64)
     buf.view(torch.float32, (4, 4)).fill_(1.5)
     assert buf.bytes[:4].view(torch.float32).item() == 1.5
-

@@ -182,3 +182,15 @@ def test_the_crossing_check_leaves_casts_and_same_device_copies_alone(tmp_path):
     )
     _plant(tmp_path, "transfer/loader.py", "def g(x, device):\n    return x.to(device)\n")
     assert crossings_outside_their_layers(tmp_path, {}) == []
+
+
+def test_type_checkers_see_every_public_name_and_dir_lists_them():
+    import gpuflow
+
+    tree = ast.parse((SOURCE / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If))  # if TYPE_CHECKING:
+    seen = {alias.name for node in guarded.body for alias in node.names}
+    assert seen == set(gpuflow._EXPORTS)
+    assert set(gpuflow._EXPORTS) <= set(dir(gpuflow))
+    for name, module in gpuflow._EXPORTS.items():
+        assert getattr(gpuflow, name).__module__ == module

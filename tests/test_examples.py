@@ -243,3 +243,18 @@ def test_a_stray_item_in_the_example_step_is_caught_on_the_accelerator(accel, mo
         if text.endswith("# the stray read")
     )
     assert f"test_examples.py:{line}" in str(caught.value)
+
+
+def test_the_budget_tests_example_passes_under_pytest():
+    import subprocess
+    import sys
+
+    example = Path(__file__).parents[1] / "examples" / "test_transfer_budgets.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(example)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout

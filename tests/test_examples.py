@@ -248,6 +248,10 @@ def test_a_stray_item_in_the_example_step_is_caught_on_the_accelerator(accel, mo
 def test_the_budget_tests_example_passes_under_pytest():
     import subprocess
     import sys
+    from importlib.metadata import entry_points
+
+    if not any(e.value == "gpuflow.accounting.testing" for e in entry_points(group="pytest11")):
+        pytest.skip("the plugin registers when gpuflow is installed (pip install -e .)")
 
     example = Path(__file__).parents[1] / "examples" / "test_transfer_budgets.py"
     done = subprocess.run(

@@ -239,3 +239,16 @@ def test_the_fp16_range_check_sees_past_an_inf_already_there():
         pack({"x": torch.tensor([float("inf"), float("nan"), 1.5])}, lossy_float="fp16"), "cpu"
     )
     assert out["x"][0].item() == float("inf") and out["x"][2].item() == 1.5
+
+
+def test_lossy_codecs_chosen_per_key():
+    batch = {"features": torch.full((4,), 1 / 3), "targets": torch.full((4,), 1 / 3)}
+    packed = pack(batch, lossy_float={"features": "bf16"})
+    out = unpack(packed, "cpu")
+    assert out["targets"].tolist() == batch["targets"].tolist()  # exact: no codec named
+    assert out["features"].tolist() != batch["features"].tolist()  # through bf16
+    assert out["features"].dtype == torch.float32
+    with pytest.raises(GpuflowError, match="'feature', which the batch does not have"):
+        pack(batch, lossy_float={"feature": "bf16"})
+    with pytest.raises(GpuflowError, match="one of"):
+        pack(batch, lossy_float={"features": "fp8"})

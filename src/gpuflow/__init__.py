@@ -32,16 +32,38 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names load on use
-    from gpuflow.accounting.budgets import BudgetExceeded, budget
-    from gpuflow.accounting.ledger import LedgerSummary, StepTotals, TransferLedger
-    from gpuflow.common.errors import GpuflowError
-    from gpuflow.data.resident import ResidentTokens
-    from gpuflow.device.accelerator import Device
-    from gpuflow.transfer.loader import DeviceLoader, LoaderStats
-    from gpuflow.transfer.mirror import AsyncScalars, HostMirror, MirrorStats
-    from gpuflow.transfer.packing import Ragged, pack, unpack
-    from gpuflow.transfer.pinned import PinnedPool, PoolStats
+# What type checkers and IDEs see ("X as X" marks a re-export); at run time names load on use.
+if TYPE_CHECKING:
+    from gpuflow.accounting.budgets import BudgetExceeded as BudgetExceeded
+    from gpuflow.accounting.budgets import budget as budget
+    from gpuflow.accounting.ledger import (
+        LedgerSummary as LedgerSummary,
+    )
+    from gpuflow.accounting.ledger import (
+        StepTotals as StepTotals,
+    )
+    from gpuflow.accounting.ledger import (
+        TransferLedger as TransferLedger,
+    )
+    from gpuflow.common.errors import GpuflowError as GpuflowError
+    from gpuflow.data.resident import ResidentTokens as ResidentTokens
+    from gpuflow.device.accelerator import Device as Device
+    from gpuflow.transfer.loader import DeviceLoader as DeviceLoader
+    from gpuflow.transfer.loader import LoaderStats as LoaderStats
+    from gpuflow.transfer.mirror import (
+        AsyncScalars as AsyncScalars,
+    )
+    from gpuflow.transfer.mirror import (
+        HostMirror as HostMirror,
+    )
+    from gpuflow.transfer.mirror import (
+        MirrorStats as MirrorStats,
+    )
+    from gpuflow.transfer.packing import Ragged as Ragged
+    from gpuflow.transfer.packing import pack as pack
+    from gpuflow.transfer.packing import unpack as unpack
+    from gpuflow.transfer.pinned import PinnedPool as PinnedPool
+    from gpuflow.transfer.pinned import PoolStats as PoolStats
 
 
 def __getattr__(name: str) -> Any:

@@ -44,7 +44,7 @@ import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.packing import PackPlan, plan_pack, rebuild
+from gpuflow.transfer.packing import LossyFloat, PackPlan, plan_pack, rebuild
 from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, size_class
 from gpuflow.transfer.tally import housekeeping, report_copy
 
@@ -310,7 +310,7 @@ class DeviceLoader:
         depth: int = 2,
         *,
         narrow: bool = True,
-        lossy_float: str | None = None,
+        lossy_float: LossyFloat = None,
         pool_bytes: int | None = None,
         timing: bool = True,
     ) -> None:

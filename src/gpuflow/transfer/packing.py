@@ -14,6 +14,7 @@ Codecs, applied per tensor while packing:
   so narrowing is never silently wrong.
 - ``lossy_float="bf16"`` or ``"fp16"`` (opt-in, it loses precision): float32/float64 cross
   as 16-bit floats and are upcast on the device. fp16 refuses values it would turn to inf.
+  A dict chooses per top-level key: ``{"features": "bf16"}`` leaves the other keys exact.
 - uint8 and bool cross as they are (image data): upcast them on the device yourself.
 
 Strings, numbers, None and tensors already on a device pass through untouched. Sparse and
@@ -38,6 +39,8 @@ from gpuflow.device.accelerator import Device
 
 ALIGN = 16  # bytes: every view aligned for any dtype and for 16-byte vector loads
 LOSSY_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# One codec for every float tensor, or one per top-level key of a mapping batch.
+LossyFloat = str | Mapping[str, str | None] | None
 _FLOAT_SOURCES = (torch.float32, torch.float64)
 _NARROWABLE = (torch.int64, torch.int32)
 DIRECT_MIN_BYTES = 1 << 20  # pinned tensors this large skip the staging copy (DeviceLoader)
@@ -238,17 +241,43 @@ def _looks_ragged(obj: Any) -> bool:
 
 
 class _Planner:
-    def __init__(self, narrow: bool, lossy_float: str | None, direct_pinned: bool = False) -> None:
-        if lossy_float is not None and lossy_float not in LOSSY_FLOATS:
-            raise GpuflowError(
-                f"lossy_float must be one of {sorted(LOSSY_FLOATS)} or None, got {lossy_float!r}"
-            )
+    def __init__(self, narrow: bool, lossy_float: LossyFloat, direct_pinned: bool = False) -> None:
+        by_key = dict(lossy_float) if isinstance(lossy_float, Mapping) else None
+        for codec in by_key.values() if by_key is not None else [lossy_float]:
+            if codec is not None and codec not in LOSSY_FLOATS:
+                raise GpuflowError(
+                    f"lossy_float must be one of {sorted(LOSSY_FLOATS)} or None (or a dict of "
+                    f"them by the batch's keys), got {codec!r}"
+                )
         self.narrow = narrow
-        self.lossy = LOSSY_FLOATS.get(lossy_float) if lossy_float else None
+        self.by_key = by_key  # codecs by top-level key, or None: one codec for the batch
+        self.lossy = None if by_key is not None else LOSSY_FLOATS.get(lossy_float or "")
         self.offset = 0
         self.logical = 0
         self.direct_pinned = direct_pinned
         self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool]] = []
+
+    def plan_batch(self, batch: Any) -> Any:
+        """``plan`` with the codecs chosen per top-level key, when they are."""
+        if self.by_key is None:
+            return self.plan(batch)
+        if not isinstance(batch, Mapping):
+            raise GpuflowError(
+                f"lossy_float by key needs a batch that is a mapping; got {type(batch).__name__}"
+            )
+        missing = [k for k in self.by_key if k not in batch]
+        if missing:
+            raise GpuflowError(
+                f"lossy_float names {missing[0]!r}, which the batch does not have (its keys: "
+                f"{', '.join(map(str, batch))})"
+            )
+        keys = tuple(batch)
+        children = []
+        for key in keys:
+            self.lossy = LOSSY_FLOATS.get(self.by_key.get(key) or "")
+            children.append(self.plan(batch[key]))
+        self.lossy = None
+        return _Node(_mapping_type(batch), tuple(children), keys)
 
     def plan(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -365,7 +394,7 @@ def plan_pack(
     batch: Any,
     *,
     narrow: bool = True,
-    lossy_float: str | None = None,
+    lossy_float: LossyFloat = None,
     direct_pinned: bool = False,
 ) -> PackPlan:
     """Measure ``batch`` and choose each tensor's codec; nothing is copied yet.
@@ -375,7 +404,7 @@ def plan_pack(
     would only add a host copy.
     """
     planner = _Planner(narrow, lossy_float, direct_pinned)
-    spec = planner.plan(batch)
+    spec = planner.plan_batch(batch)
     return PackPlan(spec, planner.offset, planner.logical, tuple(planner.layout))
 
 
@@ -384,7 +413,7 @@ def pack(
     out: torch.Tensor | None = None,
     *,
     narrow: bool = True,
-    lossy_float: str | None = None,
+    lossy_float: LossyFloat = None,
     pin_memory: bool = False,
 ) -> Packed:
     """Coalesce ``batch`` into one host buffer (``out`` if given, else a new one)."""

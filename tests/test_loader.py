@@ -291,3 +291,17 @@ def test_a_pool_too_small_for_a_batch_names_the_loaders_knob():
     with pytest.raises(GpuflowError, match="raise DeviceLoader's pool_bytes"):
         next(loader)
     loader.close()
+
+
+def test_batches_are_their_own_whatever_their_dtype_unless_views_are_asked_for():
+    floats = [np.full(256, i, dtype=np.float32) for i in range(6)]  # cross unchanged
+    ints = [np.full(256, i, dtype=np.int64) for i in range(6)]  # narrowed to uint16
+    for source in (floats, ints):
+        with DeviceLoader(source, "cpu") as loader:
+            kept = list(loader)  # every batch held past the next ones
+        assert [b[0].item() for b in kept] == list(range(6))
+    with DeviceLoader(floats, "cpu", depth=2, views=True) as loader:
+        kept = list(loader)
+        slots = {slot.buffer.data_ptr() for slot in loader._producer.slots}
+    assert {b.data_ptr() for b in kept} <= slots  # views of the two reused slots
+    assert [b[0].item() for b in kept] != list(range(6))  # so early ones were overwritten

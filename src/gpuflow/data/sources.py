@@ -65,7 +65,9 @@ class StreamedBatches(BatchSource):
     bus, packed and copied on a side stream while the previous step computes."""
 
     def __init__(self, sampler: WindowSampler, device: Device, start: int, stop: int) -> None:
-        self.loader = DeviceLoader((sampler.batch(s) for s in range(start, stop)), device)
+        batches = (sampler.batch(s) for s in range(start, stop))
+        # Views of the slots: widening to int64 below makes the step's own tensor anyway.
+        self.loader = DeviceLoader(batches, device, views=True)
         self._batches: Iterator[torch.Tensor] = iter(self.loader)
 
     def inputs(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

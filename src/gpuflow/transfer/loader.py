@@ -14,9 +14,11 @@ and the consumer's stream waits on the copy's event before the batch is used.
             loss = step(batch)
     print(loader.stats)               # bytes, copies, stall, overlap
 
-A batch's tensors that crossed unchanged are views of a slot: they are valid until the
-next batch is taken (``clone()`` what must live longer). Narrowed or compressed tensors are
-fresh device tensors. A pinned source tensor is read asynchronously, as with
+A batch's tensors are its own, whatever their dtype: the slot's bytes are copied on the
+device into fresh memory (one device-to-device copy per batch) and the slot goes back at
+once. ``views=True`` skips that copy: tensors that crossed unchanged are then views of the
+slot, valid only until the next batch is taken (narrowed or compressed ones are still
+fresh, being converted). A pinned source tensor is read asynchronously, as with
 ``tensor.to(device, non_blocking=True)``: yield a fresh one per batch (as
 ``DataLoader(pin_memory=True)`` does) rather than refilling one buffer. On the cpu every
 step runs synchronously with the same API.
@@ -118,7 +120,7 @@ class _Timing:
 class _Issued:
     """A batch whose copies are queued: what the consumer needs to use and account for it."""
 
-    slot: int
+    slot: int | None  # None once the slot went back (the batch owns a copy of its bytes)
     plan: PackPlan  # holds the source tensors of direct copies until the batch is let go
     timing: _Timing | None
     copy_sizes: tuple[int, ...]  # bytes of each host->device copy
@@ -296,7 +298,9 @@ class DeviceLoader:
 
     ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
     ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
-    ``depth`` batches). ``timing`` records events for ``stats``' device times.
+    ``depth`` batches). ``timing`` records events for ``stats``' device times. ``views``:
+    hand out views of the reused slots instead of tensors the batch owns (one device copy
+    less per batch; see the module docstring).
 
     Like a ``DataLoader``, each ``iter(loader)`` is an epoch over the source, on a thread
     started then; slots and pinned memory are reused from one epoch to the next. ``len()``
@@ -313,6 +317,7 @@ class DeviceLoader:
         lossy_float: LossyFloat = None,
         pool_bytes: int | None = None,
         timing: bool = True,
+        views: bool = False,
     ) -> None:
         if depth < 1:
             raise GpuflowError(f"DeviceLoader depth must be >= 1, got {depth}")
@@ -334,6 +339,7 @@ class DeviceLoader:
         self._counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
         self._times = {"stall_s": 0.0, "transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
         self._closed = False
+        self._views = views
 
     def __len__(self) -> int:
         if not hasattr(self._source, "__len__"):
@@ -406,19 +412,30 @@ class DeviceLoader:
         self._counts["bytes_moved"] += item.plan.nbytes
         self._counts["logical_bytes"] += item.plan.logical_nbytes
         self._read_finished_timings()
-        return rebuild(slot.buffer, item.plan.spec)
+        if self._views:
+            return rebuild(slot.buffer, item.plan.spec)
+        owned = slot.buffer[: item.plan.nbytes].clone()  # on this stream, after the copy
+        self._free_slot(item, stream)  # free for the next copy already; timing runs on
+        return rebuild(owned, item.plan.spec)
 
     def _let_go_of_held(self, stream: Any) -> None:
         """The consumer has queued all its work on the batch it holds: fence the slot with
         an event on its stream, then hand the slot back for the next copy."""
         if self._held is None:
             return
-        self._producer.slots[self._held.slot].consumer_done.record(stream)
+        self._free_slot(self._held, stream)
         if self._held.timing is not None:
             self._held.timing.released.record(stream)
             self._unread.append(self._held.timing)
-        self._producer.free_slots.put(self._held.slot)
         self._held = None
+
+    def _free_slot(self, item: _Issued, stream: Any) -> None:
+        """Hand ``item``'s slot back once ``stream``'s work so far (its last reader) is done."""
+        if item.slot is None:
+            return
+        self._producer.slots[item.slot].consumer_done.record(stream)
+        self._producer.free_slots.put(item.slot)
+        item.slot = None
 
     def _take_ready(self) -> Any:
         started = time.perf_counter()

@@ -76,7 +76,7 @@ def test_a_failed_resume_keeps_the_config_it_had(prepared, workdir, monkeypatch,
 
 def test_a_failed_run_with_a_best_checkpoint_is_kept(prepared, workdir, monkeypatch, capsys):
     """The best weights so far are work worth keeping, even without a step checkpoint."""
-    real = Trainer._evaluate
+    real = Trainer.evaluate
     calls = []
 
     def third_fails(self):
@@ -85,7 +85,7 @@ def test_a_failed_run_with_a_best_checkpoint_is_kept(prepared, workdir, monkeypa
             raise GpuflowError("evaluation failed")
         return real(self)
 
-    monkeypatch.setattr(Trainer, "_evaluate", third_fails)
+    monkeypatch.setattr(Trainer, "evaluate", third_fails)
     sets = ("train.eval_interval=2",)
     assert _train_cli(prepared, "--name", "kept", "--steps", "6", sets=sets) == 2
     run = workdir / "runs" / "kept"

@@ -126,8 +126,8 @@ class TrainLoop:
                     if checkpoint_now:
                         self.publish(self.train_step.scalars.drain(step))  # diverged: stops
                         names.append(ckpt.step_name(step))
-                    if evaluate_now and self.evaluate(step) < trainer.best_val:
-                        trainer.best_val = trainer._last_val
+                    if evaluate_now and (val := self.evaluate(step)) < trainer.best_val:
+                        trainer.best_val = val
                         names.append(ckpt.BEST)
                     if names:
                         trainer.save(self.checkpointer, step, tuple(names))
@@ -140,7 +140,7 @@ class TrainLoop:
         self.display.record(record)
 
     def evaluate(self, step: int) -> float:
-        val = self.trainer._last_val = self.trainer._evaluate()
+        val = self.trainer.evaluate()
         self.emit({"step": step, "val_loss": val})
         return val
 

@@ -189,8 +189,8 @@ class GraphStep(TrainStep):
             # Compiled, the draw's dozen small kernels (hash, gather, widen) fuse into a few,
             # and the schedule's ten into one.
             if self.batches.worth_compiling:
-                draw = torch.compile(draw, options=dict(COMPILE_OPTIONS))
-            schedule = torch.compile(schedule, options=dict(COMPILE_OPTIONS))
+                draw = torch.compile(draw, options=dict(parts.options.compile_options))
+            schedule = torch.compile(schedule, options=dict(parts.options.compile_options))
         self._draw, self._schedule = draw, schedule
         rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
         self.captured = CapturedStep(self._body, after_capture=rebind, graphs=parts.options.graphs)

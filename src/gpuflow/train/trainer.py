@@ -97,7 +97,7 @@ class Trainer:
         here, before its folder changes."""
         cfg, device = self.config, self.device
         self.path, self.path_note = resolve_data_path(cfg.train.data_path, device)
-        self._last_val: float | None = None  # the latest validation loss, for checkpoints
+        self.last_val: float | None = None  # the latest validation loss, for checkpoints
         self.data = open_training_data(cfg)
         self.data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
         # The validation set is read now (a split too short for one window is refused) and
@@ -195,15 +195,17 @@ class Trainer:
             )  # fmt: skip
             yield build_step(self.path, parts, batches)
 
-    def _evaluate(self) -> float:
-        """Mean validation loss over the resident validation set (one blocking read)."""
+    def evaluate(self) -> float:
+        """Mean validation loss over the resident validation set (one blocking read); kept as
+        ``last_val`` for the next checkpoint's record."""
         self.model.eval()
         total = torch.zeros((), device=self.device.torch)
         with torch.no_grad(), self.device.autocast():
             for batch in self.val_batches:
                 total += self.model(batch[:, :-1], batch[:, 1:])
         self.model.train()
-        return read_now(total)[0] / len(self.val_batches)
+        self.last_val = read_now(total)[0] / len(self.val_batches)
+        return self.last_val
 
     def save(
         self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
@@ -220,7 +222,7 @@ class Trainer:
             # Every data path draws step s's batch from (seed, s): the step is the position.
             "data": {"path": str(self.path), "seed": tc.seed, "next_step": step},
             "tokens_seen": step * self.tokens_per_step,
-            "val_loss": self._last_val,
+            "val_loss": self.last_val,
         }
         checkpointer.save(step, self.model, self.optimizer, state, names)
 

@@ -488,7 +488,7 @@ class DeviceLoader:
         with housekeeping():
             self._read_finished_timings(wait=True)
         self._finalizer.detach()  # released here, not again when collected
-        self._producer.release(timeout)
+        self._producer.release(timeout=0)  # _end_epoch has already waited for the thread
 
     def __enter__(self) -> DeviceLoader:
         return self

@@ -122,7 +122,8 @@ def test_each_flushed_loss_is_the_mean_of_its_interval(monkeypatch):
 def test_every_batch_crossed_through_a_device_loader(request, name, steps, nbytes):
     result = request.getfixturevalue(name)
     stats = result.loader
-    assert stats.batches == stats.copies == steps  # one coalesced copy per batch
+    assert stats.batches == steps
+    assert stats.copies <= steps // 16  # small batches share their copies
     assert stats.bytes_moved == stats.logical_bytes == steps * nbytes  # floats cross as they are
     # The loader reports each batch to the ledger open on the step that takes it.
     assert len(result.steady_steps) == steps - WARMUP

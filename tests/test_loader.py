@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -50,7 +49,8 @@ def test_nested_float_and_uint8_batches_with_codecs():
         ]
     assert seen[3] == ("batch3", [3, 4], torch.float32, torch.uint8)
     stats = loader.stats
-    assert stats.batches == stats.copies == 10
+    assert stats.batches == 10
+    assert stats.copies < 10  # small batches share copies
     # int64 targets cross as uint16, floats as bf16, images as they are
     assert stats.bytes_moved < stats.logical_bytes
 
@@ -69,8 +69,23 @@ def test_an_error_in_the_source_reaches_the_consumer_with_its_traceback():
     with pytest.raises(Boom, match="bad record 17") as info:
         next(loader)
     frames = [entry.name for entry in info.traceback]
-    assert "source" in frames  # the frame that raised, in the loader thread
-    assert not loader._producer.thread.is_alive()
+    assert "source" in frames  # the frame that raised
+    with pytest.raises(StopIteration):  # the epoch ended with the error
+        next(loader)
+
+
+def test_an_error_read_ahead_waits_for_the_batches_before_it():
+    def source():
+        for i in range(3):
+            yield np.full(4, i, dtype=np.int64)
+        raise Boom("bad record 3")
+
+    loader = DeviceLoader(source(), "cpu", depth=2)
+    got = []
+    with pytest.raises(Boom):
+        for batch in loader:
+            got.append(batch[0].item())
+    assert got == [0, 1, 2]
 
 
 def test_a_packing_error_is_raised_too():
@@ -79,60 +94,61 @@ def test_a_packing_error_is_raised_too():
         next(loader)
 
 
-def test_closing_early_stops_the_thread_even_when_it_is_blocked():
+def test_reading_ahead_is_bounded_and_closing_frees_the_staging_memory():
     produced = []
+    closed = threading.Event()
 
     def endless():
-        i = 0
-        while True:
-            produced.append(i)
-            yield np.full(1000, i, dtype=np.int64)
-            i += 1
+        try:
+            i = 0
+            while True:
+                produced.append(i)
+                yield np.full(1000, i, dtype=np.int64)
+                i += 1
+        finally:
+            closed.set()
 
     loader = DeviceLoader(endless(), "cpu", depth=2)
-    first = next(loader)
-    assert first[0].item() == 0
-    time.sleep(0.2)  # the thread fills every slot and blocks
-    assert len(produced) <= 2 + 2 + 1  # depth slots, a packed queue of depth, one in hand
+    assert next(loader)[0].item() == 0
+    # depth + 1 staging buffers of at most 32 coalesced small batches, one planned beyond
+    assert 2 <= len(produced) <= 3 * 32 + 1
+    assert loader.stats.copies < len(produced)
     loader.close()
-    assert not loader._producer.thread.is_alive()
-    assert loader._producer.pool.stats.bytes_reserved == 0
+    assert closed.is_set()  # the generator's finally ran
+    assert loader.pool_stats.bytes_reserved == 0
     with pytest.raises(StopIteration):
         next(loader)
 
 
-def test_a_dead_thread_never_leaves_the_consumer_hanging(monkeypatch):
-    release = threading.Event()
+def test_depth_zero_reads_nothing_ahead_for_a_source_that_waits_on_the_consumer():
+    answers: queue.Queue[int] = queue.Queue()
 
-    def source():
-        yield np.zeros(3)
-        release.wait()  # the real thread parks here, with nothing more to give
+    def actor():  # each batch needs the learner's answer to the one before
+        value = 0
+        for _ in range(4):
+            yield np.full(8, value, dtype=np.int64)
+            value = answers.get(timeout=5) + 1
 
-    loader = DeviceLoader(source(), "cpu")
-    next(loader)
-    # Simulate the thread killed from outside: gone, with no result and no end marker.
-    monkeypatch.setattr(loader._producer, "thread", threading.Thread(target=lambda: None))
-    loader._producer.thread.start()
-    loader._producer.thread.join()
-    try:
-        with pytest.raises(RuntimeError, match="died without a result"):
-            next(loader)
-    finally:
-        release.set()
+    seen = []
+    with DeviceLoader(actor(), "cpu", depth=0) as loader:
+        for batch in loader:
+            seen.append(batch[0].item())
+            answers.put(seen[-1] * 10)
+    assert seen == [0, 1, 11, 111]
 
 
 def test_memory_is_flat_after_warm_up():
-    batches = (np.full((64, 129), i % 1000, dtype=np.uint16) for i in range(600))
-    with DeviceLoader(batches, "cpu", depth=2) as loader:
-        seen = []
-        for i, _ in enumerate(loader):
-            if i in (50, 599):
-                slots = tuple(slot.buffer.data_ptr() for slot in loader._producer.slots)
-                seen.append((loader._producer.pool.stats.bytes_reserved, slots))
-    assert seen[0] == seen[1]  # the same pinned bytes and the same two device slots
-    assert seen[0][0] > 0 and len(set(seen[0][1])) == 2
-    # Staging never pinned more than one buffer per slot (more was slower: NOTES.md).
-    assert loader._producer.pool.stats.high_water_bytes <= 2 * size_class(64 * 129 * 2)
+    for shape in ((64, 129), (1024, 1024)):  # coalesced; large, on the writer thread
+        batches = (np.full(shape, i % 1000, dtype=np.uint16) for i in range(400))
+        with DeviceLoader(batches, "cpu", depth=2) as loader:
+            seen = []
+            for i, _ in enumerate(loader):
+                if i in (50, 250):
+                    seen.append(loader.pool_stats.bytes_reserved)
+        assert seen[0] == seen[1] > 0  # the same pinned bytes
+        # depth + 2 staging buffers at most: read ahead, and one whose copy may still run
+        crossing = max(2 * 64 * 129 * 32, 2 * 1024 * 1024)
+        assert loader.pool_stats.high_water_bytes <= 4 * size_class(crossing)
 
 
 def test_stats_count_bytes_stall_and_overlap():
@@ -141,31 +157,20 @@ def test_stats_count_bytes_stall_and_overlap():
             time.sleep(0.02)
             yield np.full(1024, i, dtype=np.float32)
 
-    with DeviceLoader(slow_source(), "cpu", depth=2) as loader:
+    with DeviceLoader(slow_source(), "cpu", depth=2, timing=True) as loader:
         for _ in loader:
             time.sleep(0.01)  # "compute"
     stats = loader.stats
-    assert (stats.batches, stats.copies) == (5, 5)
+    assert stats.batches == 5 and 1 <= stats.copies < 5
     assert stats.bytes_moved == stats.logical_bytes == 5 * 4096
-    assert stats.stall_s > 0.02  # the consumer outran a slow source
+    assert stats.source_s > 5 * 0.02 * 0.8  # the consumer outran a slow source
     assert stats.compute_ms >= 5 * 10 * 0.8
     assert 0 <= stats.overlap_efficiency <= 1
 
 
 def test_depth_must_be_positive():
     with pytest.raises(GpuflowError, match="depth"):
-        DeviceLoader([], "cpu", depth=0)
-
-
-def test_closing_wakes_a_thread_waiting_for_a_staging_buffer():
-    # A cap of one buffer: the thread packs one batch, then waits for the pool.
-    big = np.zeros(1 << 16, dtype=np.float32)
-    loader = DeviceLoader(itertools.repeat(big), "cpu", depth=1, pool_bytes=1 << 18)
-    iter(loader)  # the thread starts with the epoch
-    time.sleep(0.2)
-    assert loader._producer.thread.is_alive()
-    loader.close()
-    assert not loader._producer.thread.is_alive()
+        DeviceLoader([], "cpu", depth=-1)
 
 
 def test_a_torch_device_is_accepted_wherever_a_device_is():
@@ -178,25 +183,34 @@ def test_a_torch_device_is_accepted_wherever_a_device_is():
 # ---- lifetime: like a DataLoader, and nothing left behind -----------------------------------
 
 
-def _loader_threads() -> int:
-    return sum(t.name == "gpuflow-loader" for t in threading.enumerate())
+def _writer_threads() -> int:
+    return sum(t.name.startswith("gpuflow-write") for t in threading.enumerate())
 
 
-def test_the_thread_starts_with_an_epoch_and_each_epoch_reuses_slots_and_pinned_memory():
-    batches = [np.full((8, 33), i, dtype=np.uint16) for i in range(5)]
-    before = _loader_threads()
-    loader = DeviceLoader(batches, "cpu")
-    assert _loader_threads() == before  # constructing starts nothing
-    assert len(loader) == 5
-    epochs, memory = [], []
-    for _ in range(3):
-        epochs.append([b.tolist() for b in loader])
-        slots = tuple(slot.buffer.data_ptr() for slot in loader._producer.slots)
-        memory.append((loader._producer.pool.stats.bytes_reserved, slots))
-    assert epochs[0] == epochs[1] == epochs[2] == [b.tolist() for b in batches]
-    assert memory[0] == memory[1] == memory[2]
-    loader.close()
-    assert _loader_threads() == before
+def _writers_back_to(count: int, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _writer_threads() != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _writer_threads() == count
+
+
+def test_epochs_reuse_pinned_memory_and_only_large_batches_start_writer_threads():
+    before = _writer_threads()
+    for shape, threads in (((8, 33), 0), ((512, 1024), 1)):  # coalesced; 2 MiB each, alone
+        batches = [np.full(shape, i, dtype=np.float32) for i in range(5)]
+        loader = DeviceLoader(batches, "cpu")
+        assert _writer_threads() == before  # constructing starts nothing
+        assert len(loader) == 5
+        epochs, memory = [], []
+        for _ in range(3):
+            epochs.append([b[0, 0].item() for b in loader])
+            assert (_writer_threads() > before) == bool(threads)
+            memory.append(loader.pool_stats.bytes_reserved)
+        assert epochs[0] == epochs[1] == epochs[2] == list(range(5))
+        assert memory[0] == memory[1] == memory[2] > 0
+        loader.close()
+        assert loader.pool_stats.bytes_reserved == 0
+        assert _writers_back_to(before)
 
 
 def test_breaking_out_then_iterating_again_starts_a_fresh_epoch():
@@ -218,7 +232,7 @@ def test_an_iterator_source_gives_one_epoch_and_says_so():
     loader.close()
 
 
-def test_a_dropped_loader_stops_its_thread_and_closes_its_source():
+def test_a_dropped_loader_frees_its_pinned_memory_and_closes_its_source():
     import gc
 
     closed = threading.Event()
@@ -226,34 +240,51 @@ def test_a_dropped_loader_stops_its_thread_and_closes_its_source():
     def endless():
         try:
             while True:
-                yield np.zeros(1000)
+                yield np.zeros(1 << 18)  # 2 MiB
         finally:
             closed.set()
 
-    before = _loader_threads()
     loader = DeviceLoader(endless(), "cpu")
     next(loader)
-    assert _loader_threads() == before + 1
+    pool = loader._pipeline.pool
+    assert pool.stats.bytes_reserved > 0
+    assert _writer_threads() > 0
     del loader
     gc.collect()
-    assert _loader_threads() == before
-    assert closed.wait(2)  # the generator's finally ran, in its own thread
+    assert pool.stats.bytes_reserved == 0
+    assert closed.is_set()  # the generator's finally ran
+    assert _writers_back_to(0)
 
 
-def test_close_returns_promptly_from_a_blocked_source():
-    never = queue.Queue()
+def test_ctrl_c_leaves_a_loop_blocked_in_its_source_promptly(tmp_path):
+    import signal
+    import subprocess
+    import sys
 
-    def blocked():
-        yield np.zeros(3)
-        yield never.get()  # blocks forever
-
-    loader = DeviceLoader(blocked(), "cpu")
-    next(loader)
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import queue\n"
+        "import numpy as np\n"
+        "from gpuflow import DeviceLoader\n"
+        "never = queue.Queue()\n"
+        "def blocked():\n"
+        "    yield np.zeros(3)\n"
+        "    print('blocked', flush=True)\n"
+        "    yield never.get()\n"
+        "with DeviceLoader(blocked(), 'cpu') as loader:\n"
+        "    for batch in loader:\n"
+        "        pass\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "blocked"
+    child.send_signal(signal.SIGINT)
     started = time.monotonic()
-    loader.close(timeout=0.2)
-    assert time.monotonic() - started < 1.0
-    with pytest.raises(GpuflowError, match="closed"):
-        iter(loader)
+    _, err = child.communicate(timeout=10)
+    assert time.monotonic() - started < 2.0
+    assert child.returncode != 0 and "KeyboardInterrupt" in err
+    assert "terminate called" not in err
 
 
 def test_an_epoch_and_its_close_fit_in_a_budget_of_no_waits():
@@ -288,20 +319,23 @@ def test_an_exception_in_the_loop_without_with_exits_with_its_status(tmp_path):
 
 def test_a_pool_too_small_for_a_batch_names_the_loaders_knob():
     loader = DeviceLoader([np.zeros(1 << 20, dtype=np.float32)], "cpu", pool_bytes=1 << 16)
-    with pytest.raises(GpuflowError, match="raise DeviceLoader's pool_bytes"):
+    with pytest.raises(GpuflowError, match="raise pool_bytes"):
         next(loader)
     loader.close()
 
 
-def test_batches_are_their_own_whatever_their_dtype_unless_views_are_asked_for():
+def test_batches_are_their_own_whatever_their_dtype():
     floats = [np.full(256, i, dtype=np.float32) for i in range(6)]  # cross unchanged
     ints = [np.full(256, i, dtype=np.int64) for i in range(6)]  # narrowed to uint16
-    for source in (floats, ints):
+    large = [np.full(1 << 19, i, dtype=np.float32) for i in range(6)]  # 2 MiB: one each
+    for source in (floats, ints, large):
         with DeviceLoader(source, "cpu") as loader:
             kept = list(loader)  # every batch held past the next ones
         assert [b[0].item() for b in kept] == list(range(6))
-    with DeviceLoader(floats, "cpu", depth=2, views=True) as loader:
-        kept = list(loader)
-        slots = {slot.buffer.data_ptr() for slot in loader._producer.slots}
-    assert {b.data_ptr() for b in kept} <= slots  # views of the two reused slots
-    assert [b[0].item() for b in kept] != list(range(6))  # so early ones were overwritten
+        assert [b[-1].item() for b in kept] == list(range(6))
+
+
+def test_without_coalescing_every_batch_is_its_own_copy():
+    with DeviceLoader(token_batches(40), "cpu", coalesce=False) as loader:
+        assert len(list(loader)) == 40
+    assert loader.stats.copies == loader.stats.batches == 40

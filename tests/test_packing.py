@@ -260,3 +260,23 @@ def test_lossy_codecs_chosen_per_key():
         pack(batch, lossy_float={"feature": "bf16"})
     with pytest.raises(GpuflowError, match="one of"):
         pack(batch, lossy_float={"features": "fp8"})
+
+
+def test_write_jobs_fill_the_buffer_exactly_as_write_into_does():
+    from gpuflow.transfer.packing import plan_pack
+
+    batch = {
+        "x": torch.randn(3000),  # crosses as it is: split into 1 KiB byte ranges
+        "ids": torch.arange(500),  # narrowed to uint16: one converting job
+        "rows": [torch.randn(7) for _ in range(4)],  # stacked: one job
+        "t": torch.randn(10, 12).t(),  # not contiguous: one copying job
+    }
+    plan = plan_pack(batch)
+    whole = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    plan.write_into(whole)
+    jobs_buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    jobs = plan.write_jobs(jobs_buffer, chunk=1024)
+    assert len(jobs) == 12 + 3  # ceil(12000 / 1024) ranges for x, one job for each other
+    for job in reversed(jobs):  # in any order
+        job()
+    assert torch.equal(whole, jobs_buffer)

@@ -107,40 +107,78 @@ def test_pinned_pool_buffers_are_pinned_and_wait_for_their_copy(accel):
     assert pool.stats.bytes_reserved == 0
 
 
-def _poisoning(loader: DeviceLoader) -> DeviceLoader:
-    """Before each reuse of a slot, fill it with 0xFF on the copy stream and stall that
-    stream, so a consumer that read before the copy finished would see poison."""
-    producer = loader._producer
-    issue = producer._issue
+def _late_copies(loader: DeviceLoader) -> DeviceLoader:
+    """Stall the stream that runs each crossing's copies for 5 ms just before them (the side
+    stream after its wait for the consumer, or the consumer's own), so that a consumer
+    reading before a copy finished would see the memory's previous contents: garbage, or a
+    batch the allocator handed back."""
+    pipeline = loader._pipeline
+    copy = pipeline._copy
 
-    def poisoned(index, plan, host):
-        slot = producer.slots[index]
-        if slot.buffer is not None:
-            with producer.device.use_stream(producer.copy_stream):
-                producer.copy_stream.wait_event(slot.consumer_done)
-                slot.buffer.fill_(255)
-                _busy(producer.device, 20.0)
-        return issue(index, plan, host)
+    def late(crossing, on_device, stream):
+        _busy(pipeline.device, 5.0)
+        return copy(crossing, on_device, stream)
 
-    producer._issue = poisoned
+    pipeline._copy = late
     return loader
 
 
-def test_the_consumer_never_sees_a_slot_before_its_copy_finished(accel):
-    n_batches, n = 12, 4 << 20  # 4 Mi float32 per batch
-    source = (np.full(n, float(i), dtype=np.float32) for i in range(n_batches))
+@pytest.mark.parametrize(
+    "n_floats, n_batches",
+    # 16 MiB on the side stream; 1 MiB on the consumer's stream; 16 KiB, coalesced
+    [(1 << 22, 12), (1 << 18, 40), (1 << 12, 400)],
+    ids=["large", "medium", "coalesced"],
+)
+def test_the_consumer_never_sees_a_batch_before_its_copy_finished(accel, n_floats, n_batches):
+    source = (np.full(n_floats, float(i), dtype=np.float32) for i in range(n_batches))
     ok = torch.ones((), dtype=torch.bool, device=accel.torch)
-    with _poisoning(DeviceLoader(source, accel, depth=2)) as loader:
+    with _late_copies(DeviceLoader(source, accel, depth=2)) as loader:
         for i, batch in enumerate(loader):
             ok &= (batch == float(i)).all()  # every element, on the consumer's stream
     assert bool(ok.item())
     assert loader.stats.batches == n_batches
+    if n_floats < 1 << 16:
+        assert loader.stats.copies < n_batches / 10
+
+
+def test_a_batch_taken_on_another_stream_waits_for_its_copy(accel):
+    """Batch i + 1 is copied on the stream current while batch i was taken; taking it under
+    another stream must make that stream wait for the copy."""
+    if accel.type != "cuda":
+        pytest.skip("cuda streams")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    n_batches = 30
+    source = (np.full(1 << 18, float(i), dtype=np.float32) for i in range(n_batches))
+    oks = [torch.ones((), dtype=torch.bool, device=accel.torch) for _ in streams]
+    with _late_copies(DeviceLoader(source, accel, depth=2)) as loader:
+        batches, kept = iter(loader), []
+        for i in range(n_batches):
+            with torch.cuda.stream(streams[i % 2]):
+                kept.append(next(batches))  # kept: no block goes back across streams
+                oks[i % 2] &= (kept[-1] == float(i)).all()
+    torch.cuda.synchronize()
+    assert all(bool(ok.item()) for ok in oks)
+
+
+def test_a_batch_let_go_of_is_not_overwritten_while_the_consumer_still_reads_it(accel):
+    """The consumer's stream runs far behind: each batch is read 2 ms after it is taken and
+    then dropped, so the allocator hands its memory to a later copy at once. The copy must
+    wait for the read (the copy stream waits for the consumer's queued work)."""
+    n_batches = 40
+    source = (np.full(1 << 20, float(i), dtype=np.float32) for i in range(n_batches))
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with DeviceLoader(source, accel, depth=4) as loader:
+        for i, batch in enumerate(loader):
+            _busy(accel, 2.0)
+            ok &= (batch == float(i)).all()
+            del batch
+    assert bool(ok.item())
 
 
 def test_loader_memory_is_flat_and_copies_overlap_compute(accel):
     batch = torch.randn(1 << 20)  # 4 MB
     reserved = []
-    with DeviceLoader(itertools.repeat(batch, 2000), accel) as loader:
+    with DeviceLoader(itertools.repeat(batch, 2000), accel, timing=True) as loader:
         for i, on_device in enumerate(loader, start=1):
             _busy(accel, 1.0)  # compute that the next copy can hide behind
             on_device.sum()

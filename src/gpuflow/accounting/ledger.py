@@ -14,8 +14,10 @@ What it sees, and how:
 - explicit waits (``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``,
   ``torch.accelerator.synchronize`` and ``gpuflow.Device``'s host stand-ins) by wrapping
   those functions while a ledger is open;
-- ``DeviceLoader`` batches, which its own thread copies: the loader reports each batch's
-  bytes when the consumer takes it, so they count in the step that uses them;
+- ``DeviceLoader`` batches, whose copies are queued ahead of the batch in use (several batches
+  in one copy when they are small): the loader keeps its own copies out of the ledger and
+  reports each batch's bytes when the consumer takes it, so they count in the step that
+  uses them;
 - device allocator activity from ``torch.cuda.memory_stats``: cudaMalloc and cudaFree calls,
   allocation retries, reserved bytes, and requests served from the cache.
 

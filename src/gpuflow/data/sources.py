@@ -62,12 +62,12 @@ class CapturableSource(BatchSource):
 
 class StreamedBatches(BatchSource):
     """Host-sampled uint16 windows through a ``DeviceLoader``: 2 bytes per token cross the
-    bus, packed and copied on a side stream while the previous step computes."""
+    bus, packed and their copy queued two steps ahead of the step that uses them."""
 
     def __init__(self, sampler: WindowSampler, device: Device, start: int, stop: int) -> None:
         batches = (sampler.batch(s) for s in range(start, stop))
-        # Views of the slots: widening to int64 below makes the step's own tensor anyway.
-        self.loader = DeviceLoader(batches, device, views=True)
+        # One copy per step: the profile's cross-check counts copies per step window.
+        self.loader = DeviceLoader(batches, device, coalesce=False)
         self._batches: Iterator[torch.Tensor] = iter(self.loader)
 
     def inputs(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

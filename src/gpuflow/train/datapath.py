@@ -6,8 +6,8 @@
 - ``standard``: what most PyTorch code does (``gpuflow.baselines.standard``): int64 batches
   sampled on the host, pinned per batch, copied with ``non_blocking``; the loss read with
   ``.item()`` at every logging step.
-- ``streamed``: ``DeviceLoader`` with uint16 ids (2 bytes per token), packed and copied on a
-  side stream while the previous step computes; widened on the device.
+- ``streamed``: ``DeviceLoader`` with uint16 ids (2 bytes per token), packed and its copy
+  queued two steps ahead; widened on the device.
 - ``resident``: ``ResidentTokens``: the corpus uploaded once, batches drawn on the device;
   0 bytes per step.
 - ``resident-graph``: ``resident`` with the whole step captured as one CUDA graph

@@ -1,42 +1,67 @@
 """Host -> device movement of batches: ``DeviceLoader`` and one-off uploads.
 
-``DeviceLoader`` wraps any iterable of CPU batches. A background thread packs each batch
-(``gpuflow.transfer.packing``: one buffer, integers narrowed) into pinned memory from a
-``PinnedPool`` (large tensors that are already pinned stay where they are, with no staging
-copy) and queues its copy on a side stream into one of ``depth`` device slots, while the
-device computes on earlier batches. Nothing waits on the host: the copy into a slot waits,
-on the device, for an event the consumer's stream recorded when it moved past the slot's
-last batch (an event, not ``record_stream``, so memory stays flat: cf. timm issue #2781),
-and the consumer's stream waits on the copy's event before the batch is used.
+``DeviceLoader`` wraps any iterable of CPU batches and yields the same structure on the
+device, with the copies queued ahead of the batch in use:
 
-    with DeviceLoader(batches, "cuda", depth=2) as loader:
+    with DeviceLoader(batches, "cuda") as loader:
         for batch in loader:          # the same structure, on the device
             loss = step(batch)
-    print(loader.stats)               # bytes, copies, stall, overlap
+    print(loader.stats)               # batches, copies, bytes, host time waiting
 
-A batch's tensors are its own, whatever their dtype: the slot's bytes are copied on the
-device into fresh memory (one device-to-device copy per batch) and the slot goes back at
-once. ``views=True`` skips that copy: tensors that crossed unchanged are then views of the
-slot, valid only until the next batch is taken (narrowed or compressed ones are still
-fresh, being converted). A pinned source tensor is read asynchronously, as with
-``tensor.to(device, non_blocking=True)``: yield a fresh one per batch (as
+How a batch crosses (every step of it on the consumer's thread unless said otherwise):
+1. ``next`` reads the source and plans the batch (``gpuflow.transfer.packing``: one buffer,
+   integers narrowed when their values allow).
+2. It is written into pinned staging memory from a ``PinnedPool``: small tensors by one
+   ``memmove`` each, on the consumer's thread; a crossing of ``BACKGROUND_BYTES`` or more in
+   chunks shared by a few writer threads, so that the host copy (and the page faults of
+   memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small batches
+   are coalesced: consecutive ones share one staging buffer and one copy, up to
+   ``COALESCE_BYTES``. Tensors of 64 KiB or more that are already pinned are not staged:
+   each is copied from where it is, into its place in the crossing's device memory.
+3. One host->device copy per staging buffer into fresh device memory allocated on the
+   consumer's stream, queued ``depth`` crossings ahead of the batch in use; the host never
+   waits for the device. A copy of ``SIDE_STREAM_BYTES`` or more runs on a side stream, so
+   that it overlaps the consumer's compute: the copy stream first waits, on the device, for
+   the consumer's work queued so far (so the caching allocator's stream-order reuse holds),
+   and the consumer's stream waits for the copy before it uses the batch. A smaller copy is
+   queued on the consumer's stream itself, as ``.to(device, non_blocking=True)`` does: it
+   takes microseconds on the device, less than the stream switch and the events that
+   overlapping it would cost on the host. A batch taken on another stream than the one its
+   copy is ordered on waits for the copy's event.
+
+Why the consumer's thread does the rest: a thread that packs and issues small batches spends
+more in handing the interpreter lock back and forth than the work costs (on an H100 host,
+300-860 us per 8 KiB batch against 66 us for ``x.pin_memory().to(dev, non_blocking=True)``),
+and one thread copying a large batch ran at a fifth of the speed of torch's copy on the main
+thread, hence chunks on several (benchmarks/NOTES.md). For data loading in parallel, make
+the source a ``DataLoader`` with workers.
+
+A batch's tensors are its own, whatever their dtype: fresh device memory no later batch
+reuses, with no device-to-device copy. A pinned source tensor is read asynchronously, as
+with ``tensor.to(device, non_blocking=True)``: yield a fresh one per batch (as
 ``DataLoader(pin_memory=True)`` does) rather than refilling one buffer. On the cpu every
 step runs synchronously with the same API.
 
-Lifetime, as a ``DataLoader``'s: each ``iter(loader)`` is an epoch, its thread started then;
-slots and pinned memory carry over to the next epoch; ``len()`` is the source's. ``close()``
-(or leaving ``with``) returns within about a second even from a blocked source; a loader
-dropped without it is stopped and freed when collected, and at interpreter exit.
+Lifetime, as a ``DataLoader``'s: each ``iter(loader)`` is an epoch over the source; staging
+memory carries over to the next epoch; ``len()`` is the source's. ``close()`` (or leaving
+``with``) frees the staging memory; a loader dropped without it is freed when collected,
+and at interpreter exit.
+
+The source is read ahead, as a ``DataLoader`` with workers prefetches: up to ``depth + 1``
+staging buffers' worth of batches (at most ``(depth + 1) * 32`` small ones). An error the
+source raises reaches the consumer after the batches before it. A source that waits for the
+consumer's results before yielding its next batch needs ``depth=0``, which reads nothing
+ahead. Ctrl-C interrupts the loop where it is, as in any Python loop.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import os
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -45,12 +70,19 @@ import numpy as np
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.packing import LossyFloat, PackPlan, plan_pack, rebuild
+from gpuflow.transfer.packing import ALIGN, LossyFloat, PackPlan, plan_pack, rebuild
 from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, size_class
 from gpuflow.transfer.tally import housekeeping, report_copy
 
-_POLL_S = 0.05  # how often blocked threads look up to see whether the loader is closing
+COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
+_COALESCE_MAX_BATCH = COALESCE_BYTES // 4  # larger batches cross on their own
+_COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source is read ahead
+SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
+BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
+_WRITE_CHUNK = 4 << 20  # bytes per writer job
+_WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:
@@ -66,18 +98,23 @@ def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LoaderStats:
-    """What a DeviceLoader moved and how well the copies hid behind compute.
+    """What a DeviceLoader moved, and where its host time went.
 
-    Times are device times from events: ``transfer_ms`` on the copy stream; ``exposed_ms``,
-    the consumer stream's waits for copies (transfer not hidden); ``compute_ms``, the
-    consumer stream's time from having a batch to moving on to the next.
+    ``copies`` counts host->device copy calls: fewer than ``batches`` when small batches were
+    coalesced. ``source_s`` is host time inside the source's ``next``; ``stall_s``, host time
+    waiting for a staging buffer to come free (the device falling behind). The device times
+    need ``timing=True`` (events off the hot path otherwise):
+    ``transfer_ms`` on the copy stream; ``exposed_ms``, the consumer stream's waits for copies
+    (transfer not hidden); ``compute_ms``, the consumer stream's time from having a batch to
+    moving on to the next.
     """
 
     batches: int
     copies: int
     bytes_moved: int  # as they crossed the bus
     logical_bytes: int  # as the source produced them
-    stall_s: float  # host time the consumer spent blocked waiting for the loader thread
+    source_s: float
+    stall_s: float
     transfer_ms: float
     exposed_ms: float
     compute_ms: float
@@ -98,213 +135,357 @@ class LoaderStats:
         return self.bytes_moved / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
 
 
-class _Slot:
-    """One device buffer and the events that fence it (reused for every batch it holds)."""
+@dataclass
+class _Part:
+    """One batch within a crossing: its plan and where its bytes sit in the crossing."""
 
-    def __init__(self, device: Device) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.copy_done = device.new_event()
-        self.consumer_done = device.new_event()
+    plan: PackPlan
+    offset: int
 
 
-class _Timing:
-    """One batch's timing events, recycled once read."""
+class _Crossing:
+    """Batches that share one staging buffer, one host->device copy (plus one per pinned
+    source tensor copied directly) and one destination on the device."""
 
-    def __init__(self, device: Device) -> None:
-        self.copy_start, self.copy_end, self.wait_start, self.wait_end, self.released = (
-            device.new_event(timing=True) for _ in range(5)
-        )
+    def __init__(self, parts: list[_Part], nbytes: int) -> None:
+        self.parts = parts
+        self.nbytes = nbytes
+        self.host: PinnedBuffer | None = None
+        self.writes: list[Future[object]] = []  # jobs on the writer threads, if any
+        self.on_device: torch.Tensor | None = None  # uint8, allocated on alloc_stream
+        self.alloc_stream: Any = None  # set when the copy ran on the side stream
+        self.done: Any = None  # recorded after the copies, on the stream that ran them
+        self.ready_on: Any = None  # the key of a stream ordered after the copies
+        self.copy_times: tuple[Any, Any] | None = None
+        self.handed_out = 0
+
+    def release_unused(self) -> None:
+        """Let go of a crossing whose batches will never be handed out (no host wait)."""
+        if self.on_device is not None and self.alloc_stream is not None:
+            self.alloc_stream.wait_event(self.done)  # no block goes back under the copy
+        self.on_device = None
 
 
 @dataclass
-class _Issued:
-    """A batch whose copies are queued: what the consumer needs to use and account for it."""
-
-    slot: int | None  # None once the slot went back (the batch owns a copy of its bytes)
-    plan: PackPlan  # holds the source tensors of direct copies until the batch is let go
-    timing: _Timing | None
-    copy_sizes: tuple[int, ...]  # bytes of each host->device copy
+class _BatchTiming:
+    copy_times: tuple[Any, Any] | None  # the crossing's, on its first batch only
+    wait_start: Any
+    wait_end: Any
+    released: Any = None
 
 
-@dataclass(frozen=True)
-class _Failure:
-    exc: BaseException
-
-
-_END = object()
-
-
-class _Producer:
-    """The loader's packing side: its slots, staging pool and copy stream, and the thread of
-    the current epoch. It holds no reference to its ``DeviceLoader``, so a loader dropped
-    without ``close()`` is collected and its finalizer stops the thread and frees memory."""
+class _Pipeline:
+    """The loader's state: staging pool, copy stream, the crossings of the current epoch. It
+    holds no reference to its ``DeviceLoader``, so a loader dropped without
+    ``close()`` is collected and its finalizer frees what is here."""
 
     def __init__(
         self, device: Device, depth: int, pack_options: dict[str, Any],
-        pool_bytes: int | None, timing: bool,
+        pool_bytes: int | None, timing: bool, coalesce: bool,
     ) -> None:  # fmt: skip
         self.device, self.depth, self.pack_options = device, depth, pack_options
+        self.coalesce = coalesce and depth > 0
         self.pool_bytes, self.timing = pool_bytes, timing
         self.copy_stream = device.new_stream()
-        self.slots = [_Slot(device) for _ in range(depth)]
-        self.free_slots: queue.Queue[int] = queue.Queue()
-        for index in range(depth):
-            self.free_slots.put(index)
+        self.fence = device.new_event()  # the consumer's progress, for the copy stream to wait on
         self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
-        self.spare_timings: deque[_Timing] = deque()  # read; reused for later batches
-        self.lock = threading.Lock()  # held while a batch's copies are issued
-        self.thread: threading.Thread | None = None
-        self.stop = threading.Event()  # the current epoch's
+        self.writer: ThreadPoolExecutor | None = None  # started by the first large write
+        self.streams: dict[Any, Any] = {}  # stream objects by key: building one costs 5-8 us
+        self.source: Iterator[Any] | None = None  # the epoch's, None once it is used up
+        self.carried: PackPlan | None = None  # planned; did not fit the last crossing
+        self.failure: Exception | None = None  # the source's error, raised in its turn
+        self.pulled: deque[_Crossing] = deque()  # staged, copies not queued yet
+        self.issued: deque[_Crossing] = deque()  # copies queued, batches still to hand out
+        self.counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
+        self.times = {"source_s": 0.0, "stall_s": 0.0}
         self.released = False
 
-    def start(self, batches: Iterator[Any], ready: queue.Queue[Any]) -> None:
-        """Pack ``batches`` and queue their copies on a thread of their own."""
-        self.stop = threading.Event()
-        self.thread = threading.Thread(
-            target=self._run, args=(batches, ready, self.stop), name="gpuflow-loader",
-            daemon=True,
-        )  # fmt: skip
-        self.thread.start()
+    # ---- reading ahead --------------------------------------------------------------------
 
-    def _run(self, batches: Iterator[Any], ready: queue.Queue[Any], stop: threading.Event) -> None:
+    def top_up(self) -> None:
+        """Read and stage batches until ``depth + 1`` crossings are on their way."""
+        while self.source is not None and len(self.pulled) + len(self.issued) <= self.depth:
+            crossing = self._gather()
+            if crossing is None:
+                break
+            self._stage(crossing)
+            self.pulled.append(crossing)
+
+    def _next_plan(self) -> PackPlan | None:
+        """The next batch, planned; None at the end of the source or after an error in it."""
+        if self.carried is not None:
+            plan, self.carried = self.carried, None
+            return plan
+        if self.source is None:
+            return None
+        started = time.perf_counter()
         try:
-            if self.device.has_streams:  # this thread's current device, for its copies
-                self.device.backend.set_device(self.device.index)
-            for batch in batches:
-                if stop.is_set():
-                    return
-                plan = plan_pack(batch, **self.pack_options)
-                host = None
-                if plan.has_staged:
-                    host = self._staging_buffer(plan.nbytes)
-                    plan.write_into(host.bytes)
-                index = self._take_free_slot(stop)
-                with self.lock:
-                    if index is None or stop.is_set():  # the epoch was let go of
-                        if index is not None:
-                            self.free_slots.put(index)
-                        if host is not None:
-                            self.pool.release(host)
-                        return
-                    ready.put(self._issue(index, plan, host))
-            ready.put(_END)
-        except BaseException as exc:  # re-raised in the consumer, traceback and all
-            if not stop.is_set():
-                ready.put(_Failure(exc))
+            batch = next(self.source)
+            return plan_pack(batch, **self.pack_options)
+        except StopIteration:
+            self.end_source()
+        except Exception as exc:  # raised to the consumer after the batches before it
+            self.failure = exc
+            self.end_source()
         finally:
-            close_source = getattr(batches, "close", None)  # a generator's finally blocks
-            if close_source is not None:
-                with suppress(Exception):
-                    close_source()
-
-    def _staging_buffer(self, nbytes: int) -> PinnedBuffer:
-        self._size_pool_for(nbytes)
-        try:
-            return self.pool.acquire(nbytes, timeout=None)
-        except GpuflowError as exc:
-            if self.pool_bytes is None or "cap" not in str(exc):
-                raise
-            raise GpuflowError(  # the loader's knob, not the pool's
-                f"a {nbytes:,}-byte batch needs more pinned staging memory than "
-                f"pool_bytes={self.pool_bytes:,} allows; raise DeviceLoader's pool_bytes or "
-                "leave it unset (depth batches)"
-            ) from None
-
-    def _size_pool_for(self, nbytes: int) -> None:
-        """Cap the staging pool at ``depth`` batches: one being packed while the others'
-        copies run. The cap is the back-pressure (when the device falls behind, packing waits
-        for copies to finish instead of pinning more memory) and it keeps the staging memory
-        small, which is faster: on an H100 host, staging 64 MiB batches through 2 rotating
-        pinned buffers ran at 53 GB/s and through 3 at 43 (benchmarks/NOTES.md)."""
-        if self.pool_bytes is None:
-            needed = self.depth * size_class(nbytes)
-            self.pool.max_bytes = max(self.pool.max_bytes, needed)
-
-    def _take_free_slot(self, stop: threading.Event) -> int | None:
-        while not stop.is_set():
-            try:
-                return self.free_slots.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
+            self.times["source_s"] += time.perf_counter() - started
         return None
 
-    def _issue(self, index: int, plan: PackPlan, host: PinnedBuffer | None) -> _Issued:
-        """Queue the plan's copies into slot ``index`` on the copy stream, behind the
-        consumer's last use of the slot; the staging buffer goes back once they are done."""
-        slot = self.slots[index]
-        timing = self._new_timing() if self.timing else None
-        segments = plan.segments()
-        with self.device.use_stream(self.copy_stream):
-            self.copy_stream.wait_event(slot.consumer_done)
-            if slot.buffer is None or slot.buffer.numel() < plan.nbytes:
-                self._grow(slot, plan.nbytes)
-            if timing is not None:
-                timing.copy_start.record(self.copy_stream)
-            for seg in segments:
-                if seg.source is None:
-                    source = host.bytes[seg.offset : seg.offset + seg.nbytes]
-                else:
-                    source = seg.source.reshape(-1).view(torch.uint8)
-                slot.buffer[seg.offset : seg.offset + seg.nbytes].copy_(source, non_blocking=True)
-            slot.copy_done.record(self.copy_stream)
-            if timing is not None:
-                timing.copy_end.record(self.copy_stream)
-            if host is not None:
-                # The pool gets an event of its own: the slot's is recorded again at the
-                # slot's next copy and would keep this buffer looking busy until then.
-                copied = self.device.new_event()
-                copied.record(self.copy_stream)
-                self.pool.release(host, after=copied)
-        return _Issued(index, plan, timing, tuple(seg.nbytes for seg in segments))
+    def _gather(self) -> _Crossing | None:
+        """The next crossing: one batch, or several small ones in a row."""
+        first = self._next_plan()
+        if first is None:
+            return None
+        parts, nbytes = [_Part(first, 0)], first.nbytes
+        if not self.coalesce or first.nbytes > _COALESCE_MAX_BATCH:
+            return _Crossing(parts, nbytes)
+        while len(parts) < _COALESCE_MAX_COUNT:
+            plan = self._next_plan()
+            if plan is None:
+                break
+            offset = round_up(nbytes, ALIGN)
+            if offset + plan.nbytes > COALESCE_BYTES:
+                self.carried = plan  # starts the next crossing
+                break
+            parts.append(_Part(plan, offset))
+            nbytes = offset + plan.nbytes
+        return _Crossing(parts, nbytes)
 
-    def _grow(self, slot: _Slot, nbytes: int) -> None:
-        """A bigger device buffer for ``slot``, allocated on the copy stream (so the caching
-        allocator hands out a block free in that stream's order) once the old one is idle."""
-        if slot.buffer is not None:
-            slot.consumer_done.synchronize()  # rare: only when batches grow
-        slot.buffer = torch.empty(size_class(nbytes), dtype=torch.uint8, device=self.device.torch)
-
-    def _new_timing(self) -> _Timing:
+    def _stage(self, crossing: _Crossing) -> None:
+        """Write the crossing's staged tensors into pinned memory."""
+        if not any(part.plan.has_staged for part in crossing.parts):
+            return
+        crossing.host = self._staging_buffer(crossing.nbytes)
         try:
-            return self.spare_timings.pop()
-        except IndexError:
-            return _Timing(self.device)
+            if crossing.nbytes >= BACKGROUND_BYTES:
+                if self.writer is None:
+                    self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
+                for part in crossing.parts:
+                    end = part.offset + part.plan.nbytes
+                    jobs = part.plan.write_jobs(
+                        crossing.host.bytes[part.offset : end], _WRITE_CHUNK
+                    )
+                    crossing.writes += [self.writer.submit(job) for job in jobs]
+                return
+            for part in crossing.parts:
+                if part.plan.has_staged:
+                    end = part.offset + part.plan.nbytes
+                    part.plan.write_into(crossing.host.bytes[part.offset : end])
+        except BaseException:
+            self._abandon_writes(crossing)
+            self.pool.release(crossing.host)
+            crossing.host = None
+            raise
 
-    def halt(self, timeout: float) -> None:
-        """Stop the current epoch's thread: it finishes the batch it is issuing, if any, and
-        takes no more. Waits up to ``timeout`` seconds for it to exit; a thread still inside
-        the source's ``next`` (a slow or blocked source) exits when that returns."""
-        with self.lock:
-            self.stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
+    def _abandon_writes(self, crossing: _Crossing) -> None:
+        for future in crossing.writes:
+            future.cancel()
+        with housekeeping():
+            wait(crossing.writes)
+        crossing.writes = []
 
-    def release(self, timeout: float = 1.0) -> None:
-        """Stop, wait for the copies already queued, and free the slots and pinned memory
-        (also what the finalizer of a loader dropped without ``close()`` runs)."""
+    def _staging_buffer(self, nbytes: int) -> PinnedBuffer:
+        """A staging buffer from the pool, capped at ``depth + 2`` crossings: those read ahead
+        and one whose copy may still run. The cap is the back-pressure: when the device falls
+        behind, staging waits for a copy to finish instead of pinning more memory."""
+        if self.pool_bytes is None:
+            self.pool.max_bytes = max(self.pool.max_bytes, (self.depth + 2) * size_class(nbytes))
+        started = time.perf_counter()
+        try:
+            with housekeeping():  # the loader's own wait, reported in stats.stall_s
+                return self.pool.acquire(nbytes)
+        except GpuflowError as exc:
+            if self.pool_bytes is None or not ("cap" in str(exc) or "full" in str(exc)):
+                raise
+            raise GpuflowError(  # the loader's knob, not the pool's
+                f"DeviceLoader needs {self.depth + 2} staging buffers of {nbytes:,} bytes, "
+                f"more than pool_bytes={self.pool_bytes:,} holds; raise pool_bytes or leave "
+                "it unset"
+            ) from None
+        finally:
+            self.times["stall_s"] += time.perf_counter() - started
+
+    # ---- queueing copies --------------------------------------------------------------------
+
+    def issue_ready(self, key: Any) -> None:
+        """Queue the copies of staged crossings, up to ``depth`` ahead of the consumer, whose
+        current stream is ``key``. Waits for writes only when the consumer has nothing else
+        to take."""
+        while self.pulled and len(self.issued) < max(self.depth, 1):
+            crossing = self.pulled[0]
+            if self.issued and not all(f.done() for f in crossing.writes):
+                return
+            self.pulled.popleft()
+            try:
+                self._finish_writes(crossing)
+            except Exception as exc:  # raised to the consumer after the batches before it
+                self.failure = exc
+                self.discard(self.pulled)
+                self.end_source()
+                return
+            self._issue(crossing, key)
+            self.issued.append(crossing)
+
+    def _finish_writes(self, crossing: _Crossing) -> None:
+        if not crossing.writes:
+            return
+        started = time.perf_counter()
+        try:
+            for future in crossing.writes:
+                future.result()
+        except BaseException:
+            self._abandon_writes(crossing)
+            self.pool.release(crossing.host)
+            crossing.host = None
+            raise
+        finally:
+            crossing.writes = []
+            self.times["stall_s"] += time.perf_counter() - started
+
+    def stream(self, key: Any) -> Any:
+        """The stream object of ``key`` (the current stream's)."""
+        stream = self.streams.get(key)
+        if stream is None:
+            stream = self.streams[key] = self.device.current_stream()
+        return stream
+
+    def _issue(self, crossing: _Crossing, key: Any) -> None:
+        """One copy of the staged bytes (and one per direct source tensor) into fresh memory
+        allocated on the current stream; see the module docstring for which stream runs it."""
+        side = crossing.nbytes >= SIDE_STREAM_BYTES and self.device.has_streams
+        with housekeeping():  # counted when the consumer takes each batch
+            on_device = torch.empty(crossing.nbytes, dtype=torch.uint8, device=self.device.torch)
+            if side:
+                stream = self.stream(key)
+                self.fence.record(stream)
+                with self.device.use_stream(self.copy_stream):
+                    self.copy_stream.wait_event(self.fence)
+                    done, start = self._copy(crossing, on_device, self.copy_stream)
+                crossing.alloc_stream = stream
+            else:
+                done, start = self._copy(crossing, on_device, self.stream(key))
+                crossing.ready_on = key
+            if crossing.host is not None:
+                self.pool.release(crossing.host, after=done)
+                crossing.host = None
+        crossing.on_device, crossing.done = on_device, done
+        if self.timing:
+            crossing.copy_times = (start, done)
+
+    def _copy(self, crossing: _Crossing, on_device: torch.Tensor, stream: Any) -> tuple[Any, Any]:
+        """Queue the crossing's copies on ``stream``, the current one; returns the events
+        (done, start) around them, start None without timing."""
+        start = None
+        if self.timing:
+            start = self.device.new_event(timing=True)
+            start.record(stream)
+        if crossing.host is not None:  # first: the direct copies below overwrite their gaps
+            on_device.copy_(crossing.host.bytes[: crossing.nbytes], non_blocking=True)
+            self.counts["copies"] += 1
+        for part in crossing.parts:
+            if not part.plan.has_direct:
+                continue
+            for seg in part.plan.segments():
+                if seg.source is not None:
+                    begin = part.offset + seg.offset
+                    source = seg.source.reshape(-1).view(torch.uint8)
+                    on_device[begin : begin + seg.nbytes].copy_(source, non_blocking=True)
+                    self.counts["copies"] += 1
+        done = self.device.new_event(timing=self.timing)
+        done.record(stream)
+        return done, start
+
+    # ---- handing out --------------------------------------------------------------------------
+
+    def take(self, key: Any) -> tuple[Any, _BatchTiming | None] | None:
+        """The next batch, ordered after its copy on the stream ``key`` names (the current
+        one), or None at the end of the epoch."""
+        if not self.issued:
+            if self.failure is not None:
+                failure, self.failure = self.failure, None
+                raise failure
+            return None
+        crossing = self.issued[0]
+        part = crossing.parts[crossing.handed_out]
+        timing = None
+        if self.timing:
+            first = crossing.handed_out == 0  # the crossing's copy time counts once
+            timing = _BatchTiming(
+                crossing.copy_times if first else None, self.device.new_event(timing=True),
+                self.device.new_event(timing=True),
+            )  # fmt: skip
+            timing.wait_start.record()
+        if crossing.ready_on is None or crossing.ready_on != key:
+            self.stream(key).wait_event(crossing.done)  # the device waits; the host does not
+            crossing.ready_on = key
+        if timing is not None:
+            timing.wait_end.record()
+        view = crossing.on_device[part.offset : part.offset + part.plan.nbytes]
+        batch = rebuild(view, part.plan.spec)
+        crossing.handed_out += 1
+        if crossing.handed_out == len(crossing.parts):
+            self.issued.popleft()
+        self.counts["batches"] += 1
+        wire = part.plan.wire_nbytes
+        self.counts["bytes_moved"] += wire
+        self.counts["logical_bytes"] += part.plan.logical_nbytes
+        report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)
+        return batch, timing
+
+    # ---- ending -------------------------------------------------------------------------------
+
+    def end_source(self) -> None:
+        source, self.source, self.carried = self.source, None, None
+        close_source = getattr(source, "close", None)  # a generator's finally blocks run now
+        if close_source is not None:
+            with suppress(Exception):
+                close_source()
+
+    def discard(self, crossings: deque[_Crossing]) -> None:
+        """Drop crossings never handed out (whole or in part), with no host wait."""
+        while crossings:
+            crossing = crossings.popleft()
+            self._abandon_writes(crossing)
+            if crossing.host is not None:
+                self.pool.release(crossing.host)
+                crossing.host = None
+            crossing.release_unused()
+
+    def end_epoch(self) -> None:
+        self.end_source()
+        self.failure = None
+        self.discard(self.pulled)
+        self.discard(self.issued)
+
+    def release(self) -> None:
+        """Free staging memory (also what the finalizer of a loader dropped without
+        ``close()`` runs)."""
         if self.released:
             return
         self.released = True
-        self.halt(timeout)
+        self.end_epoch()
+        if self.writer is not None:
+            self.writer.shutdown(wait=False)  # idle: end_epoch waited for every write
         with housekeeping():
-            self.copy_stream.synchronize()  # no slot is freed under a copy into it
-            self.pool.close()
-        for slot in self.slots:
-            slot.buffer = None
+            self.pool.close()  # waits for copies still reading staging memory
 
 
 class DeviceLoader:
     """See the module docstring.
 
-    ``depth`` device slots (2: double buffering). ``narrow`` and ``lossy_float`` are
-    ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the pinned staging memory (default:
-    ``depth`` batches). ``timing`` records events for ``stats``' device times. ``views``:
-    hand out views of the reused slots instead of tensors the batch owns (one device copy
-    less per batch; see the module docstring).
+    ``depth``: copies queued ahead of the batch in use (2: double buffering). ``depth=0``
+    reads no batch before it is asked for and coalesces none: for a source that waits on the
+    consumer's results (an actor feeding a learner), which reading ahead would deadlock;
+    each copy then runs while the consumer waits on the device. ``narrow`` and
+    ``lossy_float`` are ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the
+    pinned staging memory (default: ``depth + 2`` staging buffers). ``timing`` records events
+    for the device times in ``stats`` (off by default: they cost host time per batch).
+    ``coalesce=False`` gives every batch its own copy, so that a ledger or profiler window
+    of N steps sees N copies (``gpuflow train``'s streamed path, whose copies are profiled).
 
-    Like a ``DataLoader``, each ``iter(loader)`` is an epoch over the source, on a thread
-    started then; slots and pinned memory are reused from one epoch to the next. ``len()``
-    is the source's. A source that is itself an iterator (a generator) gives one epoch.
+    Like a ``DataLoader``, each ``iter(loader)`` is an epoch over the source; staging memory
+    is reused from one epoch to the next. ``len()`` is the source's. A source that is itself
+    an iterator (a generator) gives one epoch.
     """
 
     def __init__(
@@ -316,11 +497,11 @@ class DeviceLoader:
         narrow: bool = True,
         lossy_float: LossyFloat = None,
         pool_bytes: int | None = None,
-        timing: bool = True,
-        views: bool = False,
+        timing: bool = False,
+        coalesce: bool = True,
     ) -> None:
-        if depth < 1:
-            raise GpuflowError(f"DeviceLoader depth must be >= 1, got {depth}")
+        if depth < 0:
+            raise GpuflowError(f"DeviceLoader depth must be >= 0, got {depth}")
         self.device = Device.resolve(device)
         self.depth = depth
         self._source = source
@@ -329,17 +510,15 @@ class DeviceLoader:
             "lossy_float": lossy_float,
             "direct_pinned": self.device.supports_pinned_memory,
         }
-        self._producer = _Producer(self.device, depth, pack_options, pool_bytes, timing)
+        self._pipeline = _Pipeline(self.device, depth, pack_options, pool_bytes, timing, coalesce)
         # Runs on close(), on collection of a loader never closed, and at interpreter exit.
-        self._finalizer = weakref.finalize(self, self._producer.release)
-        self._ready: queue.Queue[Any] | None = None  # the current epoch's: _Issued, then the end
+        self._finalizer = weakref.finalize(self, self._pipeline.release)
         self._epochs = 0
-        self._held: _Issued | None = None
-        self._unread: deque[_Timing] = deque()  # timings of batches let go of, oldest first
-        self._counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
-        self._times = {"stall_s": 0.0, "transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
+        self._in_epoch = False
+        self._held: _BatchTiming | None = None  # the timing of the batch in use
+        self._unread: deque[_BatchTiming] = deque()  # timings of batches let go of
+        self._device_times = {"transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
         self._closed = False
-        self._views = views
 
     def __len__(self) -> int:
         if not hasattr(self._source, "__len__"):
@@ -351,7 +530,7 @@ class DeviceLoader:
     # ---- epochs -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        """Start an epoch (after stopping one still running)."""
+        """Start an epoch (after ending one still running)."""
         if self._closed:
             raise GpuflowError("this DeviceLoader is closed; make a new one to iterate again")
         self._end_epoch()
@@ -362,95 +541,46 @@ class DeviceLoader:
                 "something that can be iterated again (a list, a DataLoader) for more epochs"
             )
         self._epochs += 1
-        self._ready = queue.Queue()
-        self._producer.start(batches, self._ready)
+        self._in_epoch = True
+        self._pipeline.source = batches
         return self
 
-    def _end_epoch(self, timeout: float = 1.0) -> None:
-        """Let go of the held batch, stop the epoch's thread, and hand back the slots of
-        batches copied but never taken. Queues device work only: nothing waits here."""
-        self._let_go_of_held(self.device.current_stream())
-        if self._ready is None:
-            return
-        self._producer.halt(timeout)
-        while True:
-            try:
-                item = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Issued):
-                self._producer.free_slots.put(item.slot)
-        self._ready = None
-
-    # ---- the consumer: takes queued batches, never waits for a copy -------------------------
+    def _end_epoch(self) -> None:
+        """Let go of the held batch and drop batches read ahead. Queues device work only."""
+        self._let_go_of_held()
+        if self._in_epoch:
+            self._pipeline.end_epoch()
+            self._in_epoch = False
 
     def __next__(self) -> Any:
-        if self._ready is None:
+        if not self._in_epoch:
             if self._epochs == 0 and not self._closed:
                 iter(self)  # next() on a fresh loader starts its first epoch
             else:
                 raise StopIteration
-        stream = self.device.current_stream()
-        self._let_go_of_held(stream)
-        item = self._take_ready()
-        if item is _END or isinstance(item, _Failure):
+        self._let_go_of_held()
+        key = self.device.current_stream_key()
+        pipeline = self._pipeline
+        pipeline.top_up()
+        pipeline.issue_ready(key)
+        try:
+            taken = pipeline.take(key)
+        except BaseException:
             self._end_epoch()
-            if isinstance(item, _Failure):
-                raise item.exc
+            raise
+        if taken is None:
+            self._end_epoch()
             raise StopIteration
-        slot = self._producer.slots[item.slot]
-        if item.timing is not None:
-            item.timing.wait_start.record(stream)
-        stream.wait_event(slot.copy_done)  # the device waits for the copy; the host does not
-        if item.timing is not None:
-            item.timing.wait_end.record(stream)
-        self._held = item
-        self._counts["batches"] += 1
-        self._counts["copies"] += len(item.copy_sizes)
-        for nbytes in item.copy_sizes:  # counted by the ledgers open on this thread
-            report_copy("h2d", nbytes, "DeviceLoader batch", "uint8", True)
-        self._counts["bytes_moved"] += item.plan.nbytes
-        self._counts["logical_bytes"] += item.plan.logical_nbytes
-        self._read_finished_timings()
-        if self._views:
-            return rebuild(slot.buffer, item.plan.spec)
-        owned = slot.buffer[: item.plan.nbytes].clone()  # on this stream, after the copy
-        self._free_slot(item, stream)  # free for the next copy already; timing runs on
-        return rebuild(owned, item.plan.spec)
+        batch, self._held = taken
+        return batch
 
-    def _let_go_of_held(self, stream: Any) -> None:
-        """The consumer has queued all its work on the batch it holds: fence the slot with
-        an event on its stream, then hand the slot back for the next copy."""
+    def _let_go_of_held(self) -> None:
         if self._held is None:
             return
-        self._free_slot(self._held, stream)
-        if self._held.timing is not None:
-            self._held.timing.released.record(stream)
-            self._unread.append(self._held.timing)
+        self._held.released = self.device.new_event(timing=True)
+        self._held.released.record()
+        self._unread.append(self._held)
         self._held = None
-
-    def _free_slot(self, item: _Issued, stream: Any) -> None:
-        """Hand ``item``'s slot back once ``stream``'s work so far (its last reader) is done."""
-        if item.slot is None:
-            return
-        self._producer.slots[item.slot].consumer_done.record(stream)
-        self._producer.free_slots.put(item.slot)
-        item.slot = None
-
-    def _take_ready(self) -> Any:
-        started = time.perf_counter()
-        thread = self._producer.thread
-        try:
-            while True:
-                try:
-                    return self._ready.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if not thread.is_alive() and self._ready.empty():
-                        return _Failure(
-                            RuntimeError("the DeviceLoader thread died without a result")
-                        )
-        finally:
-            self._times["stall_s"] += time.perf_counter() - started
 
     # ---- timings ----------------------------------------------------------------------------
 
@@ -459,36 +589,35 @@ class DeviceLoader:
             t = self._unread.popleft()
             if wait:
                 t.released.synchronize()
-            self._times["transfer_ms"] += t.copy_start.elapsed_time(t.copy_end)
-            self._times["exposed_ms"] += t.wait_start.elapsed_time(t.wait_end)
-            self._times["compute_ms"] += t.wait_end.elapsed_time(t.released)
-            self._producer.spare_timings.append(t)
+            if t.copy_times is not None:
+                self._device_times["transfer_ms"] += t.copy_times[0].elapsed_time(t.copy_times[1])
+            self._device_times["exposed_ms"] += t.wait_start.elapsed_time(t.wait_end)
+            self._device_times["compute_ms"] += t.wait_end.elapsed_time(t.released)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
     @property
     def stats(self) -> LoaderStats:
         self._read_finished_timings()
-        return LoaderStats(**self._counts, **self._times)
+        pipeline = self._pipeline
+        return LoaderStats(**pipeline.counts, **pipeline.times, **self._device_times)
 
     @property
     def pool_stats(self) -> PoolStats:
         """The pinned staging pool's figures: bytes reserved, high water, hits and waits."""
-        return self._producer.pool.stats
+        return self._pipeline.pool.stats
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the packing thread, finish the queued copies, free pinned and device memory.
-        Returns within about ``timeout`` seconds even when the source is slow or blocked (its
-        thread then exits when the source returns). Its waits are the loader's housekeeping:
-        a ledger open around it does not count them."""
+    def close(self) -> None:
+        """Drop batches read ahead, wait for the copies still reading staging memory, and
+        free it. Its waits are the loader's housekeeping: a ledger open around it does not
+        count them."""
         if self._closed:
             return
         self._closed = True
-        self._end_epoch(timeout)
+        self._end_epoch()
         with housekeeping():
             self._read_finished_timings(wait=True)
-        self._finalizer.detach()  # released here, not again when collected
-        self._producer.release(timeout=0)  # _end_epoch has already waited for the thread
+        self._finalizer()  # released now, and not again when collected
 
     def __enter__(self) -> DeviceLoader:
         return self

@@ -1,0 +1,227 @@
+"""``DeviceLoader`` against the PyTorch idioms it replaces, in one process.
+
+- sweep: batches of 8 KiB to 64 MiB, from pageable and from pinned memory, each with a
+  little compute (one reduction into an accumulator), through four paths:
+  ``DataLoader(pin_memory=True)`` + ``.to(non_blocking=True)``; per-batch
+  ``.pin_memory().to(non_blocking=True)``; plain ``.to()``; and ``DeviceLoader``. Also the
+  loader's own host time per batch with no compute at all.
+- images: an image-classification loop (a ``DataLoader`` with workers yielding dicts of uint8
+  images and int64 labels, a small CNN trained under bf16 autocast) fed by
+  ``DataLoader(pin_memory=True)`` + ``.to()`` and by ``DeviceLoader`` over the same
+  ``DataLoader`` without ``pin_memory``.
+
+Paths run in alternating rounds and the median round counts: a host's copy speed drifts
+within a process (benchmarks/NOTES.md), and back-to-back rounds of one path would take the
+drift for a difference between paths.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader
+
+KB, MB = 1 << 10, 1 << 20
+IDIOMS = ("dataloader", "pin_to", "to")
+PATHS = (*IDIOMS, "deviceloader")
+
+
+@dataclass(frozen=True)
+class LoaderBenchConfig:
+    sizes: tuple[int, ...] = (8 * KB, 256 * KB, MB, 4 * MB, 16 * MB, 64 * MB)
+    bytes_per_round: int = 2048 * MB  # each path moves this much per round (within limits)
+    rounds: int = 3
+    image_batch_sizes: tuple[int, ...] = (256, 2048)  # 3x64x64 uint8: 3.1 MB and 25 MB
+    image_side: int = 64
+    image_steps: int = 60
+    image_workers: int = 6
+
+    @classmethod
+    def quick(cls) -> LoaderBenchConfig:
+        return cls(
+            sizes=(8 * KB, MB),
+            bytes_per_round=16 * MB,
+            rounds=1,
+            image_batch_sizes=(32,),
+            image_side=32,
+            image_steps=6,
+            image_workers=2,
+        )
+
+
+def _batches_per_round(cfg: LoaderBenchConfig, nbytes: int) -> int:
+    return max(32, min(2000, cfg.bytes_per_round // nbytes))
+
+
+# ---- the sweep --------------------------------------------------------------------------------
+
+
+def _paths(device: Device) -> dict[str, Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]]:
+    target = device.torch
+    pinned = device.supports_pinned_memory
+
+    def dataloader(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=pinned)
+        return (b.to(target, non_blocking=True) for b in loader)
+
+    def pin_to(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        if not pinned:
+            return (b.to(target) for b in batches)
+        return (b.pin_memory().to(target, non_blocking=True) for b in batches)
+
+    def to(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        return (b.to(target) for b in batches)
+
+    def deviceloader(batches: list[torch.Tensor]) -> DeviceLoader:
+        return DeviceLoader(batches, device)
+
+    return {"dataloader": dataloader, "pin_to": pin_to, "to": to, "deviceloader": deviceloader}
+
+
+def _consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
+    """Seconds from the first request to the last batch's work done on the device."""
+    acc = torch.zeros((), device=device.torch)
+    device.synchronize()
+    started = time.perf_counter()
+    for batch in loader:
+        if compute:
+            acc += batch.sum()  # a little work per batch: one read of it
+    device.synchronize()
+    elapsed = time.perf_counter() - started
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    return elapsed
+
+
+def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
+    """One row per (size, source kind): each path's GB/s and microseconds per batch."""
+    paths = _paths(device)
+    kinds = ("pageable", "pinned") if device.supports_pinned_memory else ("pageable",)
+    rows = []
+    for nbytes in cfg.sizes:
+        n = _batches_per_round(cfg, nbytes)
+        distinct = [torch.randn(nbytes // 4) for _ in range(4)]
+        for kind in kinds:
+            tensors = [t.pin_memory() for t in distinct] if kind == "pinned" else distinct
+            batches = list(itertools.islice(itertools.cycle(tensors), n))
+            for make in paths.values():  # untimed: kernels, allocator and threads warmed up
+                _consume(device, make(batches[: min(n, 16)]))
+            seconds: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(cfg.rounds):
+                for name, make in paths.items():
+                    seconds[name].append(_consume(device, make(batches)))
+            row: dict[str, Any] = {"batch_bytes": nbytes, "source": kind, "batches": n}
+            for name, runs in seconds.items():
+                s = statistics.median(runs)
+                row[f"{name}_gb_s"] = nbytes * n / s / 1e9
+                row[f"{name}_us_per_batch"] = s / n * 1e6
+            fastest = max(IDIOMS, key=lambda name: row[f"{name}_gb_s"])
+            row["fastest_idiom"] = fastest
+            row["vs_fastest_idiom"] = row["deviceloader_gb_s"] / row[f"{fastest}_gb_s"]
+            row["vs_dataloader"] = row["deviceloader_gb_s"] / row["dataloader_gb_s"]
+            no_compute = [_consume(device, DeviceLoader(batches, device), compute=False)]
+            row["deviceloader_host_us_per_batch"] = min(no_compute) / n * 1e6
+            rows.append(row)
+    return rows
+
+
+# ---- the image loop -----------------------------------------------------------------------------
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """uint8 (3, side, side) images drawn from a fixed bank, with int64 labels: the
+    decode-free end of an image pipeline, so the loop measures the movement, not a codec."""
+
+    def __init__(self, length: int, side: int, bank: int = 512) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randint(0, 256, (bank, 3, side, side), dtype=torch.uint8,
+                                    generator=generator)  # fmt: skip
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": self.images[i % len(self.images)], "label": i % 10}
+
+
+def small_cnn() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def _train_images(
+    device: Device, batches: Iterable[dict[str, torch.Tensor]], model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer, warmup: int,
+) -> tuple[float, int]:  # fmt: skip
+    """(seconds after ``warmup`` steps until the last step is done, images in that time)."""
+    images, started = 0, 0.0
+    for step, batch in enumerate(batches):
+        if step == warmup:
+            device.synchronize()
+            started = time.perf_counter()
+        x = batch["image"].float().div_(255)  # (B, 3, H, W) uint8 crossed; widened here
+        with device.autocast():
+            loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            images += len(batch["label"])
+    device.synchronize()
+    return time.perf_counter() - started, images
+
+
+def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
+    """Images per second through both feeds, at each batch size."""
+    target = device.torch
+    model = small_cnn().to(target).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    warmup = max(2, cfg.image_steps // 10)
+    rows = []
+    for batch_size in cfg.image_batch_sizes:
+        data = SyntheticImages(batch_size * (cfg.image_steps + warmup), cfg.image_side)
+
+        def source(pin: bool, data: Any = data, batch_size: int = batch_size) -> Any:
+            return torch.utils.data.DataLoader(
+                data, batch_size=batch_size, num_workers=cfg.image_workers,
+                pin_memory=pin and device.supports_pinned_memory, persistent_workers=False,
+                prefetch_factor=4,
+            )  # fmt: skip
+
+        def idiom() -> tuple[float, int]:
+            feed = (
+                {k: v.to(target, non_blocking=True) for k, v in b.items()} for b in source(True)
+            )
+            return _train_images(device, feed, model, optimizer, warmup)
+
+        def ours() -> tuple[float, int]:
+            with DeviceLoader(source(False), device) as loader:
+                return _train_images(device, loader, model, optimizer, warmup)
+
+        runs: dict[str, list[float]] = {"dataloader": [], "deviceloader": []}
+        for _ in range(cfg.rounds):
+            for name, run in (("dataloader", idiom), ("deviceloader", ours)):
+                seconds, count = run()
+                runs[name].append(count / seconds)
+        batch_bytes = batch_size * (3 * cfg.image_side**2 + 8)
+        row: dict[str, Any] = {"batch_size": batch_size, "batch_bytes": batch_bytes}
+        for name, rates in runs.items():
+            row[f"{name}_images_s"] = statistics.median(rates)
+            row[f"{name}_images_s_per_round"] = rates
+        row["speedup"] = row["deviceloader_images_s"] / row["dataloader_images_s"]
+        rows.append(row)
+    return rows

@@ -30,6 +30,7 @@ CROSSING_ALLOWED = {
     "baselines/": "the pipelines gpuflow replaces cross the bus the way they always did",
     "device/linkprobe.py": "measures the link by copying across it",
     "bench/transfer.py": "times the PyTorch idioms it compares the transfer layer with",
+    "bench/loaders.py": "times the loading idioms DeviceLoader replaces, and their .to()",
     "bench/checkpoint.py": "times the usual checkpoint save (every tensor .cpu()) as a baseline",
     "train/checkpoint.py::.numpy()": "encode_tensor's RNG states, which live on the host",
 }

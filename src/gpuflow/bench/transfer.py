@@ -289,7 +289,8 @@ class TransferBench:
             "epochs": cfg.flat_epochs,
             "after_epoch_2": by_epoch[2],
             f"after_epoch_{cfg.flat_epochs}": by_epoch[cfg.flat_epochs],
-            "flat": _same_footprint(first, last, by_epoch[2], by_epoch[cfg.flat_epochs]),
+            "flat": _same_footprint(first, last)
+            and _same_footprint(by_epoch[2], by_epoch[cfg.flat_epochs]),
         }
 
 

@@ -52,14 +52,15 @@ for name, fn in prims.items():
     print(f"{name:32s} {per_call_us(fn):7.2f} us", flush=True)
 torch.cuda.set_stream(torch.cuda.default_stream())
 
-for nbytes, kind in ((8 << 10, "pageable"), (8 << 10, "pinned"), (1 << 20, "pageable"), (4 << 20, "pinned")):
+CASES = ((8 << 10, "pageable"), (8 << 10, "pinned"), (1 << 20, "pageable"), (4 << 20, "pinned"))
+for nbytes, kind in CASES:
     distinct = [torch.randn(nbytes // 4) for _ in range(4)]
     if kind == "pinned":
         distinct = [t.pin_memory() for t in distinct]
     n = 2000 if nbytes < 1 << 20 else 300
     batches = list(itertools.islice(itertools.cycle(distinct), n))
 
-    def run():
+    def run(batches=batches):
         with DeviceLoader(batches, dev) as loader:
             for _ in loader:
                 pass

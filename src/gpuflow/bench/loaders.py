@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gpuflow.bench.common import gb_per_s
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 
@@ -122,7 +123,7 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"batch_bytes": nbytes, "source": kind, "batches": n}
             for name, runs in seconds.items():
                 s = statistics.median(runs)
-                row[f"{name}_gb_s"] = nbytes * n / s / 1e9
+                row[f"{name}_gb_s"] = gb_per_s(nbytes * n, s * 1e3)
                 row[f"{name}_us_per_batch"] = s / n * 1e6
             fastest = max(IDIOMS, key=lambda name: row[f"{name}_gb_s"])
             row["fastest_idiom"] = fastest

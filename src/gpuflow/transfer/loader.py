@@ -272,17 +272,20 @@ class _Pipeline:
                     end = part.offset + part.plan.nbytes
                     part.plan.write_into(crossing.host.bytes[part.offset : end])
         except BaseException:
-            self._abandon_writes(crossing)
-            self.pool.release(crossing.host)
-            crossing.host = None
+            self._drop_staging(crossing)
             raise
 
-    def _abandon_writes(self, crossing: _Crossing) -> None:
+    def _drop_staging(self, crossing: _Crossing) -> None:
+        """Cancel or wait out the crossing's writes and give its staging buffer back, unused
+        (no copy read it)."""
         for future in crossing.writes:
             future.cancel()
         with housekeeping():
             wait(crossing.writes)
         crossing.writes = []
+        if crossing.host is not None:
+            self.pool.release(crossing.host)
+            crossing.host = None
 
     def _staging_buffer(self, nbytes: int) -> PinnedBuffer:
         """A staging buffer from the pool, capped at ``depth + 2`` crossings: those read ahead
@@ -333,13 +336,11 @@ class _Pipeline:
         try:
             for future in crossing.writes:
                 future.result()
+            crossing.writes = []
         except BaseException:
-            self._abandon_writes(crossing)
-            self.pool.release(crossing.host)
-            crossing.host = None
+            self._drop_staging(crossing)
             raise
         finally:
-            crossing.writes = []
             self.times["stall_s"] += time.perf_counter() - started
 
     def stream(self, key: Any) -> Any:
@@ -415,7 +416,7 @@ class _Pipeline:
                 self.device.new_event(timing=True),
             )  # fmt: skip
             timing.wait_start.record()
-        if crossing.ready_on is None or crossing.ready_on != key:
+        if crossing.ready_on != key:
             self.stream(key).wait_event(crossing.done)  # the device waits; the host does not
             crossing.ready_on = key
         if timing is not None:
@@ -442,13 +443,11 @@ class _Pipeline:
                 close_source()
 
     def discard(self, crossings: deque[_Crossing]) -> None:
-        """Drop crossings never handed out (whole or in part), with no host wait."""
+        """Drop crossings never handed out (whole or in part); the host waits only for a
+        write still running on a writer thread."""
         while crossings:
             crossing = crossings.popleft()
-            self._abandon_writes(crossing)
-            if crossing.host is not None:
-                self.pool.release(crossing.host)
-                crossing.host = None
+            self._drop_staging(crossing)
             crossing.release_unused()
 
     def end_epoch(self) -> None:

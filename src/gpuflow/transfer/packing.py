@@ -148,12 +148,12 @@ class PackPlan:
 
     def write_into(self, buffer: torch.Tensor) -> None:
         """Copy every staged tensor into ``buffer`` (uint8, >= ``nbytes``), converting codecs."""
-        if buffer.dtype != torch.uint8 or buffer.numel() < self.nbytes or buffer.stride(0) != 1:
-            raise ValueError(f"need a contiguous uint8 buffer of >= {self.nbytes} bytes")
+        self._check_buffer(buffer)
         for leaf, source, direct in self._layout:
             if direct:
                 continue
-            if _plain_bytes(source, leaf):  # small: one memmove, not four torch calls
+            if 0 < leaf.nbytes <= _MEMMOVE_MAX_BYTES and _crosses_as_is(source, leaf):
+                # small: one memmove, not four torch calls
                 ctypes.memmove(buffer.data_ptr() + leaf.offset, source.data_ptr(), leaf.nbytes)
                 continue
             target = _view(buffer, leaf, leaf.wire)
@@ -167,20 +167,12 @@ class PackPlan:
         crosses as it is split into byte ranges of about ``chunk``, each converted or
         stacked tensor as one job. torch's copy lets go of the interpreter lock, so jobs on
         several threads copy in parallel."""
-        if buffer.dtype != torch.uint8 or buffer.numel() < self.nbytes or buffer.stride(0) != 1:
-            raise ValueError(f"need a contiguous uint8 buffer of >= {self.nbytes} bytes")
+        self._check_buffer(buffer)
         jobs: list[Callable[[], object]] = []
         for leaf, source, direct in self._layout:
             if direct:
                 continue
-            plain = (
-                isinstance(source, torch.Tensor)
-                and source.dtype == leaf.wire
-                and source.is_contiguous()
-                and not source.is_conj()
-                and not source.is_neg()
-            )
-            if not plain:
+            if not _crosses_as_is(source, leaf):
                 target = _view(buffer, leaf, leaf.wire)
                 if isinstance(source, list):
                     jobs.append(lambda t=target, s=source: torch.stack(s, out=t))
@@ -193,6 +185,10 @@ class PackPlan:
                 end = min(begin + chunk, leaf.nbytes)
                 jobs.append(lambda d=dst[begin:end], s=src[begin:end]: d.copy_(s))
         return jobs
+
+    def _check_buffer(self, buffer: torch.Tensor) -> None:
+        if buffer.dtype != torch.uint8 or buffer.numel() < self.nbytes or buffer.stride(0) != 1:
+            raise ValueError(f"need a contiguous uint8 buffer of >= {self.nbytes} bytes")
 
     @property
     def wire_nbytes(self) -> int:
@@ -237,11 +233,10 @@ class Packed:
     spec: Any
 
 
-def _plain_bytes(source: torch.Tensor | list[torch.Tensor], leaf: Leaf) -> bool:
-    """Whether ``source`` is a small tensor whose bytes are the leaf's as they lie."""
+def _crosses_as_is(source: torch.Tensor | list[torch.Tensor], leaf: Leaf) -> bool:
+    """Whether ``source`` is one host tensor whose bytes are the leaf's as they lie."""
     return (
         isinstance(source, torch.Tensor)
-        and 0 < leaf.nbytes <= _MEMMOVE_MAX_BYTES
         and source.dtype == leaf.wire
         and source.device.type == "cpu"
         and source.is_contiguous()

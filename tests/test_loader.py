@@ -138,7 +138,7 @@ def test_depth_zero_reads_nothing_ahead_for_a_source_that_waits_on_the_consumer(
 
 
 def test_memory_is_flat_after_warm_up():
-    for shape in ((64, 129), (1024, 1024)):  # coalesced; large, on the writer thread
+    for shape in ((64, 129), (1024, 1024)):  # coalesced; 2 MiB each, alone
         batches = (np.full(shape, i % 1000, dtype=np.uint16) for i in range(400))
         with DeviceLoader(batches, "cpu", depth=2) as loader:
             seen = []
@@ -196,7 +196,7 @@ def _writers_back_to(count: int, timeout: float = 2.0) -> bool:
 
 def test_epochs_reuse_pinned_memory_and_only_large_batches_start_writer_threads():
     before = _writer_threads()
-    for shape, threads in (((8, 33), 0), ((512, 1024), 1)):  # coalesced; 2 MiB each, alone
+    for shape, threads in (((8, 33), 0), ((2048, 2048), 1)):  # coalesced; 16 MiB each, alone
         batches = [np.full(shape, i, dtype=np.float32) for i in range(5)]
         loader = DeviceLoader(batches, "cpu")
         assert _writer_threads() == before  # constructing starts nothing
@@ -240,7 +240,7 @@ def test_a_dropped_loader_frees_its_pinned_memory_and_closes_its_source():
     def endless():
         try:
             while True:
-                yield np.zeros(1 << 18)  # 2 MiB
+                yield np.zeros(1 << 21)  # 16 MiB: staged on the writer threads
         finally:
             closed.set()
 
@@ -339,3 +339,19 @@ def test_without_coalescing_every_batch_is_its_own_copy():
     with DeviceLoader(token_batches(40), "cpu", coalesce=False) as loader:
         assert len(list(loader)) == 40
     assert loader.stats.copies == loader.stats.batches == 40
+
+
+def test_coalesced_batches_of_changing_layouts_arrive_intact():
+    """Batches sharing one copy in runs of like layouts (rebuilt a run at a time), the runs
+    broken by a new shape and by ids that no longer narrow to uint16."""
+    batches = []
+    for i in range(60):
+        width = 3 if i % 20 < 10 else 5
+        ids = [i, 70000] if i % 7 == 0 else [i, i + 1]
+        batches.append({"x": torch.full((2, width), float(i)), "ids": torch.tensor(ids)})
+    with DeviceLoader(batches, "cpu") as loader:
+        got = list(loader)
+    assert loader.stats.copies < 10
+    for sent, received in zip(batches, got, strict=True):
+        assert torch.equal(received["x"], sent["x"])
+        assert received["ids"].dtype == torch.int64 and torch.equal(received["ids"], sent["ids"])

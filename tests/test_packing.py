@@ -280,3 +280,45 @@ def test_write_jobs_fill_the_buffer_exactly_as_write_into_does():
     for job in reversed(jobs):  # in any order
         job()
     assert torch.equal(whole, jobs_buffer)
+
+
+def test_a_planner_shares_one_layout_among_like_batches_and_only_among_them():
+    from gpuflow.transfer.packing import Planner
+
+    planner = Planner(narrow=True, lossy_float=None)
+
+    def plan(x, ids):
+        return planner.plan_pack({"x": x, "ids": torch.tensor(ids)})
+
+    x = torch.ones(3, 4)
+    first, like = plan(torch.zeros(3, 4), [1, 2]), plan(x, [5, 6])
+    assert like.layout is first.layout and like.sources[0] is x
+    assert plan(x, [70000, 1]).layout is not first.layout  # ids no longer fit uint16
+    assert plan(torch.ones(3, 5), [5, 6]).layout is not first.layout
+    assert plan(x, [5, 6]).layout is first.layout
+    # a batch outside the quick walk (a string in it) is planned in full every time
+    odd = [planner.plan_pack({"x": x, "name": "a"}) for _ in range(2)]
+    assert odd[0].layout is not odd[1].layout
+
+
+def test_rebuilding_a_run_of_like_batches_equals_rebuilding_each():
+    from gpuflow.transfer.packing import Planner, rebuild_run
+
+    planner = Planner(narrow=True, lossy_float=None)
+    batches = [
+        {"x": torch.randn(2, 3), "ids": torch.arange(i, i + 4), "pair": (torch.ones(1) * i, 7)}
+        for i in range(5)
+    ]
+    plans = [planner.plan_pack(b) for b in batches]
+    stride = plans[0].nbytes
+    assert stride % ALIGN == 0
+    buffer = torch.zeros(stride * 5, dtype=torch.uint8)
+    for i, plan in enumerate(plans):
+        plan.write_into(buffer, i * stride)
+    run = rebuild_run(buffer, plans[0].spec, 0, stride, 5)
+    for i, (got, sent) in enumerate(zip(run, batches, strict=True)):
+        alone = rebuild(buffer[i * stride : (i + 1) * stride], plans[i].spec)
+        for out in (got, alone):
+            assert torch.equal(out["x"], sent["x"])
+            assert out["ids"].dtype == torch.int64 and torch.equal(out["ids"], sent["ids"])
+            assert torch.equal(out["pair"][0], sent["pair"][0]) and out["pair"][1] == 7

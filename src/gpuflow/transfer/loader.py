@@ -10,30 +10,40 @@ device, with the copies queued ahead of the batch in use:
 
 How a batch crosses (every step of it on the consumer's thread unless said otherwise):
 1. ``next`` reads the source and plans the batch (``gpuflow.transfer.packing``: one buffer,
-   integers narrowed when their values allow).
+   integers narrowed when their values allow). Batches of one structure, shapes and codecs
+   share one layout, found by a quick walk over their tensors, so a stream of like batches
+   is laid out once.
 2. It is written into pinned staging memory from a ``PinnedPool``: small tensors by one
    ``memmove`` each, on the consumer's thread; a crossing of ``BACKGROUND_BYTES`` or more in
-   chunks shared by a few writer threads, so that the host copy (and the page faults of
-   memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small batches
+   4 MiB ``memmove`` jobs shared by a few writer threads, so that the host copy (and the page
+   faults of memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small batches
    are coalesced: consecutive ones share one staging buffer and one copy, up to
    ``COALESCE_BYTES``. Tensors of 64 KiB or more that are already pinned are not staged:
    each is copied from where it is, into its place in the crossing's device memory.
 3. One host->device copy per staging buffer into fresh device memory allocated on the
    consumer's stream, queued ``depth`` crossings ahead of the batch in use; the host never
-   waits for the device. A copy of ``SIDE_STREAM_BYTES`` or more runs on a side stream, so
-   that it overlaps the consumer's compute: the copy stream first waits, on the device, for
-   the consumer's work queued so far (so the caching allocator's stream-order reuse holds),
-   and the consumer's stream waits for the copy before it uses the batch. A smaller copy is
+   waits for the device. On cuda each copy is one call into the driver
+   (``gpuflow.device.drivercopy``: 1-3 us of host time where torch's copy takes 12-20);
+   ``GPUFLOW_TORCH_COPIES=1`` copies through torch instead. A copy of
+   ``SIDE_STREAM_BYTES`` or more runs on a side stream, so that it overlaps the consumer's
+   compute: the copy stream first waits, on the device, for the consumer's work queued so
+   far (so the caching allocator's stream-order reuse holds, and the host runs no further
+   ahead of the device than the staging buffers allow), and the consumer's stream waits for
+   the copy before it uses the batch. A smaller copy is
    queued on the consumer's stream itself, as ``.to(device, non_blocking=True)`` does: it
    takes microseconds on the device, less than the stream switch and the events that
    overlapping it would cost on the host. A batch taken on another stream than the one its
    copy is ordered on waits for the copy's event.
+4. When the consumer takes the first batch of a crossing, all of its batches are rebuilt on
+   the device at once: a run of batches that share a layout takes one strided view per
+   tensor (and one widening kernel per narrowed tensor) for the whole run.
 
 Why the consumer's thread does the rest: a thread that packs and issues small batches spends
 more in handing the interpreter lock back and forth than the work costs (on an H100 host,
 300-860 us per 8 KiB batch against 66 us for ``x.pin_memory().to(dev, non_blocking=True)``),
-and one thread copying a large batch ran at a fifth of the speed of torch's copy on the main
-thread, hence chunks on several (benchmarks/NOTES.md). For data loading in parallel, make
+and torch's copy on a thread of its own starts intra-op threads of its own (eight writers
+oversubscribed the cores at 13-16 GB/s), hence plain ``memmove`` jobs on several
+(benchmarks/NOTES.md). For data loading in parallel, make
 the source a ``DataLoader`` with workers.
 
 A batch's tensors are its own, whatever their dtype: fresh device memory no later batch
@@ -72,7 +82,8 @@ import torch
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.packing import ALIGN, LossyFloat, PackPlan, plan_pack, rebuild
+from gpuflow.device.drivercopy import driver_copy
+from gpuflow.transfer.packing import ALIGN, LossyFloat, PackPlan, Planner, rebuild, rebuild_run
 from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, size_class
 from gpuflow.transfer.tally import housekeeping, report_copy
 
@@ -81,7 +92,7 @@ _COALESCE_MAX_BATCH = COALESCE_BYTES // 4  # larger batches cross on their own
 _COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source is read ahead
 SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
-_WRITE_CHUNK = 4 << 20  # bytes per writer job
+_WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs copied slower: benchmarks/NOTES.md)
 _WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -135,35 +146,28 @@ class LoaderStats:
         return self.bytes_moved / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
 
 
-@dataclass
-class _Part:
-    """One batch within a crossing: its plan and where its bytes sit in the crossing."""
-
-    plan: PackPlan
-    offset: int
-
-
 class _Crossing:
-    """Batches that share one staging buffer, one host->device copy (plus one per pinned
-    source tensor copied directly) and one destination on the device."""
+    """Batches that share one staging buffer, one host->device copy (plus one per source
+    tensor copied directly) and one destination on the device."""
 
-    def __init__(self, parts: list[_Part], nbytes: int) -> None:
-        self.parts = parts
+    def __init__(self, parts: list[tuple[PackPlan, int]], nbytes: int) -> None:
+        self.parts = parts  # each batch's plan and where its bytes start in the crossing
         self.nbytes = nbytes
         self.host: PinnedBuffer | None = None
         self.writes: list[Future[object]] = []  # jobs on the writer threads, if any
-        self.on_device: torch.Tensor | None = None  # uint8, allocated on alloc_stream
-        self.alloc_stream: Any = None  # set when the copy ran on the side stream
-        self.done: Any = None  # recorded after the copies, on the stream that ran them
+        self.on_device: torch.Tensor | None = None  # uint8, allocated on the consumer's stream
+        self.alloc_stream: Any = None  # that stream, when the copy ran on the side stream
+        self.done: Any = None  # recorded after the copies when something needs it
         self.ready_on: Any = None  # the key of a stream ordered after the copies
         self.copy_times: tuple[Any, Any] | None = None
+        self.batches: deque[Any] | None = None  # rebuilt on the device at the first take
         self.handed_out = 0
 
     def release_unused(self) -> None:
         """Let go of a crossing whose batches will never be handed out (no host wait)."""
         if self.on_device is not None and self.alloc_stream is not None:
             self.alloc_stream.wait_event(self.done)  # no block goes back under the copy
-        self.on_device = None
+        self.on_device = self.batches = None
 
 
 @dataclass
@@ -183,12 +187,18 @@ class _Pipeline:
         self, device: Device, depth: int, pack_options: dict[str, Any],
         pool_bytes: int | None, timing: bool, coalesce: bool,
     ) -> None:  # fmt: skip
-        self.device, self.depth, self.pack_options = device, depth, pack_options
+        self.device, self.depth = device, depth
+        self.planner = Planner(**pack_options)
         self.coalesce = coalesce and depth > 0
         self.pool_bytes, self.timing = pool_bytes, timing
         self.copy_stream = device.new_stream()
         self.fence = device.new_event()  # the consumer's progress, for the copy stream to wait on
         self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
+        # Copies through the driver (gpuflow.device.drivercopy) unless GPUFLOW_TORCH_COPIES=1.
+        use_driver = device.type == "cuda" and not os.environ.get("GPUFLOW_TORCH_COPIES")
+        self.driver = driver_copy() if use_driver else None
+        # (done event, source tensors) of driver copies from the caller's pinned memory
+        self.sources_in_flight: deque[tuple[Any, list[torch.Tensor]]] = deque()
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
         self.streams: dict[Any, Any] = {}  # stream objects by key: building one costs 5-8 us
         self.source: Iterator[Any] | None = None  # the epoch's, None once it is used up
@@ -221,7 +231,7 @@ class _Pipeline:
         started = time.perf_counter()
         try:
             batch = next(self.source)
-            return plan_pack(batch, **self.pack_options)
+            return self.planner.plan_pack(batch)
         except StopIteration:
             self.end_source()
         except Exception as exc:  # raised to the consumer after the batches before it
@@ -236,7 +246,7 @@ class _Pipeline:
         first = self._next_plan()
         if first is None:
             return None
-        parts, nbytes = [_Part(first, 0)], first.nbytes
+        parts, nbytes = [(first, 0)], first.nbytes
         if not self.coalesce or first.nbytes > _COALESCE_MAX_BATCH:
             return _Crossing(parts, nbytes)
         while len(parts) < _COALESCE_MAX_COUNT:
@@ -247,30 +257,27 @@ class _Pipeline:
             if offset + plan.nbytes > COALESCE_BYTES:
                 self.carried = plan  # starts the next crossing
                 break
-            parts.append(_Part(plan, offset))
+            parts.append((plan, offset))
             nbytes = offset + plan.nbytes
         return _Crossing(parts, nbytes)
 
     def _stage(self, crossing: _Crossing) -> None:
         """Write the crossing's staged tensors into pinned memory."""
-        if not any(part.plan.has_staged for part in crossing.parts):
+        if not any(plan.has_staged for plan, _ in crossing.parts):
             return
         crossing.host = self._staging_buffer(crossing.nbytes)
+        staging = crossing.host.bytes
         try:
             if crossing.nbytes >= BACKGROUND_BYTES:
                 if self.writer is None:
                     self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
-                for part in crossing.parts:
-                    end = part.offset + part.plan.nbytes
-                    jobs = part.plan.write_jobs(
-                        crossing.host.bytes[part.offset : end], _WRITE_CHUNK
-                    )
+                for plan, offset in crossing.parts:
+                    jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
                     crossing.writes += [self.writer.submit(job) for job in jobs]
                 return
-            for part in crossing.parts:
-                if part.plan.has_staged:
-                    end = part.offset + part.plan.nbytes
-                    part.plan.write_into(crossing.host.bytes[part.offset : end])
+            for plan, offset in crossing.parts:
+                if plan.has_staged:
+                    plan.write_into(staging, offset)
         except BaseException:
             self._drop_staging(crossing)
             raise
@@ -351,50 +358,81 @@ class _Pipeline:
         return stream
 
     def _issue(self, crossing: _Crossing, key: Any) -> None:
-        """One copy of the staged bytes (and one per direct source tensor) into fresh memory
-        allocated on the current stream; see the module docstring for which stream runs it."""
+        """One copy of the staged bytes (and one per direct source tensor) into fresh device
+        memory; see the module docstring for which stream runs it."""
         side = crossing.nbytes >= SIDE_STREAM_BYTES and self.device.has_streams
+        size = round_up(crossing.nbytes, ALIGN)  # a whole number of any dtype (rebuild_run)
+        stream = self.stream(key)
+        in_flight = self.sources_in_flight
+        while in_flight and in_flight[0][0].query():
+            in_flight.popleft()  # copied: the caller may free or reuse them
         with housekeeping():  # counted when the consumer takes each batch
-            on_device = torch.empty(crossing.nbytes, dtype=torch.uint8, device=self.device.torch)
+            on_device = torch.empty(size, dtype=torch.uint8, device=self.device.torch)
             if side:
-                stream = self.stream(key)
+                # The copy stream first waits for the consumer's work queued so far: the
+                # memory was allocated on the consumer's stream and may be a block that work
+                # still reads. The wait is also the back-pressure: staging buffers come free
+                # no faster than the consumer's stream moves on, which bounds how far the
+                # host runs ahead (and the device memory held) when the device is behind.
                 self.fence.record(stream)
                 with self.device.use_stream(self.copy_stream):
                     self.copy_stream.wait_event(self.fence)
-                    done, start = self._copy(crossing, on_device, self.copy_stream)
+                    self._copy(crossing, on_device, self.copy_stream)
                 crossing.alloc_stream = stream
             else:
-                done, start = self._copy(crossing, on_device, self.stream(key))
+                self._copy(crossing, on_device, stream)
                 crossing.ready_on = key
             if crossing.host is not None:
-                self.pool.release(crossing.host, after=done)
+                self.pool.release(crossing.host, after=crossing.done)
                 crossing.host = None
-        crossing.on_device, crossing.done = on_device, done
-        if self.timing:
-            crossing.copy_times = (start, done)
+        crossing.on_device = on_device
 
-    def _copy(self, crossing: _Crossing, on_device: torch.Tensor, stream: Any) -> tuple[Any, Any]:
-        """Queue the crossing's copies on ``stream``, the current one; returns the events
-        (done, start) around them, start None without timing."""
+    def _copy(self, crossing: _Crossing, on_device: torch.Tensor, stream: Any) -> None:
+        """Queue the crossing's copies on ``stream``, the current one, and the events that
+        need them: ``done`` when a staging buffer or a source tensor waits for the copy, or
+        the copy runs on the side stream; start and end with timing."""
         start = None
         if self.timing:
             start = self.device.new_event(timing=True)
             start.record(stream)
+        driver = self.driver
+        if driver is not None and torch.cuda.current_device() != self.device.index:
+            driver = None  # the driver copies in the current device's context only
+        target = (on_device.data_ptr(), stream.cuda_stream) if driver is not None else None
+        kept: list[torch.Tensor] = []  # direct sources, alive until the copy has run
         if crossing.host is not None:  # first: the direct copies below overwrite their gaps
-            on_device.copy_(crossing.host.bytes[: crossing.nbytes], non_blocking=True)
-            self.counts["copies"] += 1
-        for part in crossing.parts:
-            if not part.plan.has_direct:
+            self._copy_bytes(on_device, 0, crossing.host.bytes, crossing.nbytes, target)
+        for plan, offset in crossing.parts:
+            if not plan.has_direct:
                 continue
-            for seg in part.plan.segments():
+            for seg in plan.segments():
                 if seg.source is not None:
-                    begin = part.offset + seg.offset
-                    source = seg.source.reshape(-1).view(torch.uint8)
-                    on_device[begin : begin + seg.nbytes].copy_(source, non_blocking=True)
-                    self.counts["copies"] += 1
-        done = self.device.new_event(timing=self.timing)
-        done.record(stream)
-        return done, start
+                    self._copy_bytes(on_device, offset + seg.offset, seg.source, seg.nbytes,
+                                     target)  # fmt: skip
+                    kept.append(seg.source)
+        if self.timing or crossing.host is not None or stream is self.copy_stream or kept:
+            crossing.done = self.device.new_event(timing=self.timing)
+            crossing.done.record(stream)
+        if kept and target is not None:
+            self.sources_in_flight.append((crossing.done, kept))
+        if self.timing:
+            crossing.copy_times = (start, crossing.done)
+
+    def _copy_bytes(
+        self, on_device: torch.Tensor, begin: int, source: torch.Tensor, nbytes: int,
+        target: tuple[int, int] | None,
+    ) -> None:  # fmt: skip
+        """Queue one copy of ``source``'s first ``nbytes`` (pinned, contiguous) into
+        ``on_device[begin:]``: by one driver call when ``target`` (the device buffer's
+        address and the stream's handle) is given, else (or if the driver refuses) by torch."""
+        self.counts["copies"] += 1
+        if target is not None and self.driver is not None:
+            device_ptr, stream = target
+            if self.driver(device_ptr + begin, source.data_ptr(), nbytes, stream) == 0:
+                return
+            self.driver = None  # refused (no context current here, say): torch from now on
+        flat = source.reshape(-1).view(torch.uint8)[:nbytes]
+        on_device[begin : begin + nbytes].copy_(flat, non_blocking=True)
 
     # ---- handing out --------------------------------------------------------------------------
 
@@ -407,7 +445,7 @@ class _Pipeline:
                 raise failure
             return None
         crossing = self.issued[0]
-        part = crossing.parts[crossing.handed_out]
+        plan = crossing.parts[crossing.handed_out][0]
         timing = None
         if self.timing:
             first = crossing.handed_out == 0  # the crossing's copy time counts once
@@ -415,23 +453,54 @@ class _Pipeline:
                 crossing.copy_times if first else None, self.device.new_event(timing=True),
                 self.device.new_event(timing=True),
             )  # fmt: skip
-            timing.wait_start.record()
+            timing.wait_start.record(self.stream(key))
         if crossing.ready_on != key:
-            self.stream(key).wait_event(crossing.done)  # the device waits; the host does not
-            crossing.ready_on = key
+            self._order_after_copy(crossing, key)
         if timing is not None:
-            timing.wait_end.record()
-        view = crossing.on_device[part.offset : part.offset + part.plan.nbytes]
-        batch = rebuild(view, part.plan.spec)
+            timing.wait_end.record(self.stream(key))
+        if crossing.batches is None:
+            crossing.batches = self._rebuild(crossing)
+        batch = crossing.batches.popleft()
         crossing.handed_out += 1
         if crossing.handed_out == len(crossing.parts):
             self.issued.popleft()
-        self.counts["batches"] += 1
-        wire = part.plan.wire_nbytes
-        self.counts["bytes_moved"] += wire
-        self.counts["logical_bytes"] += part.plan.logical_nbytes
+        counts = self.counts
+        counts["batches"] += 1
+        wire = plan.wire_nbytes
+        counts["bytes_moved"] += wire
+        counts["logical_bytes"] += plan.logical_nbytes
         report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)
         return batch, timing
+
+    def _order_after_copy(self, crossing: _Crossing, key: Any) -> None:
+        """Make the stream ``key`` names wait, on the device, for the crossing's copies
+        (and for the rebuild of its batches, if one ran on another stream)."""
+        stream = self.stream(key)
+        if crossing.ready_on is None:  # copied on the side stream
+            stream.wait_event(crossing.done)
+        else:  # ordered on another of the consumer's streams: mark where that one is now
+            mark = self.device.new_event()
+            mark.record(self.stream(crossing.ready_on))
+            stream.wait_event(mark)
+        crossing.ready_on = key
+
+    @staticmethod
+    def _rebuild(crossing: _Crossing) -> deque[Any]:
+        """Every batch of the crossing, rebuilt on the device at once: a run of batches that
+        share a layout takes one strided view per tensor for the whole run."""
+        on_device, parts, batches = crossing.on_device, crossing.parts, deque()
+        i = 0
+        while i < len(parts):
+            plan, offset = parts[i]
+            layout, j = plan.layout, i + 1
+            while j < len(parts) and parts[j][0].layout is layout:
+                j += 1
+            if j - i == 1:
+                batches.append(rebuild(on_device[offset : offset + layout.nbytes], layout.spec))
+            else:  # offsets of a run step by exactly layout.nbytes (a multiple of ALIGN)
+                batches.extend(rebuild_run(on_device, layout.spec, offset, layout.nbytes, j - i))
+            i = j
+        return batches
 
     # ---- ending -------------------------------------------------------------------------------
 
@@ -463,6 +532,9 @@ class _Pipeline:
             return
         self.released = True
         self.end_epoch()
+        with housekeeping():
+            while self.sources_in_flight:
+                self.sources_in_flight.popleft()[0].synchronize()
         if self.writer is not None:
             self.writer.shutdown(wait=False)  # idle: end_epoch waited for every write
         with housekeeping():
@@ -507,7 +579,7 @@ class DeviceLoader:
         pack_options = {
             "narrow": narrow,
             "lossy_float": lossy_float,
-            "direct_pinned": self.device.supports_pinned_memory,
+            "direct": self.device.supports_pinned_memory,
         }
         self._pipeline = _Pipeline(self.device, depth, pack_options, pool_bytes, timing, coalesce)
         # Runs on close(), on collection of a loader never closed, and at interpreter exit.
@@ -577,7 +649,7 @@ class DeviceLoader:
         if self._held is None:
             return
         self._held.released = self.device.new_event(timing=True)
-        self._held.released.record()
+        self._held.released.record(self._pipeline.stream(self.device.current_stream_key()))
         self._unread.append(self._held)
         self._held = None
 

@@ -136,79 +136,120 @@ class Segment:
     source: torch.Tensor | None
 
 
-@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a batch goes in the packed buffer, and the spec to rebuild it:
+    everything about a plan except the tensors themselves. Batches of one structure, shapes
+    and codecs share one ``Layout`` (see ``Planner``), which lets a loader rebuild a run of
+    them at once."""
+
+    __slots__ = ("direct", "has_direct", "has_staged", "leaves", "logical_nbytes", "nbytes",
+                 "spec", "wire_nbytes")  # fmt: skip
+
+    def __init__(
+        self, spec: Any, nbytes: int, logical_nbytes: int, leaves: tuple[Leaf, ...],
+        direct: tuple[bool, ...],
+    ) -> None:  # fmt: skip
+        self.spec, self.nbytes, self.logical_nbytes = spec, nbytes, logical_nbytes
+        self.leaves, self.direct = leaves, direct
+        # bytes of the batch itself: nbytes less the trailing alignment padding
+        self.wire_nbytes = max((leaf.offset + leaf.nbytes for leaf in leaves), default=0)
+        self.has_staged = not all(direct)
+        self.has_direct = any(direct)
+
+
 class PackPlan:
-    """A batch measured and laid out, ready to be written into any buffer of ``nbytes``."""
+    """A batch measured and laid out, ready to be written into any buffer of ``nbytes``:
+    its ``Layout`` and, leaf by leaf, the host tensor (or list of same-shape tensors to
+    stack) that fills it."""
 
-    spec: Any
-    nbytes: int  # bytes that cross the bus
-    logical_nbytes: int  # bytes the tensors occupy as given (before narrowing/compression)
-    # In layout order: (leaf, a tensor or a list of same-shape tensors to stack, direct?)
-    _layout: tuple[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool], ...]
+    __slots__ = ("layout", "sources")
 
-    def write_into(self, buffer: torch.Tensor) -> None:
-        """Copy every staged tensor into ``buffer`` (uint8, >= ``nbytes``), converting codecs."""
-        self._check_buffer(buffer)
-        for leaf, source, direct in self._layout:
+    def __init__(self, layout: Layout, sources: tuple[Any, ...]) -> None:
+        self.layout, self.sources = layout, sources
+
+    @property
+    def spec(self) -> Any:
+        return self.layout.spec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that cross the bus, alignment padding included."""
+        return self.layout.nbytes
+
+    @property
+    def logical_nbytes(self) -> int:
+        """Bytes the tensors occupy as given (before narrowing or compression)."""
+        return self.layout.logical_nbytes
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes of the batch itself on the wire: ``nbytes`` less the alignment padding."""
+        return self.layout.wire_nbytes
+
+    @property
+    def has_staged(self) -> bool:
+        return self.layout.has_staged
+
+    @property
+    def has_direct(self) -> bool:
+        return self.layout.has_direct
+
+    def write_into(self, buffer: torch.Tensor, offset: int = 0) -> None:
+        """Copy every staged tensor into ``buffer[offset:]`` (uint8, room for ``nbytes``),
+        converting codecs."""
+        layout = self.layout
+        _check_buffer(buffer, offset + layout.nbytes)
+        base = buffer.data_ptr() + offset
+        for leaf, source, direct in zip(layout.leaves, self.sources, layout.direct, strict=True):
             if direct:
                 continue
             if 0 < leaf.nbytes <= _MEMMOVE_MAX_BYTES and _crosses_as_is(source, leaf):
                 # small: one memmove, not four torch calls
-                ctypes.memmove(buffer.data_ptr() + leaf.offset, source.data_ptr(), leaf.nbytes)
+                ctypes.memmove(base + leaf.offset, source.data_ptr(), leaf.nbytes)
                 continue
-            target = _view(buffer, leaf, leaf.wire)
+            target = _view(buffer, leaf, leaf.wire, offset)
             if isinstance(source, list):
                 torch.stack(source, out=target)  # one call for the whole list
             else:
                 target.copy_(source)
 
-    def write_jobs(self, buffer: torch.Tensor, chunk: int) -> list[Callable[[], object]]:
-        """``write_into(buffer)`` as independent jobs for threads to share: each tensor that
-        crosses as it is split into byte ranges of about ``chunk``, each converted or
-        stacked tensor as one job. torch's copy lets go of the interpreter lock, so jobs on
-        several threads copy in parallel."""
-        self._check_buffer(buffer)
+    def write_jobs(
+        self, buffer: torch.Tensor, chunk: int, offset: int = 0
+    ) -> list[Callable[[], object]]:
+        """``write_into(buffer, offset)`` as independent jobs for threads to share: each
+        tensor that crosses as it is split into byte ranges of about ``chunk``, each copied
+        by one ``memmove`` (a plain memcpy that lets go of the interpreter lock, so that jobs
+        on several threads copy in parallel; torch's copy on such a thread starts intra-op
+        threads of its own and oversubscribes the cores); each converted or stacked tensor
+        as one torch job."""
+        layout = self.layout
+        _check_buffer(buffer, offset + layout.nbytes)
+        base = buffer.data_ptr() + offset
         jobs: list[Callable[[], object]] = []
-        for leaf, source, direct in self._layout:
+        for leaf, source, direct in zip(layout.leaves, self.sources, layout.direct, strict=True):
             if direct:
                 continue
             if not _crosses_as_is(source, leaf):
-                target = _view(buffer, leaf, leaf.wire)
+                target = _view(buffer, leaf, leaf.wire, offset)
                 if isinstance(source, list):
                     jobs.append(lambda t=target, s=source: torch.stack(s, out=t))
                 else:
                     jobs.append(lambda t=target, s=source: t.copy_(s))
                 continue
-            src = source.reshape(-1).view(torch.uint8)  # (nbytes,)
-            dst = buffer[leaf.offset : leaf.offset + leaf.nbytes]
+            dst, src = base + leaf.offset, source.data_ptr()
             for begin in range(0, leaf.nbytes, chunk):
-                end = min(begin + chunk, leaf.nbytes)
-                jobs.append(lambda d=dst[begin:end], s=src[begin:end]: d.copy_(s))
+                n = min(chunk, leaf.nbytes - begin)
+                # (the source is bound too, so that it outlives the job)
+                jobs.append(lambda d=dst + begin, s=src + begin, n=n, _=source: _memmove(d, s, n))
         return jobs
-
-    def _check_buffer(self, buffer: torch.Tensor) -> None:
-        if buffer.dtype != torch.uint8 or buffer.numel() < self.nbytes or buffer.stride(0) != 1:
-            raise ValueError(f"need a contiguous uint8 buffer of >= {self.nbytes} bytes")
-
-    @property
-    def wire_nbytes(self) -> int:
-        """Bytes of the batch itself on the wire: ``nbytes`` less the alignment padding."""
-        return max((leaf.offset + leaf.nbytes for leaf, _, _ in self._layout), default=0)
-
-    @property
-    def has_staged(self) -> bool:
-        return any(not direct for _, _, direct in self._layout)
-
-    @property
-    def has_direct(self) -> bool:
-        return any(direct for _, _, direct in self._layout)
 
     def segments(self) -> list[Segment]:
         """The copies that move this plan: each run of staged leaves as one, each direct
-        (already pinned) leaf as one."""
+        leaf (copied from where it is) as one."""
         out: list[Segment] = []
         run_start = run_end = None
-        for leaf, source, direct in self._layout:
+        layout = self.layout
+        for leaf, source, direct in zip(layout.leaves, self.sources, layout.direct, strict=True):
             if direct:
                 if run_start is not None:
                     out.append(Segment(run_start, run_end - run_start, None))
@@ -221,6 +262,15 @@ class PackPlan:
         if run_start is not None:
             out.append(Segment(run_start, run_end - run_start, None))
         return out
+
+
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
+
+
+def _check_buffer(buffer: torch.Tensor, needed: int) -> None:
+    if buffer.dtype != torch.uint8 or buffer.numel() < needed or buffer.stride(0) != 1:
+        raise ValueError(f"need a contiguous uint8 buffer of >= {needed} bytes")
 
 
 @dataclass(frozen=True)
@@ -238,15 +288,16 @@ def _crosses_as_is(source: torch.Tensor | list[torch.Tensor], leaf: Leaf) -> boo
     return (
         isinstance(source, torch.Tensor)
         and source.dtype == leaf.wire
-        and source.device.type == "cpu"
+        and source.is_cpu
         and source.is_contiguous()
         and not source.is_conj()
         and not source.is_neg()
     )
 
 
-def _view(buffer: torch.Tensor, leaf: Leaf, dtype: torch.dtype) -> torch.Tensor:
-    return buffer[leaf.offset : leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
+def _view(buffer: torch.Tensor, leaf: Leaf, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    begin = offset + leaf.offset
+    return buffer[begin : begin + leaf.nbytes].view(dtype).view(leaf.shape)
 
 
 def _mapping_type(obj: Mapping) -> Callable[[Any], Mapping]:
@@ -290,8 +341,19 @@ def _looks_ragged(obj: Any) -> bool:
     )
 
 
-class _Planner:
-    def __init__(self, narrow: bool, lossy_float: LossyFloat, direct_pinned: bool = False) -> None:
+class Planner:
+    """Plans batches one after another with one set of codecs (what ``plan_pack`` does once).
+
+    A batch that is a tensor, or a dict, list or tuple of tensors (nested), is planned by a
+    quick walk over its tensors' dtypes and shapes (and, for integers that narrow, their
+    range), whose result picks a ``Layout`` made before for a batch of that signature: a
+    stream of like batches is laid out once, not once per batch. Other batches are planned
+    in full each time.
+    """
+
+    _CACHED_LAYOUTS = 64  # signatures kept; a source of ever-new shapes starts over
+
+    def __init__(self, narrow: bool, lossy_float: LossyFloat, direct: bool = False) -> None:
         by_key = dict(lossy_float) if isinstance(lossy_float, Mapping) else None
         for codec in by_key.values() if by_key is not None else [lossy_float]:
             if codec is not None and codec not in LOSSY_FLOATS:
@@ -304,8 +366,73 @@ class _Planner:
         self.lossy = None if by_key is not None else LOSSY_FLOATS.get(lossy_float or "")
         self.offset = 0
         self.logical = 0
-        self.direct_pinned = direct_pinned
+        self.direct = direct
         self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool]] = []
+        self.layouts: dict[tuple[Any, ...], Layout] = {}
+
+    def plan_pack(self, batch: Any) -> PackPlan:
+        """``batch`` measured and laid out; nothing is copied yet."""
+        signature: list[Any] | None = None
+        sources: list[Any] = []
+        if self.by_key is None:
+            signature = []
+            if self._walk(batch, signature, sources):
+                layout = self.layouts.get(tuple(signature))
+                if layout is not None:
+                    return PackPlan(layout, tuple(sources))
+            else:
+                signature = None
+        plan = self.plan_in_full(batch)
+        if signature is not None:
+            if len(self.layouts) >= self._CACHED_LAYOUTS:
+                self.layouts.clear()
+            self.layouts[tuple(signature)] = plan.layout
+        return plan
+
+    def plan_in_full(self, batch: Any) -> PackPlan:
+        """``batch`` planned from scratch, without looking for a layout made before."""
+        self.offset = self.logical = 0
+        self.layout = []
+        spec = self.plan_batch(batch)
+        layout = Layout(
+            spec, self.offset, self.logical, tuple(leaf for leaf, _, _ in self.layout),
+            tuple(direct for _, _, direct in self.layout),
+        )  # fmt: skip
+        return PackPlan(layout, tuple(source for _, source, _ in self.layout))
+
+    def _walk(self, obj: Any, signature: list[Any], sources: list[Any]) -> bool:
+        """Append ``obj``'s signature and host tensors; False if it is not a nest of plain
+        host tensors in dicts, lists and tuples (then it is planned in full)."""
+        kind = type(obj)
+        if kind is torch.Tensor:
+            if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
+                return False
+            wire = self._wire_dtype(obj)
+            signature.append((obj.dtype, obj.shape, wire, self._is_direct(obj, wire)))
+            sources.append(obj)
+            return True
+        if kind is dict:
+            signature.append(("dict", *obj))
+            return all(self._walk(value, signature, sources) for value in obj.values())
+        if kind is list or kind is tuple:
+            if _same_shape_tensors(obj):  # stacked, which needs a copy per batch anyway
+                return False
+            signature.append((kind, len(obj)))
+            return all(self._walk(item, signature, sources) for item in obj)
+        return False
+
+    def _is_direct(self, tensor: torch.Tensor, wire: torch.dtype) -> bool:
+        """Whether ``tensor`` is copied from where it lies rather than staged: pinned, and
+        large enough that staging would only add a host copy. (A pageable tensor is always
+        staged: the driver's own staged copy from pageable memory, queued asynchronously, ran
+        at 7-8 GB/s on an H100 host, a quarter of ours; benchmarks/NOTES.md.)"""
+        return (
+            self.direct
+            and wire == tensor.dtype
+            and tensor.nbytes >= DIRECT_MIN_BYTES
+            and tensor.is_contiguous()
+            and tensor.is_pinned()
+        )
 
     def plan_batch(self, batch: Any) -> Any:
         """``plan`` with the codecs chosen per top-level key, when they are."""
@@ -394,13 +521,7 @@ class _Planner:
 
     def _leaf(self, tensor: torch.Tensor) -> Leaf:
         wire = self._wire_dtype(tensor)
-        direct = (
-            self.direct_pinned
-            and wire == tensor.dtype
-            and tensor.nbytes >= DIRECT_MIN_BYTES
-            and tensor.is_contiguous()
-            and tensor.is_pinned()
-        )
+        direct = self._is_direct(tensor, wire)
         return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, direct)
 
     def _place(
@@ -445,17 +566,15 @@ def plan_pack(
     *,
     narrow: bool = True,
     lossy_float: LossyFloat = None,
-    direct_pinned: bool = False,
+    direct: bool = False,
 ) -> PackPlan:
     """Measure ``batch`` and choose each tensor's codec; nothing is copied yet.
 
-    With ``direct_pinned``, tensors of ``DIRECT_MIN_BYTES`` or more that are already pinned
-    (and cross unchanged) are marked to be copied straight from where they are: staging them
-    would only add a host copy.
+    With ``direct``, pinned tensors of ``DIRECT_MIN_BYTES`` or more that cross unchanged are
+    marked to be copied straight from where they are: staging them would only add a host
+    copy.
     """
-    planner = _Planner(narrow, lossy_float, direct_pinned)
-    spec = planner.plan_batch(batch)
-    return PackPlan(spec, planner.offset, planner.logical, tuple(planner.layout))
+    return Planner(narrow, lossy_float, direct).plan_in_full(batch)  # (no later batch to share)
 
 
 def pack(
@@ -492,6 +611,35 @@ def rebuild(buffer: torch.Tensor, spec: Any) -> Any:
     if isinstance(spec, _Node):
         return spec.build([rebuild(buffer, child) for child in spec.children])
     return spec
+
+
+def rebuild_run(buffer: torch.Tensor, spec: Any, offset: int, stride: int, n: int) -> list[Any]:
+    """The ``n`` batches of one layout (``spec``) laid ``stride`` bytes apart from ``offset``
+    in ``buffer``: one strided view (and one conversion, if narrowed) per leaf for the whole
+    run, instead of a view per leaf per batch. ``buffer``'s length must be a multiple of 16
+    and ``offset`` and ``stride`` multiples of ``ALIGN``."""
+    if isinstance(spec, Leaf):
+        size = spec.wire.itemsize
+        strides, step = [], 1
+        for extent in reversed(spec.shape):
+            strides.append(step)
+            step *= extent
+        run = buffer.view(spec.wire).as_strided(
+            (n, *spec.shape), (stride // size, *reversed(strides)), (offset + spec.offset) // size
+        )  # (n, *shape): batch i's tensor at run[i]
+        if spec.wire != spec.dtype:
+            run = run.to(spec.dtype)  # one widening kernel for the whole run
+        return list(run.unbind(0))
+    if isinstance(spec, _StackSpec):
+        return [spec.kind(t.unbind(0)) for t in rebuild_run(buffer, spec.leaf, offset, stride, n)]
+    if isinstance(spec, _RaggedSpec):
+        values = rebuild_run(buffer, spec.values, offset, stride, n)
+        offsets = rebuild_run(buffer, spec.offsets, offset, stride, n)
+        return [Ragged(v, o, spec.host_offsets) for v, o in zip(values, offsets, strict=True)]
+    if isinstance(spec, _Node):
+        columns = [rebuild_run(buffer, child, offset, stride, n) for child in spec.children]
+        return [spec.build(list(row)) for row in zip(*columns, strict=True)]
+    return [spec] * n  # a value that is not data to move
 
 
 def unpack(packed: Packed, device: Device | torch.device | str, non_blocking: bool = True) -> Any:

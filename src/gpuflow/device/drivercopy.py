@@ -1,0 +1,37 @@
+"""Host->device copies queued by one call into the CUDA driver (``cuMemcpyHtoDAsync``).
+
+``dst.copy_(src, non_blocking=True)`` costs 12-20 us of host time on an H100 host (dispatch,
+views, the pinned allocator's bookkeeping), several times what the copy of a small batch
+takes on the bus; the driver call behind it costs 1-3 us from Python. A loader that queues
+a copy per batch spends that difference on every batch, so ``DeviceLoader`` calls the
+driver itself for its copies (benchmarks/NOTES.md has the figures).
+
+What torch's copy would have done and the caller must do instead: keep the host memory
+alive and unchanged until the copy has run (torch records an event for pinned memory from
+its own allocator; ``DeviceLoader`` keeps the source tensors until its event completes);
+copy only from pinned memory (from pageable memory the driver copies synchronously); and,
+when the driver refuses (a thread with no CUDA context current, a stream of another
+device), copy through torch instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+# (device address, host address, bytes, stream handle) -> CUresult, 0 when queued
+DriverCopy = Callable[[int, int, int, int], int]
+
+
+@functools.cache
+def driver_copy() -> DriverCopy | None:
+    """The driver's asynchronous host->device copy, or None where there is no CUDA driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        call = driver.cuMemcpyHtoDAsync_v2
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    call.restype = ctypes.c_int
+    return call

@@ -375,3 +375,45 @@ def test_the_marker_and_the_fixture_in_one_test(pytester):
         """
     )
     pytester.runpytest_subprocess("-p", "gpuflow").assert_outcomes(passed=1)
+
+
+def test_an_at_site_budget_raises_at_the_operation_that_goes_over():
+    x = torch.ones(64)  # 256 bytes
+    done = []
+    limited = budget(h2d_bytes=300, device="cpu", at_site=True)
+    with pytest.raises(BudgetExceeded) as caught, limited as ledger:
+        x.to("meta", non_blocking=True)
+        done.append("first")
+        x.to("meta", non_blocking=True)  # at-site-copy
+        done.append("second")
+    assert done == ["first"]  # the region stopped at the second copy
+    assert caught.value.over == {"h2d_bytes": (512, 300)}
+    site = f"{HERE}:{_line('# at-site-copy')}"
+    assert site in str(caught.value)
+    frames = [(Path(e.path).name, e.lineno + 1) for e in caught.traceback]
+    assert (HERE, _line("# at-site-copy")) in frames  # the traceback points at it too
+    assert len(ledger.events) == 2
+    # a read of device data is stopped before the host would wait for it
+    y = torch.ones(4, device="meta")
+    no_syncs = budget(syncs=0, device="cpu", at_site=True)
+    with pytest.raises(BudgetExceeded, match="syncs: 1 > 0"), no_syncs:
+        y.sum().item()
+    assert _get_current_dispatch_mode() is None  # nothing left installed
+
+
+def test_the_marker_fails_at_the_site_when_asked(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        from gpuflow.device.accelerator import Device
+
+        @pytest.mark.transfer_budget(syncs=0, device="cpu", at_site=True)
+        def test_over():
+            Device("cpu").synchronize()
+            raise AssertionError("not reached")
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*BudgetExceeded*", "*syncs: 1 > 0*"])
+    result.stdout.no_fnmatch_line("*not reached*")

@@ -6,9 +6,17 @@
     @gpuflow.budget(d2h_bytes=0)      # checked on every call
     def step(): ...
 
+    with gpuflow.budget(syncs=0, at_site=True):
+        train_step(batch)             # raises at the first host wait, with its traceback
+
 A budget is a ``TransferLedger`` over the region with limits on its totals; ``None`` means
-no limit. For tests, ``gpuflow.accounting.testing`` (a pytest plugin, loaded automatically) adds the
-``transfer_budget`` marker and the ``transfer_ledger`` fixture.
+no limit. By default the totals are checked when the region ends, and the error lists every
+offending operation. ``at_site=True`` raises instead at the operation that goes over a limit
+(before the host waits, for an ``.item()``), so that the traceback points at it, as
+``jax.transfer_guard("disallow")`` does; ``device_allocs`` comes from the allocator's
+counters and is still checked at the end. For tests, ``gpuflow.accounting.testing`` (a
+pytest plugin, loaded automatically) adds the ``transfer_budget`` marker and the
+``transfer_ledger`` fixture.
 """
 
 from __future__ import annotations
@@ -90,20 +98,40 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         syncs: int | None = None,
         device_allocs: int | None = None,
         device: Device | str = "auto",
+        at_site: bool = False,
     ) -> None:
         self.limits = Budget(h2d_bytes, d2h_bytes, d2d_bytes, syncs, device_allocs)
         self.device = device
+        self.at_site = at_site
         self.ledger: TransferLedger | None = None  # the last checked region's ledger
         self._active: list[Any] = []  # the open regions, innermost last
 
     @contextmanager
     def _region(self) -> Iterator[TransferLedger]:
         ledger = TransferLedger(self.device)
+        if self.at_site:
+            ledger._watch = self._watcher()
         self.ledger = ledger
         with ledger:
             yield ledger
         summary = ledger.summary()
         self.limits.check(summary.totals, ledger.events)
+
+    def _watcher(self) -> Callable[[TransferEvent], Exception | None]:
+        """Running totals of one region; the error for the event that goes over a limit."""
+        used = dict.fromkeys(_LIMITS, 0)
+
+        def watch(event: TransferEvent) -> Exception | None:
+            for name, (_, counts) in _LIMITS.items():
+                allowed = getattr(self.limits, name)
+                if allowed is None or not counts(event):
+                    continue
+                used[name] += 1 if name == "syncs" else event.nbytes
+                if used[name] > allowed:
+                    return BudgetExceeded({name: (used[name], allowed)}, [event])
+            return None
+
+        return watch
 
     def __enter__(self) -> TransferLedger:
         region = self._region()

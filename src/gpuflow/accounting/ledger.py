@@ -257,8 +257,14 @@ _patch_users = 0
 def _emit(make: Callable[[TransferLedger], TransferEvent]) -> None:
     if tally.in_housekeeping():  # the transfer layer's own clean-up: not the region's work
         return
+    violation: Exception | None = None
     for ledger in _state.ledgers:
-        ledger._events.append(make(ledger))
+        event = make(ledger)
+        ledger._events.append(event)
+        if ledger._watch is not None and violation is None:
+            violation = ledger._watch(event)
+    if violation is not None:  # raised at the operation itself, every ledger told first
+        raise violation
 
 
 def _record_reported(
@@ -425,6 +431,11 @@ class TransferLedger:
     _step: int = field(default=0, init=False, repr=False)
     _step_start: int = field(default=0, init=False, repr=False)
     _open: bool = field(default=False, init=False, repr=False)
+    # Sees each event as it is counted; an exception it returns is raised at the operation
+    # (a budget with at_site=True).
+    _watch: Callable[[TransferEvent], Exception | None] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.device = Device.resolve(self.device)

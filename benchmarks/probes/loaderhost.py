@@ -38,7 +38,7 @@ prims = {
     "torch.cuda.current_stream(dev)": lambda: torch.cuda.current_stream(dev),
     "torch.empty 8 KiB cuda": lambda: torch.empty(8192, dtype=torch.uint8, device=dev),
     "slice+view+view cuda": lambda: on_dev[0:8192].view(torch.float32).view((2048,)),
-    "plan_pack 1 tensor": lambda: plan_pack(x, direct_pinned=True),
+    "plan_pack 1 tensor": lambda: plan_pack(x, direct=True),
     "memmove 8 KiB": lambda: ctypes.memmove(host.data_ptr(), x.data_ptr(), 8192),
     "copy_ 8 KiB host": lambda: host[:8192].view(torch.float32).copy_(x),
     "x.to(dev, nb) pinned": lambda: pinned.to(dev, non_blocking=True),

@@ -16,8 +16,8 @@ How a batch crosses (every step of it on the consumer's thread unless said other
 2. It is written into pinned staging memory from a ``PinnedPool``: small tensors by one
    ``memmove`` each, on the consumer's thread; a crossing of ``BACKGROUND_BYTES`` or more in
    4 MiB ``memmove`` jobs shared by a few writer threads, so that the host copy (and the page
-   faults of memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small batches
-   are coalesced: consecutive ones share one staging buffer and one copy, up to
+   faults of memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small
+   batches are coalesced: consecutive ones share one staging buffer and one copy, up to
    ``COALESCE_BYTES``. Tensors of 64 KiB or more that are already pinned are not staged:
    each is copied from where it is, into its place in the crossing's device memory.
 3. One host->device copy per staging buffer into fresh device memory allocated on the
@@ -29,11 +29,10 @@ How a batch crosses (every step of it on the consumer's thread unless said other
    compute: the copy stream first waits, on the device, for the consumer's work queued so
    far (so the caching allocator's stream-order reuse holds, and the host runs no further
    ahead of the device than the staging buffers allow), and the consumer's stream waits for
-   the copy before it uses the batch. A smaller copy is
-   queued on the consumer's stream itself, as ``.to(device, non_blocking=True)`` does: it
-   takes microseconds on the device, less than the stream switch and the events that
-   overlapping it would cost on the host. A batch taken on another stream than the one its
-   copy is ordered on waits for the copy's event.
+   the copy before it uses the batch. A smaller copy is queued on the consumer's stream
+   itself, as ``.to(device, non_blocking=True)`` does: it takes microseconds on the device,
+   less than the stream switch and the events that overlapping it would cost on the host.
+   A batch taken on another stream than the one its copy is ordered on waits for the copy.
 4. When the consumer takes the first batch of a crossing, all of its batches are rebuilt on
    the device at once: a run of batches that share a layout takes one strided view per
    tensor (and one widening kernel per narrowed tensor) for the whole run.
@@ -43,8 +42,8 @@ more in handing the interpreter lock back and forth than the work costs (on an H
 300-860 us per 8 KiB batch against 66 us for ``x.pin_memory().to(dev, non_blocking=True)``),
 and torch's copy on a thread of its own starts intra-op threads of its own (eight writers
 oversubscribed the cores at 13-16 GB/s), hence plain ``memmove`` jobs on several
-(benchmarks/NOTES.md). For data loading in parallel, make
-the source a ``DataLoader`` with workers.
+(benchmarks/NOTES.md). For data loading in parallel, make the source a ``DataLoader`` with
+workers.
 
 A batch's tensors are its own, whatever their dtype: fresh device memory no later batch
 reuses, with no device-to-device copy. A pinned source tensor is read asynchronously, as
@@ -184,11 +183,10 @@ class _Pipeline:
     ``close()`` is collected and its finalizer frees what is here."""
 
     def __init__(
-        self, device: Device, depth: int, pack_options: dict[str, Any],
-        pool_bytes: int | None, timing: bool, coalesce: bool,
+        self, device: Device, depth: int, planner: Planner, pool_bytes: int | None,
+        timing: bool, coalesce: bool,
     ) -> None:  # fmt: skip
-        self.device, self.depth = device, depth
-        self.planner = Planner(**pack_options)
+        self.device, self.depth, self.planner = device, depth, planner
         self.coalesce = coalesce and depth > 0
         self.pool_bytes, self.timing = pool_bytes, timing
         self.copy_stream = device.new_stream()
@@ -395,11 +393,11 @@ class _Pipeline:
         if self.timing:
             start = self.device.new_event(timing=True)
             start.record(stream)
-        driver = self.driver
-        if driver is not None and torch.cuda.current_device() != self.device.index:
-            driver = None  # the driver copies in the current device's context only
-        target = (on_device.data_ptr(), stream.cuda_stream) if driver is not None else None
-        kept: list[torch.Tensor] = []  # direct sources, alive until the copy has run
+        target = None  # (device address, stream handle) for driver copies
+        # (the driver copies in the current device's context only)
+        if self.driver is not None and torch.cuda.current_device() == self.device.index:
+            target = (on_device.data_ptr(), stream.cuda_stream)
+        kept: list[torch.Tensor] = []  # direct sources of driver copies, alive until they ran
         if crossing.host is not None:  # first: the direct copies below overwrite their gaps
             self._copy_bytes(on_device, 0, crossing.host.bytes, crossing.nbytes, target)
         for plan, offset in crossing.parts:
@@ -409,11 +407,12 @@ class _Pipeline:
                 if seg.source is not None:
                     self._copy_bytes(on_device, offset + seg.offset, seg.source, seg.nbytes,
                                      target)  # fmt: skip
-                    kept.append(seg.source)
+                    if target is not None:
+                        kept.append(seg.source)
         if self.timing or crossing.host is not None or stream is self.copy_stream or kept:
             crossing.done = self.device.new_event(timing=self.timing)
             crossing.done.record(stream)
-        if kept and target is not None:
+        if kept:
             self.sources_in_flight.append((crossing.done, kept))
         if self.timing:
             crossing.copy_times = (start, crossing.done)
@@ -532,12 +531,11 @@ class _Pipeline:
             return
         self.released = True
         self.end_epoch()
-        with housekeeping():
-            while self.sources_in_flight:
-                self.sources_in_flight.popleft()[0].synchronize()
         if self.writer is not None:
             self.writer.shutdown(wait=False)  # idle: end_epoch waited for every write
         with housekeeping():
+            while self.sources_in_flight:  # driver copies still reading the caller's memory
+                self.sources_in_flight.popleft()[0].synchronize()
             self.pool.close()  # waits for copies still reading staging memory
 
 
@@ -576,12 +574,8 @@ class DeviceLoader:
         self.device = Device.resolve(device)
         self.depth = depth
         self._source = source
-        pack_options = {
-            "narrow": narrow,
-            "lossy_float": lossy_float,
-            "direct": self.device.supports_pinned_memory,
-        }
-        self._pipeline = _Pipeline(self.device, depth, pack_options, pool_bytes, timing, coalesce)
+        planner = Planner(narrow, lossy_float, direct=self.device.supports_pinned_memory)
+        self._pipeline = _Pipeline(self.device, depth, planner, pool_bytes, timing, coalesce)
         # Runs on close(), on collection of a loader never closed, and at interpreter exit.
         self._finalizer = weakref.finalize(self, self._pipeline.release)
         self._epochs = 0

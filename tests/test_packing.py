@@ -322,3 +322,55 @@ def test_rebuilding_a_run_of_like_batches_equals_rebuilding_each():
             assert torch.equal(out["x"], sent["x"])
             assert out["ids"].dtype == torch.int64 and torch.equal(out["ids"], sent["ids"])
             assert torch.equal(out["pair"][0], sent["pair"][0]) and out["pair"][1] == 7
+
+
+def test_direct_leaves_take_no_room_in_the_buffer_and_come_back_in_order(monkeypatch):
+    """Pinned tensors of DIRECT_MIN_BYTES or more are copied into device tensors of their
+    own, so the staging buffer holds only the rest (pinning is faked: no pinned memory on a
+    machine without an accelerator)."""
+    from gpuflow.transfer.packing import DIRECT_MIN_BYTES, Planner, rebuild_run
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    planner = Planner(narrow=True, lossy_float=None, direct=True)
+    big = DIRECT_MIN_BYTES // 4  # float32 elements of a direct leaf
+    batches = [
+        {"image": torch.full((big,), float(i)), "label": torch.tensor([i]),
+         "extra": torch.full((big,), -float(i))}
+        for i in range(3)
+    ]  # fmt: skip
+    plans = [planner.plan_pack(b) for b in batches]
+    plan = plans[0]
+    assert [leaf.direct for leaf in plan.layout.leaves] == [True, False, True]
+    assert plan.nbytes == ALIGN  # the label (narrowed to uint16) alone, padded
+    assert plan.wire_nbytes == 2 + 2 * DIRECT_MIN_BYTES
+    assert [source for _, source in plan.direct_pairs()] == [batches[0]["image"],
+                                                             batches[0]["extra"]]  # fmt: skip
+    buffer = torch.zeros(3 * plan.nbytes, dtype=torch.uint8)
+    for i, p in enumerate(plans):
+        p.write_into(buffer, i * plan.nbytes)
+    # the "device" copies of the direct leaves: the consumer would get these tensors
+    own = [[src.clone() for _, src in p.direct_pairs()] for p in plans]
+    alone = rebuild(buffer[: plan.nbytes], plan.spec, iter(own[0]))
+    assert alone["image"] is own[0][0] and alone["extra"] is own[0][1]
+    run = rebuild_run(buffer, plan.spec, 0, plan.nbytes, 3, [iter(o) for o in own])
+    for i, got in enumerate(run):
+        assert got["image"] is own[i][0] and got["extra"] is own[i][1]
+        assert got["label"].dtype == torch.int64 and got["label"].item() == i
+
+
+def test_large_pageable_tensors_are_pinned_then_copied_directly_and_smaller_ones_staged():
+    from gpuflow.transfer.packing import DIRECT_MIN_BYTES, PIN_MIN_BYTES, Planner
+
+    planner = Planner(narrow=True, lossy_float=None, direct=True)
+    plan = planner.plan_pack(
+        {
+            "large": torch.zeros(PIN_MIN_BYTES // 4),  # pageable: pinned, then direct
+            "medium": torch.zeros(DIRECT_MIN_BYTES // 4),  # pageable, under PIN_MIN_BYTES
+            "ids": torch.arange(PIN_MIN_BYTES // 8) % 1000,  # large, but narrowed: staged
+        }
+    )
+    large, medium, ids = plan.layout.leaves
+    assert large.direct and large.pin
+    assert not medium.direct and not ids.direct and ids.wire == torch.uint16
+    assert plan.nbytes == DIRECT_MIN_BYTES + PIN_MIN_BYTES // 4
+    assert not Planner(True, None, direct=False).plan_pack(torch.zeros(PIN_MIN_BYTES)).has_direct

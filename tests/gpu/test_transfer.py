@@ -115,9 +115,9 @@ def _late_copies(loader: DeviceLoader) -> DeviceLoader:
     pipeline = loader._pipeline
     copy = pipeline._copy
 
-    def late(crossing, on_device, stream):
+    def late(crossing, stream):
         _busy(pipeline.device, 5.0)
-        return copy(crossing, on_device, stream)
+        return copy(crossing, stream)
 
     pipeline._copy = late
     return loader
@@ -125,7 +125,8 @@ def _late_copies(loader: DeviceLoader) -> DeviceLoader:
 
 @pytest.mark.parametrize(
     "n_floats, n_batches",
-    # 16 MiB on the side stream; 1 MiB on the consumer's stream; 16 KiB, coalesced
+    # 16 MiB on the side stream and 1 MiB on the consumer's stream, both pinned by
+    # pin_memory() and copied into tensors of their own; 16 KiB, staged and coalesced
     [(1 << 22, 12), (1 << 18, 40), (1 << 12, 400)],
     ids=["large", "medium", "coalesced"],
 )
@@ -211,6 +212,32 @@ def test_a_pinned_source_is_copied_directly_without_staging(accel):
     assert loader.pool_stats.misses == 0  # nothing was staged
 
 
+def test_direct_tensors_arrive_intact_beside_staged_ones_and_in_coalesced_runs(accel):
+    """Pinned 128 and 64 KiB tensors are copied into device tensors of their own, small labels
+    go through the staging buffer, and five such batches share one crossing: every batch must
+    come back whole, also when the source frees and re-pins its memory at once."""
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+
+    def source():
+        for i in range(40):
+            yield {
+                "x": torch.full((1 << 15,), float(i)).pin_memory(),  # 128 KiB: direct
+                "label": torch.tensor([i, i + 1]),  # staged, narrowed
+                "y": torch.full((1 << 14,), -float(i)).pin_memory(),  # 64 KiB: direct
+            }
+
+    ok = torch.ones((), dtype=torch.bool, device=accel.torch)
+    with _late_copies(DeviceLoader(source(), accel, depth=2)) as loader:
+        for i, batch in enumerate(loader):
+            ok &= (batch["x"] == float(i)).all() & (batch["y"] == -float(i)).all()
+            ok &= (batch["label"] == torch.tensor([i, i + 1], device=accel.torch)).all()
+            assert batch["x"].shape == (1 << 15,) and batch["label"].dtype == torch.int64
+    assert bool(ok.item())
+    stats = loader.stats
+    assert stats.batches == 40 and stats.copies < 3 * 40  # labels shared copies
+
+
 def test_host_mirror_partial_reads_and_async_refresh(accel):
     table = torch.randn(4096, 1024, device=accel.torch)  # 16 MB
     mirror = HostMirror(table)
@@ -279,3 +306,18 @@ def test_a_snapshot_is_one_copy_without_a_host_wait(accel):
     totals = ledger.summary().totals
     assert totals.syncs == 0 and totals.d2h_copies == 1, totals
     assert totals.allocator_requests == 0 and totals.device_allocs == 0, totals
+
+
+def test_a_dataloader_with_workers_is_pinned_on_the_reader_thread_and_arrives_intact(accel):
+    if not accel.supports_pinned_memory:
+        pytest.skip("no pinned memory on this backend")
+    from gpuflow.bench.loaders import SyntheticImages
+
+    data = SyntheticImages(6 * 128, 64)  # uint8 3x64x64 images of 12 KiB
+    source = torch.utils.data.DataLoader(data, batch_size=128, num_workers=2)  # 1.5 MiB each
+    expected = [b["image"].clone() for b in source]
+    with _late_copies(DeviceLoader(source, accel)) as loader:
+        for _ in range(2):  # epochs
+            got = [b["image"].cpu() for b in loader]
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert loader.stats.batches == 2 * len(expected)

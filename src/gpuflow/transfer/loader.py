@@ -13,15 +13,18 @@ How a batch crosses (every step of it on the consumer's thread unless said other
    integers narrowed when their values allow). Batches of one structure, shapes and codecs
    share one layout, found by a quick walk over their tensors, so a stream of like batches
    is laid out once.
-2. It is written into pinned staging memory from a ``PinnedPool``: small tensors by one
-   ``memmove`` each, on the consumer's thread; a crossing of ``BACKGROUND_BYTES`` or more in
-   4 MiB ``memmove`` jobs shared by a few writer threads, so that the host copy (and the page
-   faults of memory fresh from a ``DataLoader`` worker) runs while the consumer works. Small
-   batches are coalesced: consecutive ones share one staging buffer and one copy, up to
-   ``COALESCE_BYTES``. Tensors of 64 KiB or more that are already pinned are not staged:
-   each is copied from where it is, into its place in the crossing's device memory.
-3. One host->device copy per staging buffer into fresh device memory allocated on the
-   consumer's stream, queued ``depth`` crossings ahead of the batch in use; the host never
+2. Large tensors that cross as they are go direct: pinned ones of 64 KiB or more
+   (``packing.DIRECT_MIN_BYTES``) are copied from where they lie, pageable ones of 256 KiB or
+   more (``packing.PIN_MIN_BYTES``) are first pinned by torch's ``pin_memory()``, whose copy
+   runs on torch's intra-op threads (as in ``x.pin_memory().to(...)``); each lands in a
+   device tensor of its own. The rest is written into pinned staging memory from a
+   ``PinnedPool``: small tensors by one ``memmove`` each, on the consumer's thread; a crossing
+   of ``BACKGROUND_BYTES`` or more (narrowed or stacked tensors, say) in jobs shared by a
+   few writer threads. Small batches are coalesced: consecutive ones share one staging
+   buffer and one copy, up to ``COALESCE_BYTES``.
+3. One host->device copy per staging buffer and one per direct tensor, into fresh device
+   memory allocated on the consumer's stream, queued ``depth`` crossings ahead of the batch
+   in use; the host never
    waits for the device. On cuda each copy is one call into the driver
    (``gpuflow.device.drivercopy``: 1-3 us of host time where torch's copy takes 12-20);
    ``GPUFLOW_TORCH_COPIES=1`` copies through torch instead. A copy of
@@ -34,8 +37,16 @@ How a batch crosses (every step of it on the consumer's thread unless said other
    less than the stream switch and the events that overlapping it would cost on the host.
    A batch taken on another stream than the one its copy is ordered on waits for the copy.
 4. When the consumer takes the first batch of a crossing, all of its batches are rebuilt on
-   the device at once: a run of batches that share a layout takes one strided view per
-   tensor (and one widening kernel per narrowed tensor) for the whole run.
+   the device at once: a run of batches that share a layout takes one strided view of the
+   staging copy per staged tensor (and one widening kernel per narrowed tensor) for the
+   whole run; direct tensors are handed out as they landed.
+
+The one exception: a ``DataLoader`` with workers (and no pin-memory thread of its own) is
+read on a thread of its own (``gpuflow.transfer.reader``) that also pins its large tensors,
+as a pin-memory thread would, since taking a batch from its workers (unpickling, mapping
+shared memory, the first touch of that memory) is work that would otherwise add to every
+step. Pinned blocks that ``pin_memory()`` made stay in torch's pinned cache for the next
+batch, as with ``DataLoader(pin_memory=True)``.
 
 Why the consumer's thread does the rest: a thread that packs and issues small batches spends
 more in handing the interpreter lock back and forth than the work costs (on an H100 host,
@@ -84,6 +95,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.drivercopy import driver_copy
 from gpuflow.transfer.packing import ALIGN, LossyFloat, PackPlan, Planner, rebuild, rebuild_run
 from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, size_class
+from gpuflow.transfer.reader import ThreadedSource, reads_slowly
 from gpuflow.transfer.tally import housekeeping, report_copy
 
 COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
@@ -146,15 +158,22 @@ class LoaderStats:
 
 
 class _Crossing:
-    """Batches that share one staging buffer, one host->device copy (plus one per source
-    tensor copied directly) and one destination on the device."""
+    """Batches that share one staging buffer, one host->device copy and one destination on
+    the device, plus one copy into a device tensor of its own per source tensor copied
+    directly."""
 
-    def __init__(self, parts: list[tuple[PackPlan, int]], nbytes: int) -> None:
-        self.parts = parts  # each batch's plan and where its bytes start in the crossing
-        self.nbytes = nbytes
+    def __init__(self, parts: list[tuple[PackPlan, int]], nbytes: int, wire: int) -> None:
+        self.parts = parts  # each batch's plan and where its staged bytes start
+        self.nbytes = nbytes  # staged bytes (0: every tensor is copied directly)
+        self.wire = wire  # every byte that crosses
         self.host: PinnedBuffer | None = None
         self.writes: list[Future[object]] = []  # jobs on the writer threads, if any
-        self.on_device: torch.Tensor | None = None  # uint8, allocated on the consumer's stream
+        # allocated on the consumer's stream: the staged bytes (uint8), and each part's direct
+        # tensors
+        self.on_device: torch.Tensor | None = None
+        self.direct_out: list[list[torch.Tensor]] = []
+        # each part's direct source tensors, pinned (pageable ones by pin_memory() at staging)
+        self.direct_sources: list[list[torch.Tensor]] = []
         self.alloc_stream: Any = None  # that stream, when the copy ran on the side stream
         self.done: Any = None  # recorded after the copies when something needs it
         self.ready_on: Any = None  # the key of a stream ordered after the copies
@@ -164,9 +183,10 @@ class _Crossing:
 
     def release_unused(self) -> None:
         """Let go of a crossing whose batches will never be handed out (no host wait)."""
-        if self.on_device is not None and self.alloc_stream is not None:
+        if self.alloc_stream is not None and self.done is not None:
             self.alloc_stream.wait_event(self.done)  # no block goes back under the copy
         self.on_device = self.batches = None
+        self.direct_out, self.direct_sources = [], []
 
 
 @dataclass
@@ -244,24 +264,33 @@ class _Pipeline:
         first = self._next_plan()
         if first is None:
             return None
-        parts, nbytes = [(first, 0)], first.nbytes
-        if not self.coalesce or first.nbytes > _COALESCE_MAX_BATCH:
-            return _Crossing(parts, nbytes)
+        parts, nbytes, wire = [(first, 0)], first.nbytes, first.wire_nbytes
+        if not self.coalesce or wire > _COALESCE_MAX_BATCH:
+            return _Crossing(parts, nbytes, wire)
         while len(parts) < _COALESCE_MAX_COUNT:
             plan = self._next_plan()
             if plan is None:
                 break
-            offset = round_up(nbytes, ALIGN)
-            if offset + plan.nbytes > COALESCE_BYTES:
+            if wire + plan.wire_nbytes > COALESCE_BYTES:
                 self.carried = plan  # starts the next crossing
                 break
+            offset = round_up(nbytes, ALIGN)
             parts.append((plan, offset))
-            nbytes = offset + plan.nbytes
-        return _Crossing(parts, nbytes)
+            nbytes, wire = offset + plan.nbytes, wire + plan.wire_nbytes
+        return _Crossing(parts, nbytes, wire)
 
     def _stage(self, crossing: _Crossing) -> None:
-        """Write the crossing's staged tensors into pinned memory."""
-        if not any(plan.has_staged for plan, _ in crossing.parts):
+        """Pin the crossing's pageable direct tensors and write its staged ones into pinned
+        memory."""
+        crossing.direct_sources = []
+        for plan, _ in crossing.parts:
+            sources = []
+            for leaf, source in plan.direct_pairs():
+                if leaf.pin:
+                    source = source.pin_memory()
+                sources.append(source)
+            crossing.direct_sources.append(sources)
+        if crossing.nbytes == 0:
             return
         crossing.host = self._staging_buffer(crossing.nbytes)
         staging = crossing.host.bytes
@@ -356,16 +385,26 @@ class _Pipeline:
         return stream
 
     def _issue(self, crossing: _Crossing, key: Any) -> None:
-        """One copy of the staged bytes (and one per direct source tensor) into fresh device
+        """One copy of the staged bytes, and one per direct source tensor, into fresh device
         memory; see the module docstring for which stream runs it."""
-        side = crossing.nbytes >= SIDE_STREAM_BYTES and self.device.has_streams
-        size = round_up(crossing.nbytes, ALIGN)  # a whole number of any dtype (rebuild_run)
+        side = crossing.wire >= SIDE_STREAM_BYTES and self.device.has_streams
         stream = self.stream(key)
         in_flight = self.sources_in_flight
-        while in_flight and in_flight[0][0].query():
+        # (checked only once a few are waiting: each check is a driver call)
+        while len(in_flight) > self.depth + 1 and in_flight[0][0].query():
             in_flight.popleft()  # copied: the caller may free or reuse them
+        target = self.device.torch
         with housekeeping():  # counted when the consumer takes each batch
-            on_device = torch.empty(size, dtype=torch.uint8, device=self.device.torch)
+            if crossing.nbytes or any(plan.has_staged for plan, _ in crossing.parts):
+                size = round_up(crossing.nbytes, ALIGN)  # a whole number of any dtype
+                crossing.on_device = torch.empty(size, dtype=torch.uint8, device=target)
+            crossing.direct_out = [
+                [
+                    torch.empty(leaf.shape, dtype=leaf.dtype, device=target)
+                    for leaf in (plan.layout.leaves[i] for i in plan.layout.direct_leaves)
+                ]
+                for plan, _ in crossing.parts
+            ]
             if side:
                 # The copy stream first waits for the consumer's work queued so far: the
                 # memory was allocated on the consumer's stream and may be a block that work
@@ -375,17 +414,16 @@ class _Pipeline:
                 self.fence.record(stream)
                 with self.device.use_stream(self.copy_stream):
                     self.copy_stream.wait_event(self.fence)
-                    self._copy(crossing, on_device, self.copy_stream)
+                    self._copy(crossing, self.copy_stream)
                 crossing.alloc_stream = stream
             else:
-                self._copy(crossing, on_device, stream)
+                self._copy(crossing, stream)
                 crossing.ready_on = key
             if crossing.host is not None:
                 self.pool.release(crossing.host, after=crossing.done)
                 crossing.host = None
-        crossing.on_device = on_device
 
-    def _copy(self, crossing: _Crossing, on_device: torch.Tensor, stream: Any) -> None:
+    def _copy(self, crossing: _Crossing, stream: Any) -> None:
         """Queue the crossing's copies on ``stream``, the current one, and the events that
         need them: ``done`` when a staging buffer or a source tensor waits for the copy, or
         the copy runs on the side stream; start and end with timing."""
@@ -393,22 +431,18 @@ class _Pipeline:
         if self.timing:
             start = self.device.new_event(timing=True)
             start.record(stream)
-        target = None  # (device address, stream handle) for driver copies
-        # (the driver copies in the current device's context only)
+        # Driver copies need the stream's handle, and run in the current device's context only.
+        handle = None
         if self.driver is not None and torch.cuda.current_device() == self.device.index:
-            target = (on_device.data_ptr(), stream.cuda_stream)
+            handle = stream.cuda_stream
         kept: list[torch.Tensor] = []  # direct sources of driver copies, alive until they ran
-        if crossing.host is not None:  # first: the direct copies below overwrite their gaps
-            self._copy_bytes(on_device, 0, crossing.host.bytes, crossing.nbytes, target)
-        for plan, offset in crossing.parts:
-            if not plan.has_direct:
-                continue
-            for seg in plan.segments():
-                if seg.source is not None:
-                    self._copy_bytes(on_device, offset + seg.offset, seg.source, seg.nbytes,
-                                     target)  # fmt: skip
-                    if target is not None:
-                        kept.append(seg.source)
+        if crossing.host is not None:
+            self._copy_bytes(crossing.on_device, crossing.host.bytes, crossing.nbytes, handle)
+        for outs, sources in zip(crossing.direct_out, crossing.direct_sources, strict=True):
+            for out, source in zip(outs, sources, strict=True):
+                if self._copy_bytes(out, source, source.nbytes, handle):
+                    kept.append(source)
+        crossing.direct_sources = []
         if self.timing or crossing.host is not None or stream is self.copy_stream or kept:
             crossing.done = self.device.new_event(timing=self.timing)
             crossing.done.record(stream)
@@ -417,21 +451,21 @@ class _Pipeline:
         if self.timing:
             crossing.copy_times = (start, crossing.done)
 
-    def _copy_bytes(
-        self, on_device: torch.Tensor, begin: int, source: torch.Tensor, nbytes: int,
-        target: tuple[int, int] | None,
-    ) -> None:  # fmt: skip
-        """Queue one copy of ``source``'s first ``nbytes`` (pinned, contiguous) into
-        ``on_device[begin:]``: by one driver call when ``target`` (the device buffer's
-        address and the stream's handle) is given, else (or if the driver refuses) by torch."""
+    def _copy_bytes(self, out: Any, source: torch.Tensor, nbytes: int, stream: int | None) -> bool:
+        """Queue one copy of ``source``'s first ``nbytes`` (pinned, contiguous) into the
+        device tensor ``out`` (contiguous): by one driver call on the ``stream`` handle when
+        given, else (or if the driver refuses) by torch. True when the driver took it (the
+        caller then keeps ``source`` alive until the copy has run)."""
         self.counts["copies"] += 1
-        if target is not None and self.driver is not None:
-            device_ptr, stream = target
-            if self.driver(device_ptr + begin, source.data_ptr(), nbytes, stream) == 0:
-                return
+        if stream is not None and self.driver is not None:
+            if self.driver(out.data_ptr(), source.data_ptr(), nbytes, stream) == 0:
+                return True
             self.driver = None  # refused (no context current here, say): torch from now on
-        flat = source.reshape(-1).view(torch.uint8)[:nbytes]
-        on_device[begin : begin + nbytes].copy_(flat, non_blocking=True)
+        if out.shape == source.shape:
+            out.copy_(source, non_blocking=True)
+        else:  # the staging buffer, whose used part is its first nbytes
+            out[:nbytes].copy_(source[:nbytes], non_blocking=True)
+        return False
 
     # ---- handing out --------------------------------------------------------------------------
 
@@ -488,6 +522,7 @@ class _Pipeline:
         """Every batch of the crossing, rebuilt on the device at once: a run of batches that
         share a layout takes one strided view per tensor for the whole run."""
         on_device, parts, batches = crossing.on_device, crossing.parts, deque()
+        direct = [iter(outs) for outs in crossing.direct_out]
         i = 0
         while i < len(parts):
             plan, offset = parts[i]
@@ -495,10 +530,13 @@ class _Pipeline:
             while j < len(parts) and parts[j][0].layout is layout:
                 j += 1
             if j - i == 1:
-                batches.append(rebuild(on_device[offset : offset + layout.nbytes], layout.spec))
+                own = None if on_device is None else on_device[offset : offset + layout.nbytes]
+                batches.append(rebuild(own, layout.spec, direct[i]))
             else:  # offsets of a run step by exactly layout.nbytes (a multiple of ALIGN)
-                batches.extend(rebuild_run(on_device, layout.spec, offset, layout.nbytes, j - i))
+                batches.extend(rebuild_run(on_device, layout.spec, offset, layout.nbytes, j - i,
+                                           direct[i:j]))  # fmt: skip
             i = j
+        crossing.direct_out = []
         return batches
 
     # ---- ending -------------------------------------------------------------------------------
@@ -605,6 +643,8 @@ class DeviceLoader:
                 "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
                 "something that can be iterated again (a list, a DataLoader) for more epochs"
             )
+        if self.depth > 0 and reads_slowly(self._source):
+            batches = ThreadedSource(batches, ahead=self.depth + 1, pin_for=self.device)
         self._epochs += 1
         self._in_epoch = True
         self._pipeline.source = batches

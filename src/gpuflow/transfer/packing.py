@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,10 @@ _FLOAT_SOURCES = (torch.float32, torch.float64)
 _NARROWABLE = (torch.int64, torch.int32)
 _MEMMOVE_MAX_BYTES = 256 << 10  # beyond this torch's copy (threaded, lock released) is faster
 DIRECT_MIN_BYTES = 64 << 10  # pinned tensors this large skip the staging copy (DeviceLoader)
+# Pageable tensors this large are pinned by torch's ``pin_memory()`` (its copy runs on torch's
+# intra-op threads) and then copied directly, as ``.pin_memory().to(...)`` does; smaller ones
+# are cheaper to stage beside the rest of their batch.
+PIN_MIN_BYTES = 256 << 10
 _UINT16_MAX = 65535
 
 
@@ -89,6 +93,10 @@ class Leaf:
     shape: tuple[int, ...]
     wire: torch.dtype  # as stored in the buffer
     dtype: torch.dtype  # as delivered
+    # copied from its source into a device tensor of its own, not through the buffer (its
+    # offset is then meaningless and it takes no room in the buffer)
+    direct: bool = False
+    pin: bool = False  # direct, from pageable memory: pinned (``pin_memory()``) first
 
 
 @dataclass(frozen=True)
@@ -126,35 +134,29 @@ class _Node:
         return self.kind(items)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One host->device copy of a plan: layout bytes [offset, offset + nbytes), taken from the
-    staging buffer (``source`` None) or straight from a pinned source tensor."""
-
-    offset: int
-    nbytes: int
-    source: torch.Tensor | None
-
-
 class Layout:
     """Where each tensor of a batch goes in the packed buffer, and the spec to rebuild it:
     everything about a plan except the tensors themselves. Batches of one structure, shapes
     and codecs share one ``Layout`` (see ``Planner``), which lets a loader rebuild a run of
-    them at once."""
+    them at once.
 
-    __slots__ = ("direct", "has_direct", "has_staged", "leaves", "logical_nbytes", "nbytes",
-                 "spec", "wire_nbytes")  # fmt: skip
+    ``nbytes`` is the buffer's share (staged leaves, alignment padding included);
+    ``wire_nbytes`` every byte of the batch that crosses the bus, direct leaves included."""
+
+    __slots__ = ("direct", "direct_leaves", "has_direct", "has_staged", "leaves",
+                 "logical_nbytes", "nbytes", "spec", "wire_nbytes")  # fmt: skip
 
     def __init__(
-        self, spec: Any, nbytes: int, logical_nbytes: int, leaves: tuple[Leaf, ...],
-        direct: tuple[bool, ...],
-    ) -> None:  # fmt: skip
+        self, spec: Any, nbytes: int, logical_nbytes: int, leaves: tuple[Leaf, ...]
+    ) -> None:
         self.spec, self.nbytes, self.logical_nbytes = spec, nbytes, logical_nbytes
-        self.leaves, self.direct = leaves, direct
-        # bytes of the batch itself: nbytes less the trailing alignment padding
-        self.wire_nbytes = max((leaf.offset + leaf.nbytes for leaf in leaves), default=0)
-        self.has_staged = not all(direct)
-        self.has_direct = any(direct)
+        self.leaves = leaves
+        self.direct = tuple(leaf.direct for leaf in leaves)
+        self.direct_leaves = tuple(i for i, leaf in enumerate(leaves) if leaf.direct)
+        staged_end = max((x.offset + x.nbytes for x in leaves if not x.direct), default=0)
+        self.wire_nbytes = staged_end + sum(x.nbytes for x in leaves if x.direct)
+        self.has_staged = not all(self.direct)
+        self.has_direct = any(self.direct)
 
 
 class PackPlan:
@@ -243,25 +245,10 @@ class PackPlan:
                 jobs.append(lambda d=dst + begin, s=src + begin, n=n, _=source: _memmove(d, s, n))
         return jobs
 
-    def segments(self) -> list[Segment]:
-        """The copies that move this plan: each run of staged leaves as one, each direct
-        leaf (copied from where it is) as one."""
-        out: list[Segment] = []
-        run_start = run_end = None
-        layout = self.layout
-        for leaf, source, direct in zip(layout.leaves, self.sources, layout.direct, strict=True):
-            if direct:
-                if run_start is not None:
-                    out.append(Segment(run_start, run_end - run_start, None))
-                    run_start = None
-                out.append(Segment(leaf.offset, leaf.nbytes, source))
-                continue
-            if run_start is None:
-                run_start = leaf.offset
-            run_end = leaf.offset + leaf.nbytes
-        if run_start is not None:
-            out.append(Segment(run_start, run_end - run_start, None))
-        return out
+    def direct_pairs(self) -> list[tuple[Leaf, torch.Tensor]]:
+        """Each direct leaf with the pinned tensor it is copied from, in leaf order."""
+        leaves, sources = self.layout.leaves, self.sources
+        return [(leaves[i], sources[i]) for i in self.layout.direct_leaves]
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:
@@ -367,7 +354,7 @@ class Planner:
         self.offset = 0
         self.logical = 0
         self.direct = direct
-        self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor], bool]] = []
+        self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor]]] = []
         self.layouts: dict[tuple[Any, ...], Layout] = {}
 
     def plan_pack(self, batch: Any) -> PackPlan:
@@ -394,11 +381,8 @@ class Planner:
         self.offset = self.logical = 0
         self.layout = []
         spec = self.plan_batch(batch)
-        layout = Layout(
-            spec, self.offset, self.logical, tuple(leaf for leaf, _, _ in self.layout),
-            tuple(direct for _, _, direct in self.layout),
-        )  # fmt: skip
-        return PackPlan(layout, tuple(source for _, source, _ in self.layout))
+        layout = Layout(spec, self.offset, self.logical, tuple(leaf for leaf, _ in self.layout))
+        return PackPlan(layout, tuple(source for _, source in self.layout))
 
     def _walk(self, obj: Any, signature: list[Any], sources: list[Any]) -> bool:
         """Append ``obj``'s signature and host tensors; False if it is not a nest of plain
@@ -408,7 +392,7 @@ class Planner:
             if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
                 return False
             wire = self._wire_dtype(obj)
-            signature.append((obj.dtype, obj.shape, wire, self._is_direct(obj, wire)))
+            signature.append((obj.dtype, obj.shape, wire, self._direct_kind(obj, wire)))
             sources.append(obj)
             return True
         if kind is dict:
@@ -421,18 +405,22 @@ class Planner:
             return all(self._walk(item, signature, sources) for item in obj)
         return False
 
-    def _is_direct(self, tensor: torch.Tensor, wire: torch.dtype) -> bool:
-        """Whether ``tensor`` is copied from where it lies rather than staged: pinned, and
-        large enough that staging would only add a host copy. (A pageable tensor is always
-        staged: the driver's own staged copy from pageable memory, queued asynchronously, ran
-        at 7-8 GB/s on an H100 host, a quarter of ours; benchmarks/NOTES.md.)"""
-        return (
-            self.direct
-            and wire == tensor.dtype
-            and tensor.nbytes >= DIRECT_MIN_BYTES
-            and tensor.is_contiguous()
-            and tensor.is_pinned()
-        )
+    def _direct_kind(self, tensor: torch.Tensor, wire: torch.dtype) -> int:
+        """How ``tensor`` crosses: 0 staged; 1 copied from where it lies (pinned, and large
+        enough that staging would only add a host copy); 2 pinned by ``pin_memory()`` first
+        (pageable and ``PIN_MIN_BYTES`` or more), then copied like 1. (The driver's own
+        asynchronous copy from pageable memory ran at 7-8 GB/s on an H100 host, a quarter of
+        a staged one, so pageable memory is never its source; benchmarks/NOTES.md.)"""
+        if (
+            not self.direct
+            or wire != tensor.dtype
+            or tensor.nbytes < DIRECT_MIN_BYTES
+            or not tensor.is_contiguous()
+        ):
+            return 0
+        if tensor.is_pinned():
+            return 1
+        return 2 if tensor.nbytes >= PIN_MIN_BYTES else 0
 
     def plan_batch(self, batch: Any) -> Any:
         """``plan`` with the codecs chosen per top-level key, when they are."""
@@ -521,8 +509,8 @@ class Planner:
 
     def _leaf(self, tensor: torch.Tensor) -> Leaf:
         wire = self._wire_dtype(tensor)
-        direct = self._is_direct(tensor, wire)
-        return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, direct)
+        kind = self._direct_kind(tensor, wire)
+        return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, kind)
 
     def _place(
         self,
@@ -530,13 +518,16 @@ class Planner:
         wire: torch.dtype,
         dtype: torch.dtype,
         source: torch.Tensor | list[torch.Tensor],
-        direct: bool = False,
+        direct_kind: int = 0,
     ) -> Leaf:
         numel = math.prod(shape)
-        leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype)
-        self.offset = round_up(self.offset + leaf.nbytes, ALIGN)
+        if direct_kind:  # takes no room in the buffer
+            leaf = Leaf(0, numel * wire.itemsize, shape, wire, dtype, True, direct_kind == 2)
+        else:
+            leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype)
+            self.offset = round_up(self.offset + leaf.nbytes, ALIGN)
         self.logical += numel * dtype.itemsize
-        self.layout.append((leaf, source, direct))
+        self.layout.append((leaf, source))
         return leaf
 
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
@@ -571,8 +562,10 @@ def plan_pack(
     """Measure ``batch`` and choose each tensor's codec; nothing is copied yet.
 
     With ``direct``, pinned tensors of ``DIRECT_MIN_BYTES`` or more that cross unchanged are
-    marked to be copied straight from where they are: staging them would only add a host
-    copy.
+    marked to be copied straight from where they are into device tensors of their own
+    (``PackPlan.direct_pairs``; ``rebuild`` takes them): staging them would only add a host
+    copy. So are pageable ones of ``PIN_MIN_BYTES`` or more, marked ``pin``: the copier pins
+    them first.
     """
     return Planner(narrow, lossy_float, direct).plan_in_full(batch)  # (no later batch to share)
 
@@ -593,32 +586,43 @@ def pack(
     return Packed(out, plan.nbytes, plan.logical_nbytes, plan.spec)
 
 
-def rebuild(buffer: torch.Tensor, spec: Any) -> Any:
+def rebuild(
+    buffer: torch.Tensor | None, spec: Any, direct: Iterator[torch.Tensor] | None = None
+) -> Any:
     """The batch described by ``spec`` from ``buffer`` (already where it should be).
 
     Tensors that crossed unchanged are views of ``buffer``; narrowed or compressed ones are
-    converted back, which queues one small kernel each on the current stream.
+    converted back, which queues one small kernel each on the current stream. Direct leaves
+    are taken, in order, from ``direct``.
     """
     if isinstance(spec, Leaf):
-        view = _view(buffer, spec, spec.wire)
+        if spec.direct:
+            return next(direct)  # type: ignore[arg-type]
+        view = _view(buffer, spec, spec.wire)  # type: ignore[arg-type]
         return view if spec.wire == spec.dtype else view.to(spec.dtype)
     if isinstance(spec, _StackSpec):
         return spec.kind(rebuild(buffer, spec.leaf).unbind(0))
     if isinstance(spec, _RaggedSpec):
-        return Ragged(
-            rebuild(buffer, spec.values), rebuild(buffer, spec.offsets), spec.host_offsets
-        )
+        values = rebuild(buffer, spec.values, direct)
+        return Ragged(values, rebuild(buffer, spec.offsets, direct), spec.host_offsets)
     if isinstance(spec, _Node):
-        return spec.build([rebuild(buffer, child) for child in spec.children])
+        return spec.build([rebuild(buffer, child, direct) for child in spec.children])
     return spec
 
 
-def rebuild_run(buffer: torch.Tensor, spec: Any, offset: int, stride: int, n: int) -> list[Any]:
+def rebuild_run(
+    buffer: torch.Tensor | None, spec: Any, offset: int, stride: int, n: int,
+    direct: list[Iterator[torch.Tensor]] | None = None,
+) -> list[Any]:  # fmt: skip
     """The ``n`` batches of one layout (``spec``) laid ``stride`` bytes apart from ``offset``
     in ``buffer``: one strided view (and one conversion, if narrowed) per leaf for the whole
     run, instead of a view per leaf per batch. ``buffer``'s length must be a multiple of 16
-    and ``offset`` and ``stride`` multiples of ``ALIGN``."""
+    and ``offset`` and ``stride`` multiples of ``ALIGN``. Batch ``i``'s direct leaves are
+    taken, in order, from ``direct[i]``."""
     if isinstance(spec, Leaf):
+        if spec.direct:
+            return [next(tensors) for tensors in direct]  # type: ignore[union-attr]
+        assert buffer is not None
         size = spec.wire.itemsize
         strides, step = [], 1
         for extent in reversed(spec.shape):
@@ -633,11 +637,11 @@ def rebuild_run(buffer: torch.Tensor, spec: Any, offset: int, stride: int, n: in
     if isinstance(spec, _StackSpec):
         return [spec.kind(t.unbind(0)) for t in rebuild_run(buffer, spec.leaf, offset, stride, n)]
     if isinstance(spec, _RaggedSpec):
-        values = rebuild_run(buffer, spec.values, offset, stride, n)
-        offsets = rebuild_run(buffer, spec.offsets, offset, stride, n)
+        values = rebuild_run(buffer, spec.values, offset, stride, n, direct)
+        offsets = rebuild_run(buffer, spec.offsets, offset, stride, n, direct)
         return [Ragged(v, o, spec.host_offsets) for v, o in zip(values, offsets, strict=True)]
     if isinstance(spec, _Node):
-        columns = [rebuild_run(buffer, child, offset, stride, n) for child in spec.children]
+        columns = [rebuild_run(buffer, child, offset, stride, n, direct) for child in spec.children]
         return [spec.build(list(row)) for row in zip(*columns, strict=True)]
     return [spec] * n  # a value that is not data to move
 

@@ -11,8 +11,7 @@ ledger.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 # (kind, nbytes, op, dtype, pinned) -> None
 CopyListener = Callable[[str, int, str, str | None, bool | None], None]
@@ -43,23 +42,27 @@ def report_copy(
 
 
 class _Housekeeping(threading.local):
+    """Waits and copies the transfer layer makes for itself (a closing loader finishing its
+    copies, freeing its memory): the ledgers open on this thread leave them out, so that they
+    do not count against the region of the code that closed it. A plain context manager (not
+    a generator one): the loader enters it once per copy it queues."""
+
     def __init__(self) -> None:
         self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
 
 
 _housekeeping = _Housekeeping()
 
 
-@contextmanager
-def housekeeping() -> Iterator[None]:
-    """Waits and copies the transfer layer makes for itself (a closing loader finishing its
-    copies, freeing its memory): the ledgers open on this thread leave them out, so that they
-    do not count against the region of the code that closed it."""
-    _housekeeping.depth += 1
-    try:
-        yield
-    finally:
-        _housekeeping.depth -= 1
+def housekeeping() -> _Housekeeping:
+    """``with housekeeping():`` marks the transfer layer's own work; see ``_Housekeeping``."""
+    return _housekeeping
 
 
 def in_housekeeping() -> bool:

@@ -1,0 +1,130 @@
+"""A source read on a thread of its own, a few batches ahead, its large tensors pinned there:
+what ``DataLoader``'s pin-memory thread does for its own loop.
+
+Taking a batch from a ``DataLoader`` with workers is work for the process that takes it:
+unpickling, receiving the shared-memory handles of its tensors and mapping them. On the
+training thread that work adds to every step (on an H100 host, enough to hold an image loop
+of 3 MB batches at 0.7-0.8x of ``DataLoader(pin_memory=True)``, benchmarks/NOTES.md). On a
+thread of its own it runs while the training thread is inside torch's operators, which let
+go of the interpreter lock. A source that is cheap to read (a list, a generator over memory)
+gains nothing from it and would pay a thread hand-off per batch, so ``DeviceLoader`` reads
+only ``DataLoader``s with workers (and without a pin-memory thread of their own) this way.
+
+Tensors of ``PIN_MIN_BYTES`` or more are pinned on the thread too (``pin_memory()``), as the
+loader would pin them on the consumer's: memory fresh from a worker faults on first read,
+and that too is better off the training thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import PIN_MIN_BYTES
+
+_END = object()
+_PUT_POLL_S = 0.05  # how often a reader blocked on a full queue checks for close()
+
+
+def reads_slowly(source: object) -> bool:
+    """Whether taking a batch from ``source`` is worth a thread: a ``DataLoader`` with
+    worker processes and no pin-memory thread of its own."""
+    return (
+        isinstance(source, torch.utils.data.DataLoader)
+        and source.num_workers > 0
+        and not source.pin_memory
+    )
+
+
+def pin_large(batch: Any) -> Any:
+    """``batch`` with every host tensor of ``PIN_MIN_BYTES`` or more in its dicts, lists and
+    tuples replaced by a pinned copy; anything else as it is."""
+    kind = type(batch)
+    if kind is torch.Tensor:
+        large = batch.nbytes >= PIN_MIN_BYTES and batch.is_cpu and batch.is_contiguous()
+        return batch.pin_memory() if large and not batch.is_pinned() else batch
+    if kind is dict:
+        return {key: pin_large(value) for key, value in batch.items()}
+    if kind is list or kind is tuple:
+        return kind(pin_large(item) for item in batch)
+    return batch
+
+
+class ThreadedSource:
+    """``source``'s batches, read up to ``ahead`` batches ahead on a daemon thread; with
+    ``pin_for`` (a device with pinned memory), their large tensors pinned there.
+
+    Errors the source raises come out of ``next`` in their turn. ``close()`` returns at once
+    (the thread stops after the batch it is reading, even if that never comes) and the thread
+    holds nothing of the consumer's.
+    """
+
+    def __init__(self, source: Iterator[Any], ahead: int, pin_for: Device | None = None) -> None:
+        self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, ahead))
+        self._stop = threading.Event()
+        self._done = False
+        pin = pin_for is not None and pin_for.supports_pinned_memory
+        self._thread = threading.Thread(
+            target=self._run, args=(source, self._queue, self._stop, pin_for if pin else None),
+            daemon=True, name="gpuflow-read",
+        )  # fmt: skip
+        self._thread.start()
+
+    @staticmethod
+    def _run(
+        source: Iterator[Any], out: queue.Queue, stop: threading.Event, pin_for: Device | None
+    ) -> None:
+        # A static method: the thread keeps no reference to the ThreadedSource, so that one
+        # dropped without close() is still collected.
+        if pin_for is not None and pin_for.type == "cuda":
+            torch.cuda.set_device(pin_for.index)  # pinned for (and near) this device
+
+        def put(item: tuple[bool, Any]) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_PUT_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            for batch in source:
+                if not put((True, batch if pin_for is None else pin_large(batch))):
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            put((False, exc))
+            return
+        put((False, _END))
+
+    def __iter__(self) -> ThreadedSource:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        ok, item = self._queue.get()
+        if ok:
+            return item
+        self._done = True
+        if item is _END:
+            raise StopIteration
+        raise item
+
+    def close(self) -> None:
+        """Stop reading; batches read ahead are dropped."""
+        self._done = True
+        self._stop.set()
+        while True:  # frees a reader blocked on a full queue at once, and the batches held
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+
+    def __del__(self) -> None:
+        self._stop.set()

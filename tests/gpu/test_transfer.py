@@ -321,3 +321,23 @@ def test_a_dataloader_with_workers_is_pinned_on_the_reader_thread_and_arrives_in
             got = [b["image"].cpu() for b in loader]
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert loader.stats.batches == 2 * len(expected)
+
+
+def test_closing_a_loader_that_pinned_nothing_of_its_own_keeps_torchs_pinned_cache(accel):
+    """Pageable batches of 1 MiB are pinned by pin_memory() (torch's cached blocks); closing
+    the loader must not hand those blocks back, or the next loader pins them anew."""
+    if accel.type != "cuda":
+        pytest.skip("torch.cuda.host_memory_stats")
+    batches = [torch.full((1 << 18,), float(i)) for i in range(8)]
+    for _ in range(2):  # the first round fills torch's cache
+        with DeviceLoader(batches, accel) as loader:
+            for i, batch in enumerate(loader):
+                assert bool((batch == float(i)).all())
+        assert loader.pool_stats.misses == 0  # nothing was staged
+        frees = torch.cuda.host_memory_stats().get("num_host_free", 0)
+    allocs = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    with DeviceLoader(batches, accel) as loader:
+        for _ in loader:
+            pass
+    stats = torch.cuda.host_memory_stats()
+    assert stats.get("num_host_free", 0) == frees and stats.get("num_host_alloc", 0) == allocs

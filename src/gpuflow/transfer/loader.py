@@ -395,7 +395,7 @@ class _Pipeline:
             in_flight.popleft()  # copied: the caller may free or reuse them
         target = self.device.torch
         with housekeeping():  # counted when the consumer takes each batch
-            if crossing.nbytes or any(plan.has_staged for plan, _ in crossing.parts):
+            if any(plan.has_staged for plan, _ in crossing.parts):  # (even of 0 bytes)
                 size = round_up(crossing.nbytes, ALIGN)  # a whole number of any dtype
                 crossing.on_device = torch.empty(size, dtype=torch.uint8, device=target)
             crossing.direct_out = [

@@ -175,7 +175,8 @@ class PackPlan:
 
     @property
     def nbytes(self) -> int:
-        """Bytes that cross the bus, alignment padding included."""
+        """Bytes the plan takes in a staging buffer (staged tensors, alignment padding
+        included); direct tensors take none."""
         return self.layout.nbytes
 
     @property
@@ -185,7 +186,7 @@ class PackPlan:
 
     @property
     def wire_nbytes(self) -> int:
-        """Bytes of the batch itself on the wire: ``nbytes`` less the alignment padding."""
+        """Bytes of the batch itself on the wire: staged and direct tensors, no padding."""
         return self.layout.wire_nbytes
 
     @property

@@ -42,7 +42,10 @@ class LoaderBenchConfig:
     rounds: int = 3
     image_batch_sizes: tuple[int, ...] = (256, 2048)  # 3x64x64 uint8: 3.1 MB and 25 MB
     image_side: int = 64
-    image_steps: int = 60
+    # 60-step runs moved by +-20% from round to round (worker start-up, the host's drift):
+    # longer runs and more rounds, so that the median compares the feeds, not the noise
+    image_steps: int = 240
+    image_rounds: int = 5
     image_workers: int = 6
 
     @classmethod
@@ -54,6 +57,7 @@ class LoaderBenchConfig:
             image_batch_sizes=(32,),
             image_side=32,
             image_steps=6,
+            image_rounds=1,
             image_workers=2,
         )
 
@@ -214,7 +218,7 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
                 return _train_images(device, loader, model, optimizer, warmup)
 
         runs: dict[str, list[float]] = {"dataloader": [], "deviceloader": []}
-        for _ in range(cfg.rounds):
+        for _ in range(cfg.image_rounds):
             for name, run in (("dataloader", idiom), ("deviceloader", ours)):
                 seconds, count = run()
                 runs[name].append(count / seconds)

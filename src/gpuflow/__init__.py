@@ -27,6 +27,8 @@ _EXPORTS = {
     "TransferLedger": "gpuflow.accounting.ledger",
     "budget": "gpuflow.accounting.budgets",
     "pack": "gpuflow.transfer.packing",
+    "plan_pack": "gpuflow.transfer.packing",
+    "PackPlan": "gpuflow.transfer.packing",
     "unpack": "gpuflow.transfer.packing",
 }
 
@@ -59,8 +61,10 @@ if TYPE_CHECKING:
     from gpuflow.transfer.mirror import (
         MirrorStats as MirrorStats,
     )
+    from gpuflow.transfer.packing import PackPlan as PackPlan
     from gpuflow.transfer.packing import Ragged as Ragged
     from gpuflow.transfer.packing import pack as pack
+    from gpuflow.transfer.packing import plan_pack as plan_pack
     from gpuflow.transfer.packing import unpack as unpack
     from gpuflow.transfer.pinned import PinnedPool as PinnedPool
     from gpuflow.transfer.pinned import PoolStats as PoolStats

@@ -63,7 +63,7 @@ class Result:
     grid: np.ndarray  # (G,) held-out inputs
     predictions: np.ndarray  # (G,) the net's sin(grid)
     final_loss: float  # mean squared error on the grid
-    losses: list[tuple[int, float]]  # (step, mean training loss since the last flush)
+    losses: list[tuple[int, dict[str, float]]]  # (step, {"loss": mean since the last flush})
     steady_steps: list[StepTotals]  # what the ledger counted in each budgeted step
     loader: LoaderStats
     seconds: float
@@ -118,7 +118,7 @@ def train(
     model = make_model(config.hidden).to(dev.torch)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, fused=dev.supports_fused_adamw)
     scalars = gpuflow.AsyncScalars(("loss",), dev)
-    losses: list[tuple[int, float]] = []
+    losses: list[tuple[int, dict[str, float]]] = []
     steady: list[StepTotals] = []
 
     batches = itertools.islice(host_batches(x_train, y_train, config.batch_size, rng), steps)

@@ -56,7 +56,7 @@ class Result:
     device: str
     predictions: np.ndarray  # (4,) P(output is 1) for each row of INPUTS
     final_loss: float  # binary cross-entropy of the trained net on the truth table
-    losses: list[tuple[int, float]]  # (step, mean training loss since the last flush)
+    losses: list[tuple[int, dict[str, float]]]  # (step, {"loss": mean since the last flush})
     steady_steps: list[StepTotals]  # what the ledger counted in each budgeted step
     loader: LoaderStats
     seconds: float
@@ -104,7 +104,7 @@ def train(
     model = make_model(config.hidden).to(dev.torch)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, fused=dev.supports_fused_adamw)
     scalars = gpuflow.AsyncScalars(("loss",), dev)
-    losses: list[tuple[int, float]] = []
+    losses: list[tuple[int, dict[str, float]]] = []
     steady: list[StepTotals] = []
 
     started = time.perf_counter()

@@ -390,8 +390,10 @@ class _Pipeline:
         side = crossing.wire >= SIDE_STREAM_BYTES and self.device.has_streams
         stream = self.stream(key)
         in_flight = self.sources_in_flight
-        # (checked only once a few are waiting: each check is a driver call)
-        while len(in_flight) > self.depth + 1 and in_flight[0][0].query():
+        # Let go of sources whose copies have run (an event query each, under 1 us): held
+        # until a few waited, pinned blocks of 16 MiB came back to torch's cache later and
+        # the loader ran at 28 GB/s against 36 (benchmarks/NOTES.md).
+        while in_flight and in_flight[0][0].query():
             in_flight.popleft()  # copied: the caller may free or reuse them
         target = self.device.torch
         with housekeeping():  # counted when the consumer takes each batch

@@ -27,6 +27,7 @@ _EXPORTS = {
     "TransferLedger": "gpuflow.accounting.ledger",
     "budget": "gpuflow.accounting.budgets",
     "pack": "gpuflow.transfer.packing",
+    "peer_copy": "gpuflow.transfer.peer",
     "plan_pack": "gpuflow.transfer.packing",
     "PackPlan": "gpuflow.transfer.packing",
     "unpack": "gpuflow.transfer.packing",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from gpuflow.transfer.packing import pack as pack
     from gpuflow.transfer.packing import plan_pack as plan_pack
     from gpuflow.transfer.packing import unpack as unpack
+    from gpuflow.transfer.peer import peer_copy as peer_copy
     from gpuflow.transfer.pinned import PinnedPool as PinnedPool
     from gpuflow.transfer.pinned import PoolStats as PoolStats
 

@@ -87,10 +87,11 @@ class ResidentBatches(CapturableSource):
     def __init__(
         self, shards: tuple[Shard, ...], device: Device, batch_size: int, seq_len: int,
         seed: int, start: int, budget_bytes: int | None = None, vocab_size: int | None = None,
+        rank: int = 0, world_size: int = 1,
     ) -> None:  # fmt: skip
         self.tokens = ResidentTokens(
-            shards, device, batch_size, seq_len, seed=seed, budget_bytes=budget_bytes,
-            vocab_size=vocab_size,
+            shards, device, batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
+            budget_bytes=budget_bytes, vocab_size=vocab_size,
         )  # fmt: skip
         self.tokens.set_step(start)
         self.counter = self.tokens.step

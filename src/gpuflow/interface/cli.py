@@ -76,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("train", help="pretrain a GPT; everything lands in runs/<name>/")
+    p = sub.add_parser(
+        "train",
+        help="pretrain a GPT; everything lands in runs/<name>/",
+        description="Pretrain a GPT; everything lands in runs/<name>/. Under torchrun "
+        "(torchrun --nproc_per_node=N -m gpuflow train ...) each process is one rank of a "
+        "data-parallel job, on its own GPU; rank 0 writes.",
+    )
     p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
     p.add_argument(

@@ -24,6 +24,8 @@ class BatchPlan:
     seed: int
     vocab_size: int
     device_budget_bytes: int | None = None  # the resident corpus's cap (None: its default)
+    rank: int = 0  # of a data-parallel job: the resident corpus is this rank's slice
+    world_size: int = 1
 
     @cached_property
     def sampler(self) -> WindowSampler:
@@ -46,6 +48,6 @@ def open_batches(
     if path in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH):
         return ResidentBatches(
             plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,
-            plan.device_budget_bytes, plan.vocab_size,
+            plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size,
         )  # fmt: skip
     raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")

@@ -20,6 +20,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.display import TrainDisplay
+from gpuflow.train.distributed import agree
 from gpuflow.train.meter import BusMeter, Throughput
 from gpuflow.train.run import MetricsLog
 from gpuflow.train.schedule import lr_at
@@ -74,9 +75,34 @@ class Cadence:
         return done % tc.checkpoint_interval == 0 or done == tc.steps or stopping
 
 
+class _Quiet:
+    """The display and metrics log of a rank other than 0: rank 0 shows and writes."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def record(self, record: dict[str, Any]) -> None:
+        pass
+
+    write = record
+
+    def step(self, step: int) -> None:
+        pass
+
+
 class TrainLoop:
     """The loop of one ``Trainer.run``: it runs the step and decides when to log, sample the
-    bus, evaluate, checkpoint and stop; and it writes the records."""
+    bus, evaluate, checkpoint and stop; and it writes the records.
+
+    In a data-parallel job every rank runs it; rank 0 alone evaluates, shows, writes and
+    checkpoints, and a stop request is agreed on at logging steps (``agree``), so that every
+    rank stops after the same step."""
 
     def __init__(
         self,
@@ -98,18 +124,20 @@ class TrainLoop:
     def run(self, latest: Path | None) -> int:
         """Steps from ``start_step`` until the end or a stop request; returns the step reached."""
         trainer, tc, when = self.trainer, self.config, Cadence(self.config)
+        ranks = trainer.ranks
+        main = ranks.is_main
         step = trainer.start_step
         stop = _StopFlag()
         with (
-            TrainDisplay(tc.steps, step, self.show_bus) as self.display,
-            MetricsLog(trainer.run_dir) as self.metrics,
+            TrainDisplay(tc.steps, step, self.show_bus) if main else _Quiet() as self.display,
+            MetricsLog(trainer.run_dir) if main else _Quiet() as self.metrics,
             stop.installed(),
         ):
             why = f" ({trainer.path_note})" if trainer.path_note else ""
             self.display.note(f"data path: {trainer.path}{why}")
             if latest is not None:
                 self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")
-            else:  # the untrained baseline, so the curve shows what was learnt
+            elif main:  # the untrained baseline, so the curve shows what was learnt
                 self.evaluate(step)
             self.throughput.restart()  # time training, not setup
             while step < tc.steps:
@@ -117,10 +145,12 @@ class TrainLoop:
                     self.train_step(step)
                 step += 1
                 stopping = stop.requested  # read once: a signal may land mid-iteration
+                if ranks.distributed:  # every rank stops after the same step
+                    stopping = when.logs(step) and agree(stopping, ranks)
                 checkpoint_now = when.checkpoints(step, stopping)
                 if when.logs(step) or checkpoint_now:  # metrics are whole up to a checkpoint
                     self.close_interval(step)
-                evaluate_now = when.evaluates(step)
+                evaluate_now = main and when.evaluates(step)
                 with self.throughput.paused(evaluate_now or checkpoint_now):
                     names = []
                     if checkpoint_now:
@@ -129,7 +159,7 @@ class TrainLoop:
                     if evaluate_now and (val := self.evaluate(step)) < trainer.best_val:
                         trainer.best_val = val
                         names.append(ckpt.BEST)
-                    if names:
+                    if names and main:
                         trainer.save(self.checkpointer, step, tuple(names))
                 if stopping:
                     break

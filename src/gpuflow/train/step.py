@@ -28,6 +28,7 @@ from gpuflow.model.gpt import GPT
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.datapath import DataPath
+from gpuflow.train.distributed import GradientAverager
 from gpuflow.train.master_adamw import with_fp32_masters
 from gpuflow.train.optim import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
@@ -76,21 +77,28 @@ def compiled_forward(model: GPT, device: Device, options: StepOptions) -> torch.
 
 
 class Update:
-    """Clip, step and clear the gradients; returns the grad norm (on the device)."""
+    """Average the gradients over ranks (with an ``averager``), clip, step and clear them;
+    returns the grad norm (on the device)."""
 
     def __init__(
-        self, model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float, fused_clip: bool
-    ) -> None:
+        self, model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float, fused_clip: bool,
+        averager: GradientAverager | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.fused_clip = fused_clip and bool(optimizer.defaults.get("fused"))
+        self.averager = averager
         self._no_clip = torch.zeros((), device=next(model.parameters()).device)
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """``loss``, if given, is averaged over ranks in place with the gradients."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.averager is not None:
+            with torch.no_grad():  # the global gradient: the same on every rank from here
+                self.averager(grads if loss is None else [*grads, loss.detach()])
         if self.grad_clip > 0 and self.fused_clip:
             # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
             # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
             # max_norm / (norm + 1e-6) capped at 1, inverted).
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             grad_norm = global_grad_norm(grads)
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
         elif self.grad_clip > 0:
@@ -112,6 +120,7 @@ class StepParts:
     config: TrainConfig
     device: Device
     options: StepOptions
+    averager: GradientAverager | None = None  # data-parallel: gradients averaged over ranks
 
 
 class TrainStep:
@@ -121,7 +130,9 @@ class TrainStep:
         self.model, self.forward, self.optimizer = parts.model, parts.forward, parts.optimizer
         self.config, self.device, self.batches = parts.config, parts.device, batches
         fused_clip = parts.options.fused_clip
-        self.update = Update(self.model, self.optimizer, self.config.grad_clip, fused_clip)
+        self.update = Update(
+            self.model, self.optimizer, self.config.grad_clip, fused_clip, parts.averager
+        )
         self.scalars = AsyncScalars(SCALARS, self.device)
         self.last_loss: torch.Tensor | None = None  # an eager step's, for readback
         # Steps that compile or capture: warm-up, not what a step costs.
@@ -157,7 +168,7 @@ class EagerStep(TrainStep):
             loss = self.forward(inputs, targets)
         loss.backward()
         self.last_loss = loss
-        self.scalars.add(loss=loss, grad_norm=self.update())
+        self.scalars.add(loss=loss, grad_norm=self.update(loss))
 
 
 class NaiveStep(TrainStep):
@@ -166,7 +177,7 @@ class NaiveStep(TrainStep):
     def __call__(self, step: int) -> None:
         self.set_lr(step)
         self.last_loss = naive_gradients(self.model, self.device, self.batches.host_tokens(step))
-        self.scalars.add(loss=self.last_loss, grad_norm=self.update())
+        self.scalars.add(loss=self.last_loss, grad_norm=self.update(self.last_loss))
 
 
 class GraphStep(TrainStep):
@@ -201,7 +212,7 @@ class GraphStep(TrainStep):
         with self.device.autocast(cache=False):
             loss = self.forward(inputs, targets)
         loss.backward()
-        self.scalars.accumulate(loss=loss, grad_norm=self.update())
+        self.scalars.accumulate(loss=loss, grad_norm=self.update(loss))
 
     def __call__(self, step: int) -> None:
         self.batches.prepare(step)  # a chunk switch happens here, outside the graph

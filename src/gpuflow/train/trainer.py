@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from gpuflow.device.accelerator import Device, out_of_memory_figures
 from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
-from gpuflow.train.datapath import resolve_data_path
+from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.distributed import GradientAverager, Ranks, agree
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim import build_optimizer
@@ -73,19 +74,31 @@ def open_training_data(config: RunConfig) -> TokenFolder:
     return TokenFolder.open(folder)
 
 
+def _silent(message: str) -> None:
+    """What ranks other than 0 say: nothing."""
+
+
 class Trainer:
     """One run: builds the model and its optimizer, restores its checkpoint, opens its step,
     trains, logs and saves. ``options`` vary how the step is built (probes); the defaults
-    are what ``gpuflow train`` runs."""
+    are what ``gpuflow train`` runs. With ``ranks`` of a data-parallel job
+    (``gpuflow.train.distributed``), this process is one rank: it trains on its slice of the
+    corpus and only rank 0 writes."""
 
     def __init__(
-        self, config: RunConfig, run_dir: Path, device: Device, options: StepOptions | None = None
-    ) -> None:
+        self, config: RunConfig, run_dir: Path, device: Device, options: StepOptions | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.run_dir = Path(run_dir)
         self.device = device
         self.options = options or StepOptions()
-        self.tokens_per_step = config.train.batch_size * config.model.max_len
+        self.ranks = ranks or Ranks()
+        # Tokens of one step of the whole job: every rank trains on its own batch.
+        self.tokens_per_step = (
+            config.train.batch_size * config.model.max_len * self.ranks.world_size
+        )
+        self.averager = GradientAverager(self.ranks.world_size) if self.ranks.distributed else None
         self._flops_per_token = flops_per_token(config.model)
         self._peak_flops = device.peak_bf16_flops()
 
@@ -95,10 +108,21 @@ class Trainer:
         """The data path, model, optimizer and data, and the checkpoint restored if resuming
         (returns its path). Reads, never writes: everything that can refuse a run does so
         here, before its folder changes."""
-        cfg, device = self.config, self.device
+        cfg, device, ranks = self.config, self.device, self.ranks
+        if not ranks.is_main:
+            say = _silent  # rank 0 speaks for the job
         self.path, self.path_note = resolve_data_path(cfg.train.data_path, device)
+        if ranks.distributed and self.path not in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH):
+            raise GpuflowError(
+                f"data-parallel training runs the resident data paths; train.data_path is "
+                f"{cfg.train.data_path!r}: use auto, resident or resident-graph"
+            )
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
-        self.data = open_training_data(cfg)
+        if ranks.is_main:  # the built-in corpus is prepared once, by rank 0
+            self.data = open_training_data(cfg)
+        agree(False, ranks)  # the others wait for it here
+        if not ranks.is_main:
+            self.data = open_training_data(cfg)
         self.data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
         # The validation set is read now (a split too short for one window is refused) and
         # uploaded once; it stays on the device.
@@ -111,7 +135,7 @@ class Trainer:
         mb = cfg.data.device_budget_mb
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
-            cfg.model.vocab_size, int(mb * 1e6) if mb > 0 else None,
+            cfg.model.vocab_size, int(mb * 1e6) if mb > 0 else None, ranks.rank, ranks.world_size,
         )  # fmt: skip
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
@@ -191,7 +215,7 @@ class Trainer:
         with batches:
             parts = StepParts(
                 self.model, self.forward, self.optimizer, self.config.train, self.device,
-                self.options,
+                self.options, self.averager,
             )  # fmt: skip
             yield build_step(self.path, parts, batches)
 
@@ -227,9 +251,10 @@ class Trainer:
         checkpointer.save(step, self.model, self.optimizer, state, names)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
+        """The job's ``tokens_per_s`` as a fraction of its GPUs' bf16 peak."""
         if not tokens_per_s or not self._peak_flops:
             return None
-        return tokens_per_s * self._flops_per_token / self._peak_flops
+        return tokens_per_s * self._flops_per_token / (self._peak_flops * self.ranks.world_size)
 
     # ---- the run ----------------------------------------------------------------------------
 
@@ -250,14 +275,19 @@ class Trainer:
 
     def _run(self, resume: bool, show_bus: bool) -> TrainResult:
         started = time.perf_counter()
-        say = err_console.print
+        main = self.ranks.is_main
+        say = err_console.print if main else _silent
         tc = self.config.train
-        with RunFolder(self.run_dir, resume, say) as folder:
+        folder_cm: AbstractContextManager[RunFolder | None] = (
+            RunFolder(self.run_dir, resume, say) if main else nullcontext()
+        )
+        with folder_cm as folder:
             latest = self.build(resume, say)
             with self.open_step(self.start_step, tc.steps) as train_step:
-                folder.start(self.config, self.data.tokenizer_path)
+                if folder is not None:
+                    folder.start(self.config, self.data.tokenizer_path)
                 # Records past the checkpoint are trained again; with none, the baseline too.
-                if truncate_metrics(self.run_dir, self.start_step if latest else -1):
+                if main and truncate_metrics(self.run_dir, self.start_step if latest else -1):
                     say("dropped the torn last line of metrics.jsonl (the run was stopped while "
                         "writing it)")  # fmt: skip
                 checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)
@@ -271,7 +301,7 @@ class Trainer:
                         checkpointer.close()
                     raise
                 checkpointer.close()  # the last checkpoint is on disk before the run reports
-        if step < tc.steps:
+        if step < tc.steps and main:
             say(
                 f"interrupted: saved {checkpointer.written[-1]}; continue with "
                 f"`gpuflow train --name {self.run_dir.name} --resume`"

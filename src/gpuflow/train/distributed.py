@@ -1,0 +1,170 @@
+"""Data-parallel training on ``torch.distributed``, launched by ``torchrun``.
+
+    torchrun --nproc_per_node=8 -m gpuflow train --preset gpt2-124m
+
+``torchrun`` starts one process per GPU and tells each its place through the environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``). ``Ranks.from_env``
+reads it; ``start`` joins the process group, with NCCL for device tensors and gloo for host
+ones (one group, both backends), and gives each rank its own device, ``cuda:LOCAL_RANK``.
+Plain ``gpuflow train`` is world size 1 and touches none of this.
+
+What a rank does differently from a single process:
+- it trains on its own contiguous slice of the corpus (``ResidentTokens(rank=...)``);
+- ``GradientAverager`` averages the gradients and the loss over ranks after the backward,
+  one all-reduce per dtype of a flat copy of them, queued like any device work, so it sits
+  inside the captured step's CUDA graph and costs no host sync (the grad norm, the clip and
+  the update then see the global gradient, the same on every rank);
+- only rank 0 writes: the run folder, metrics, checkpoints, the display;
+- a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
+  every rank stops after the same step.
+
+NCCL's traffic is invisible to the transfer ledger (it is not a copy torch dispatches):
+``GradientAverager.bytes_per_step`` is computed from the buffers it reduces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+
+# How long a collective may wait for the other ranks before the process group gives up with
+# an error naming it (a rank that died, or one that stopped calling collectives).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a data-parallel job; ``Ranks()`` is a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    # Started by torchrun: the job's machinery runs (process group, the gradients' all-reduce
+    # in the step) even with one process, whose figures are then those of a rank.
+    launched: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise GpuflowError(f"rank {self.rank} is not in a world of {self.world_size}")
+        if self.local_rank < 0:
+            raise GpuflowError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.launched or self.world_size > 1
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Ranks:
+        """The ranks ``torchrun`` set in the environment; a single process without them."""
+        env = dict(os.environ if env is None else env)
+        if not any(key in env for key in _ENV):
+            return cls()
+        missing = [key for key in _ENV if key not in env]
+        if missing:
+            raise GpuflowError(
+                f"the environment sets {', '.join(k for k in _ENV if k in env)} but not "
+                f"{', '.join(missing)}: launch with torchrun, or unset them"
+            )
+        try:
+            ranks = (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+        except ValueError:
+            raise GpuflowError(
+                "RANK, WORLD_SIZE and LOCAL_RANK must be integers: launch with torchrun"
+            ) from None
+        return cls(*ranks, launched=True)
+
+
+def rank_device(ranks: Ranks, requested: str) -> Device:
+    """The device a rank trains on: ``cuda:LOCAL_RANK`` when the job runs on CUDA (each rank
+    its own GPU), else the one asked for (the cpu, with gloo)."""
+    device = Device.resolve(requested)
+    if not ranks.distributed or device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if ranks.local_rank >= count:
+        raise GpuflowError(
+            f"rank {ranks.rank} has LOCAL_RANK {ranks.local_rank} but this host has {count} "
+            "GPU(s): start at most one process per GPU (torchrun --nproc_per_node)"
+        )
+    return Device("cuda", ranks.local_rank)
+
+
+def start(ranks: Ranks, device: Device) -> None:
+    """Join the job's process group (a no-op for a single process): NCCL carries device
+    tensors on CUDA, gloo host tensors (and everything on the cpu)."""
+    if not ranks.distributed or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index)
+        backend, device_id = "cpu:gloo,cuda:nccl", device.torch
+    elif device.type == "cpu":
+        backend, device_id = "gloo", None
+    else:
+        raise GpuflowError(f"data-parallel training runs on cuda or the cpu, not {device.type}")
+    dist.init_process_group(
+        backend, rank=ranks.rank, world_size=ranks.world_size, timeout=COLLECTIVE_TIMEOUT,
+        device_id=device_id,
+    )  # fmt: skip
+
+
+def stop() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(flag: bool, ranks: Ranks) -> bool:
+    """Whether any rank says ``flag``: a host all-reduce (gloo), so every rank takes the same
+    decision at the same step. Host work only; a single process returns ``flag``."""
+    if not ranks.distributed:
+        return flag
+    vote = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return bool(vote.item())
+
+
+def broadcast_from_main(value: object, ranks: Ranks) -> object:
+    """Rank 0's ``value`` on every rank (a run folder's name, say): host work only."""
+    if not ranks.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class GradientAverager:
+    """Averages gradients and the loss over the ranks: per dtype, one flat buffer, one
+    all-reduce (sum, then a scale by 1 / world size), copied back into place. Device work
+    only, so it can be captured with the step."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.bytes_per_step = 0  # what this rank hands NCCL per step (the ledger cannot see it)
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        sent = 0
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)  # (sum of numels,) one copy of them all
+            dist.all_reduce(flat)
+            flat.mul_(1.0 / self.world_size)
+            torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
+            sent += flat.numel() * flat.element_size()
+        self.bytes_per_step = sent

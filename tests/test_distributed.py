@@ -1,0 +1,189 @@
+"""Data-parallel training on the cpu with gloo: ranks from the environment, gradients
+averaged over ranks, and ``torchrun -m gpuflow train`` with 2 processes (rank 0 writes,
+checkpoints resume on 1 and on 2 ranks, a killed rank stops the job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.model.gpt import GPT, ModelConfig
+from gpuflow.train.checkpoint import latest_checkpoint, read_record
+from gpuflow.train.distributed import GradientAverager, Ranks, agree
+from gpuflow.train.run import read_metrics
+from gpuflow.train.step import Update
+
+from .conftest import FAST, gpuflow_cli
+
+B, T = 4, 16
+
+
+def test_ranks_come_from_torchruns_environment():
+    assert Ranks.from_env({}) == Ranks(0, 1, 0)
+    assert not Ranks.from_env({}).distributed
+    ranks = Ranks.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (ranks.rank, ranks.world_size, ranks.local_rank) == (3, 4, 1)
+    assert ranks.distributed and not ranks.is_main
+    one = Ranks.from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert one.distributed and one.is_main  # torchrun with one process runs the job's machinery
+    with pytest.raises(GpuflowError, match="but not LOCAL_RANK"):
+        Ranks.from_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(GpuflowError, match="must be integers"):
+        Ranks.from_env({"RANK": "a", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(GpuflowError, match="not in a world of 2"):
+        Ranks.from_env({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, max_len=T))
+
+
+def _batch() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, 64, (2 * B, T + 1), generator=generator)  # (2B, T+1)
+
+
+def _one_update(model: GPT, tokens: torch.Tensor, averager: GradientAverager | None) -> dict:
+    """One clipped SGD step on ``tokens``: the loss, grad norm and weights after it (SGD:
+    the weights then move by the gradients themselves, which AdamW's first step would
+    reduce to their signs)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grad_norm = Update(model, optimizer, 0.05, fused_clip=False, averager=averager)(loss)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "weights": weights}
+
+
+def _rank_update(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        half = _batch()[rank * B : (rank + 1) * B]  # (B, T+1): this rank's rows
+        averager = GradientAverager(2)
+        result = _one_update(_model(), half, averager)
+        result["bytes_per_step"] = averager.bytes_per_step
+        result["agreed"] = agree(rank == 1, Ranks(rank, 2, rank))
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
+    mp.spawn(_rank_update, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    whole = _one_update(_model(), _batch(), None)
+    for result in ranks:
+        # The mean loss of two equal halves is the whole batch's; the clip (active at 0.05)
+        # saw the global norm; the weights moved as one process's did.
+        assert result["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+        assert result["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+        assert whole["grad_norm"] > 0.05
+        for name, weight in whole["weights"].items():
+            torch.testing.assert_close(result["weights"][name], weight, rtol=1e-5, atol=1e-6)
+        parameters = sum(p.numel() for p in _model().parameters())
+        assert result["bytes_per_step"] == 4 * (parameters + 1)  # fp32 gradients and the loss
+        assert result["agreed"] is True  # rank 1 asked: both ranks hear it
+    assert ranks[0]["weights"].keys() == whole["weights"].keys()
+
+
+# ---- torchrun -m gpuflow train --------------------------------------------------------------
+
+
+def _torchrun(*args: str, cwd: Path, nproc: int = 2) -> subprocess.Popen:
+    """``torchrun -m gpuflow train ARGS``, its output into ``cwd/torchrun.log`` (a pipe
+    nobody reads while the job runs would fill and stall it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "-m", "gpuflow", "train", *args,
+    ]  # fmt: skip
+    with open(cwd / "torchrun.log", "w") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _ended(job: subprocess.Popen, cwd: Path, timeout: float = 180) -> str:
+    """Wait for the job; its output."""
+    job.wait(timeout=timeout)
+    return (cwd / "torchrun.log").read_text()
+
+
+def _settings(prepared: Path, steps: int) -> list[str]:
+    sets = [*FAST, f"data.dir={prepared}", "train.log_interval=2", "train.eval_interval=100"]
+    sets += ["train.checkpoint_interval=4", "train.data_path=resident", "train.decay_steps=1000"]
+    return ["--device", "cpu", "--steps", str(steps)] + [a for s in sets for a in ("--set", s)]
+
+
+def _finish(job: subprocess.Popen, cwd: Path) -> str:
+    out = _ended(job, cwd)
+    assert job.returncode == 0, out
+    return out
+
+
+def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, workdir):
+    run = workdir / "runs" / "dp"
+    out = _finish(_torchrun("--name", "dp", *_settings(prepared, 8), cwd=workdir), workdir)
+    assert "2 ranks" in out and "per rank" in out
+    assert out.count("finished at step 8") == 1  # rank 0 speaks for the job
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert steps == [2, 4, 6, 8]  # one record per logging step: rank 0 alone writes
+    report = json.loads((run / "report.json").read_text())
+    assert report["tokens_per_s"] > 0
+    # tokens of the whole job: 2 ranks x batch 8 x 32 tokens per step
+    assert read_metrics(run)[-1]["step"] == 8
+
+    resumed = gpuflow_cli("train", "--name", "dp", "--resume", *_settings(prepared, 12),
+                          cwd=workdir)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed" in resumed.stdout + resumed.stderr
+    out = _finish(
+        _torchrun("--name", "dp", "--resume", *_settings(prepared, 16), cwd=workdir), workdir
+    )
+    assert "finished at step 16" in out
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+
+
+def test_a_rank_killed_mid_run_stops_the_job_and_the_run_resumes(prepared, workdir):
+    job = _torchrun("--name", "killed", *_settings(prepared, 100000), cwd=workdir)
+    checkpoints = workdir / "runs" / "killed" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(checkpoints.parent) is None:
+        assert time.monotonic() < deadline, (workdir / "torchrun.log").read_text()
+        assert job.poll() is None, (workdir / "torchrun.log").read_text()
+        time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True)
+    pids = [int(p) for p in workers.stdout.split()]
+    assert len(pids) == 2, workers.stdout
+    os.kill(pids[-1], signal.SIGKILL)
+    started = time.monotonic()
+    out = _ended(job, workdir, timeout=120)  # the job ends: no rank hangs on the dead one
+    assert job.returncode != 0, out
+    assert time.monotonic() - started < 60, out
+    latest = latest_checkpoint(workdir / "runs" / "killed")
+    assert latest is not None
+    saved = read_record(latest)["step"]
+    resumed = gpuflow_cli("train", "--name", "killed", "--resume",
+                          *_settings(prepared, saved + 4), cwd=workdir)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"finished at step {saved + 4}" in resumed.stdout
+
+
+def test_data_parallel_refuses_host_sampled_paths(prepared, workdir):
+    args = _settings(prepared, 4)
+    args[args.index("train.data_path=resident")] = "train.data_path=standard"
+    job = _torchrun("--name", "std", *args, cwd=workdir)
+    out = _ended(job, workdir, timeout=120)
+    assert job.returncode != 0
+    assert "data-parallel training runs the resident data paths" in out

@@ -24,6 +24,7 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
 
     from gpuflow.device.accelerator import Device, allocator_settings, available_devices
     from gpuflow.device.linkprobe import PROBE_BYTES, probe_link
+    from gpuflow.device.peers import peer_report
 
     device = Device.resolve(device_spec)
     link = probe_link(device)
@@ -43,6 +44,7 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
             "gb_per_s": link,
             "note": None if link else "skipped: the cpu has no host-device link to measure",
         },
+        "peers": peer_report(device),
     }
 
 
@@ -74,16 +76,31 @@ def _print_info(info: dict[str, Any]) -> None:
     probe = info["link_probe"]
     if not probe["gb_per_s"]:
         out_console.print(f"link probe: {probe['note']}")
+    else:
+        rates = table(
+            "copy",
+            "GB/s",
+            title=f"link probe on {probe['device']}, {probe['bytes'] >> 20} MiB per copy, "
+            "median of 5",
+        )
+        for name, rate in probe["gb_per_s"].items():
+            label = "d2d (read + write)" if name == "d2d" else name.replace("_", " ")
+            rates.add_row(label, f"{rate:.1f}")
+        out_console.print(rates)
+    peers = info["peers"]
+    if not peers["devices"]:
+        out_console.print(f"peers: {peers['note']}")
         return
-    rates = table(
-        "copy",
-        "GB/s",
-        title=f"link probe on {probe['device']}, {probe['bytes'] >> 20} MiB per copy, median of 5",
-    )
-    for name, rate in probe["gb_per_s"].items():
-        label = "d2d (read + write)" if name == "d2d" else name.replace("_", " ")
-        rates.add_row(label, f"{rate:.1f}")
-    out_console.print(rates)
+    names = peers["devices"]
+    access = table("from \\ to", *names, title="peer access")
+    mib = peers["bytes"] >> 20
+    copies = table("from \\ to", *names, title=f"d2d GB/s, {mib} MiB, median of {peers['repeats']}")
+    for name, can, rates in zip(names, peers["access"], peers["gb_per_s"], strict=True):
+        access.add_row(name, *("yes" if c else "no" for c in can))
+        copies.add_row(name, *(f"{r:.1f}" for r in rates))
+    out_console.print(access)
+    out_console.print(copies)
+    out_console.print("d2d: within a GPU, bytes read + written; between GPUs, bytes moved once")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -122,27 +139,50 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from gpuflow.train import distributed
+
+    # Under torchrun this process is one rank of a data-parallel job, on its own device.
+    ranks = distributed.Ranks.from_env()
+    device = distributed.rank_device(ranks, args.device)
+    distributed.start(ranks, device)
+    try:
+        return _train(args, ranks, device)
+    finally:
+        distributed.stop()
+
+
+def _train(args: argparse.Namespace, ranks: Any, device: Any) -> int:
     from gpuflow.common.console import out_console
-    from gpuflow.device.accelerator import Device
     from gpuflow.interface.report import write_report
     from gpuflow.train.config import apply_overrides, resolve_config
+    from gpuflow.train.distributed import broadcast_from_main
     from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, resumed_config
     from gpuflow.train.trainer import Trainer
 
-    device = Device.resolve(args.device)
-    if args.resume:
-        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
-        config = resumed_config(run_dir, args.set or (), args.steps, args.preset, args.config)
-    else:
-        config = resolve_config(args.preset, args.config, args.set or ())
-        if args.steps is not None:
-            config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
-        run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
+    chosen = None
+    if ranks.is_main:  # rank 0 names the run folder and reads the config, for every rank
+        if args.resume:
+            run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+            config = resumed_config(run_dir, args.set or (), args.steps, args.preset, args.config)
+        else:
+            config = resolve_config(args.preset, args.config, args.set or ())
+            if args.steps is not None:
+                config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+            run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
+        chosen = (run_dir, config)
+    run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
 
-    out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}")
-    result = Trainer(config, run_dir, device).run(resume=args.resume, show_bus=args.bus)
+    if ranks.is_main:
+        job = f", {ranks.world_size} ranks" if ranks.distributed else ""
+        out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}{job}")
+    trainer = Trainer(config, run_dir, device, ranks=ranks)
+    result = trainer.run(resume=args.resume, show_bus=args.bus)
+    if not ranks.is_main:
+        return EXIT_INTERRUPTED if result.interrupted else 0
     report = write_report(config, result)
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
+    if ranks.distributed and report["tokens_per_s"]:
+        rate += f" ({report['tokens_per_s'] / ranks.world_size:,.0f} per rank)"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
     val = (
         f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"

@@ -107,3 +107,12 @@ def gpuflow_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def line_holding(file: str, marker: str) -> int:
+    """The line of ``file`` that holds ``marker``, other than a ``_line(...)`` call naming it
+    (tests check the locations a ledger reports against it)."""
+    for number, text in enumerate(Path(file).read_text().splitlines(), start=1):
+        if marker in text and "_line(" not in text:
+            return number
+    raise AssertionError(marker)

@@ -26,17 +26,13 @@ from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
 from gpuflow.transfer.loader import DeviceLoader
 
-from .conftest import FAST
+from .conftest import FAST, line_holding
 
 HERE = Path(__file__).name
 
 
 def _line(marker: str) -> int:
-    """The line of this file that holds ``marker`` (locations are checked against it)."""
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
-        if marker in text and "_line(" not in text:
-            return number
-    raise AssertionError(marker)
+    return line_holding(__file__, marker)
 
 
 def _meta_raises(fn) -> None:

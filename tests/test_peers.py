@@ -27,16 +27,13 @@ from gpuflow.device.peers import (
 )
 from gpuflow.transfer.peer import peer_copy
 
-from .conftest import gpuflow_cli
+from .conftest import gpuflow_cli, line_holding
 
 HERE = Path(__file__).name
 
 
 def _line(marker: str) -> int:
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
-        if marker in text and "_line(" not in text:
-            return number
-    raise AssertionError(marker)
+    return line_holding(__file__, marker)
 
 
 def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,16 +17,15 @@ from gpuflow.device.peers import (
 )
 from gpuflow.transfer.peer import peer_copy
 
+from ..conftest import line_holding
+
 pytestmark = pytest.mark.gpu
 
 HERE = Path(__file__).name
 
 
 def _line(marker: str) -> int:
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
-        if marker in text and "_line(" not in text:
-            return number
-    raise AssertionError(marker)
+    return line_holding(__file__, marker)
 
 
 @pytest.fixture

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
+
+if TYPE_CHECKING:  # torch-heavy: imported inside the commands
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.distributed import Ranks
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # what a shell reports for a process stopped by Ctrl-C
@@ -151,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         distributed.stop()
 
 
-def _train(args: argparse.Namespace, ranks: Any, device: Any) -> int:
+def _train(args: argparse.Namespace, ranks: Ranks, device: Device) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.interface.report import write_report
     from gpuflow.train.config import apply_overrides, resolve_config

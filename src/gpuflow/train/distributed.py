@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,17 @@ def agree(flag: bool, ranks: Ranks) -> bool:
     vote = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(vote, op=dist.ReduceOp.MAX)
     return bool(vote.item())
+
+
+@contextmanager
+def main_first(ranks: Ranks) -> Iterator[None]:
+    """Rank 0 runs the block before the others (which then find what it prepared, say, the
+    built-in corpus); host work only, and nothing for a single process."""
+    if not ranks.is_main:
+        agree(False, ranks)  # waits for rank 0's call below
+    yield
+    if ranks.is_main:
+        agree(False, ranks)
 
 
 def broadcast_from_main(value: object, ranks: Ranks) -> object:

@@ -91,7 +91,8 @@ class Update:
 
     def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """``loss``, if given, is averaged over ranks in place with the gradients."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.averager is not None or (self.grad_clip > 0 and self.fused_clip):
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.averager is not None:
             with torch.no_grad():  # the global gradient: the same on every rank from here
                 self.averager(grads if loss is None else [*grads, loss.detach()])

@@ -31,7 +31,7 @@ from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.distributed import GradientAverager, Ranks, agree
+from gpuflow.train.distributed import GradientAverager, Ranks, main_first
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim import build_optimizer
@@ -118,10 +118,7 @@ class Trainer:
                 f"{cfg.train.data_path!r}: use auto, resident or resident-graph"
             )
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
-        if ranks.is_main:  # the built-in corpus is prepared once, by rank 0
-            self.data = open_training_data(cfg)
-        agree(False, ranks)  # the others wait for it here
-        if not ranks.is_main:
+        with main_first(ranks):  # the built-in corpus is prepared once, by rank 0
             self.data = open_training_data(cfg)
         self.data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
         # The validation set is read now (a split too short for one window is refused) and
@@ -276,7 +273,7 @@ class Trainer:
     def _run(self, resume: bool, show_bus: bool) -> TrainResult:
         started = time.perf_counter()
         main = self.ranks.is_main
-        say = err_console.print if main else _silent
+        say = err_console.print  # on rank 0 only: build() silences the others itself
         tc = self.config.train
         folder_cm: AbstractContextManager[RunFolder | None] = (
             RunFolder(self.run_dir, resume, say) if main else nullcontext()

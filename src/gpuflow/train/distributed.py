@@ -11,9 +11,10 @@ Plain ``gpuflow train`` is world size 1 and touches none of this.
 What a rank does differently from a single process:
 - it trains on its own contiguous slice of the corpus (``ResidentTokens(rank=...)``);
 - ``GradientAverager`` averages the gradients and the loss over ranks after the backward,
-  one all-reduce per dtype of a flat copy of them, queued like any device work, so it sits
-  inside the captured step's CUDA graph and costs no host sync (the grad norm, the clip and
-  the update then see the global gradient, the same on every rank);
+  one all-reduce per dtype over a flat buffer the gradients are gathered into, queued like
+  any device work, so it sits inside the captured step's CUDA graph and costs no host sync
+  (the grad norm, the clip and the update then see the global gradient, the same on every
+  rank);
 - only rank 0 writes: the run folder, metrics, checkpoints, the display;
 - a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
   every rank stops after the same step.
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
@@ -160,23 +160,68 @@ def broadcast_from_main(value: object, ranks: Ranks) -> object:
 
 
 class GradientAverager:
-    """Averages gradients and the loss over the ranks: per dtype, one flat buffer, one
-    all-reduce (sum, then a scale by 1 / world size), copied back into place. Device work
-    only, so it can be captured with the step."""
+    """Averages gradients (and the loss) over the ranks, device work only, so it can be
+    captured with the step.
+
+    Per dtype the gradients are copied into one persistent flat buffer (each at a 16-byte
+    aligned place, as MasterAdamW's kernel reads fastest), reduced there by a single
+    all-reduce, and each parameter's ``.grad`` then *is* its view of that buffer: no copy
+    back, and the clip's norm is one pass over the flat buffers. NCCL averages as it reduces
+    (``ReduceOp.AVG``); gloo sums, then one scale."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.bytes_per_step = 0  # what this rank hands NCCL per step (the ledger cannot see it)
+        # dtype -> (the parameters it was laid out for, the flat buffer, their views of it)
+        self._buffers: dict[torch.dtype, tuple[list[int], torch.Tensor, list[torch.Tensor]]] = {}
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __call__(
+        self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Average the ``.grad`` of ``params`` (and ``loss``, in place) over the ranks;
+        returns the flat buffers, which hold every averaged gradient."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        sent = 0
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)  # (sum of numels,) one copy of them all
-            dist.all_reduce(flat)
-            flat.mul_(1.0 / self.world_size)
-            torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        flats, sent = [], 0
+        for dtype, group in by_dtype.items():
+            flat, views = self._buffer(dtype, group)
+            torch._foreach_copy_(views, [p.grad for p in group])
+            self._mean(flat)
+            for p, view in zip(group, views, strict=True):
+                p.grad = view  # the gradient autograd made is freed
+            flats.append(flat)
             sent += flat.numel() * flat.element_size()
+        if loss is not None:
+            self._mean(loss.detach())
+            sent += loss.element_size()
         self.bytes_per_step = sent
+        return flats
+
+    def _mean(self, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda:  # NCCL divides as it reduces
+            dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+        else:
+            dist.all_reduce(tensor)
+            tensor.mul_(1.0 / self.world_size)
+
+    def _buffer(
+        self, dtype: torch.dtype, group: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The flat buffer for ``group``'s gradients, made on first use (the step's first,
+        eager call: a captured replay then reads and writes the same addresses)."""
+        ids = [id(p) for p in group]
+        kept = self._buffers.get(dtype)
+        if kept is not None and kept[0] == ids:
+            return kept[1], kept[2]
+        per_element = torch.empty((), dtype=dtype).element_size()
+        align = max(1, 16 // per_element)
+        offsets, end = [], 0
+        for p in group:
+            offsets.append(end)
+            end += -(-p.numel() // align) * align
+        # Zeros: the padding between gradients stays 0, so it adds nothing to the norm.
+        flat = torch.zeros(end, dtype=dtype, device=group[0].device)  # (sum of padded numels,)
+        views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(offsets, group, strict=True)]
+        self._buffers[dtype] = (ids, flat, views)
+        return flat, views

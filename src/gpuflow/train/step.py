@@ -91,15 +91,18 @@ class Update:
 
     def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """``loss``, if given, is averaged over ranks in place with the gradients."""
-        if self.averager is not None or (self.grad_clip > 0 and self.fused_clip):
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        fused_clip = self.grad_clip > 0 and self.fused_clip
         if self.averager is not None:
             with torch.no_grad():  # the global gradient: the same on every rank from here
-                self.averager(grads if loss is None else [*grads, loss.detach()])
-        if self.grad_clip > 0 and self.fused_clip:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                grads = self.averager(params, None if loss is None else loss.detach())
+        elif fused_clip:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if fused_clip:
             # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
             # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
-            # max_norm / (norm + 1e-6) capped at 1, inverted).
+            # max_norm / (norm + 1e-6) capped at 1, inverted). Averaged gradients are read
+            # through their flat buffers: the norm is the same.
             grad_norm = global_grad_norm(grads)
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
         elif self.grad_clip > 0:

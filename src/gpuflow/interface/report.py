@@ -28,8 +28,13 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         "interrupted": result.interrupted,
         "seconds_this_session": round(result.seconds, 3),
         "parameters": result.parameters,
-        "tokens_per_step": config.train.batch_size * config.model.max_len,
+        "world_size": result.world_size,
+        "tokens_per_step": result.tokens_per_step,  # of the job: every rank's batch
         "tokens_per_s": result.tokens_per_s,
+        "tokens_per_s_per_rank": (
+            result.tokens_per_s / result.world_size if result.tokens_per_s else None
+        ),
+        "allreduce_bytes_per_step_per_rank": result.allreduce_bytes_per_step,
         "mfu": result.mfu,
         "first_train_loss": train[0]["loss"] if train else None,
         "final_train_loss": train[-1]["loss"] if train else None,

@@ -61,8 +61,13 @@ class TrainResult:
     seconds: float
     device: dict[str, Any]
     parameters: int
-    tokens_per_s: float | None  # median over logging intervals
+    tokens_per_s: float | None  # the job's, median over logging intervals
     mfu: float | None
+    world_size: int = 1
+    tokens_per_step: int = 0  # the job's: every rank's batch
+    # What each rank handed NCCL per step (the gradients' all-reduce): computed from the
+    # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
+    allreduce_bytes_per_step: int | None = None
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -314,4 +319,7 @@ class Trainer:
             parameters=self.model.parameter_count(),
             tokens_per_s=median_rate,
             mfu=self.mfu(median_rate),
+            world_size=self.ranks.world_size,
+            tokens_per_step=self.tokens_per_step,
+            allreduce_bytes_per_step=self.averager.bytes_per_step if self.averager else None,
         )

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.gpt import GPT, ModelConfig
@@ -55,12 +56,15 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, 64, (2 * B, T + 1), generator=generator)  # (2B, T+1)
 
 
-def _one_update(model: GPT, tokens: torch.Tensor, averager: GradientAverager | None) -> dict:
+def _one_update(
+    model: GPT, tokens: torch.Tensor, averager: GradientAverager | None,
+    forward: torch.nn.Module | None = None,
+) -> dict:  # fmt: skip
     """One clipped SGD step on ``tokens``: the loss, grad norm and weights after it (SGD:
     the weights then move by the gradients themselves, which AdamW's first step would
     reduce to their signs)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss = (forward or model)(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     grad_norm = Update(model, optimizer, 0.05, fused_clip=False, averager=averager)(loss)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -75,6 +79,11 @@ def _rank_update(rank: int, store: str, out: str) -> None:
         result = _one_update(_model(), half, averager)
         result["bytes_per_step"] = averager.bytes_per_step
         result["agreed"] = agree(rank == 1, Ranks(rank, 2, rank))
+        # The eager paths' way: DDP averages the gradients in the backward, the loss alone
+        # is left to the averager.
+        model = _model()
+        ddp = DistributedDataParallel(model)
+        result["ddp"] = _one_update(model, half, GradientAverager(2, False), forward=ddp)
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -84,7 +93,7 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
     mp.spawn(_rank_update, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     whole = _one_update(_model(), _batch(), None)
-    for result in ranks:
+    for result in [*ranks, *(r["ddp"] for r in ranks)]:
         # The mean loss of two equal halves is the whole batch's; the clip (active at 0.05)
         # saw the global norm; the weights moved as one process's did.
         assert result["loss"] == pytest.approx(whole["loss"], rel=1e-6)
@@ -92,8 +101,10 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
         assert whole["grad_norm"] > 0.05
         for name, weight in whole["weights"].items():
             torch.testing.assert_close(result["weights"][name], weight, rtol=1e-5, atol=1e-6)
+    for result in ranks:
         parameters = sum(p.numel() for p in _model().parameters())
-        assert result["bytes_per_step"] == 4 * (parameters + 1)  # fp32 gradients and the loss
+        assert result["bytes_per_step"] >= 4 * (parameters + 1)  # fp32 gradients and the loss
+        assert result["bytes_per_step"] < 4 * (parameters + 1) + 16 * len(whole["weights"])
         assert result["agreed"] is True  # rank 1 asked: both ranks hear it
     assert ranks[0]["weights"].keys() == whole["weights"].keys()
 
@@ -180,10 +191,11 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_run_resumes(prepared, workd
     assert f"finished at step {saved + 4}" in resumed.stdout
 
 
-def test_data_parallel_refuses_host_sampled_paths(prepared, workdir):
+def test_host_sampled_batches_train_data_parallel_under_ddp(prepared, workdir):
     args = _settings(prepared, 4)
     args[args.index("train.data_path=resident")] = "train.data_path=standard"
-    job = _torchrun("--name", "std", *args, cwd=workdir)
-    out = _ended(job, workdir, timeout=120)
-    assert job.returncode != 0
-    assert "data-parallel training runs the resident data paths" in out
+    _finish(_torchrun("--name", "std", *args, cwd=workdir), workdir)
+    report = json.loads((workdir / "runs" / "std" / "report.json").read_text())
+    assert report["world_size"] == 2 and report["steps_done"] == 4
+    # DDP all-reduces the fp32 gradients; the loss is averaged on its own.
+    assert report["allreduce_bytes_per_step_per_rank"] == 4 * (report["parameters"] + 1)

@@ -1,4 +1,5 @@
-"""ResidentTokens on the cpu: valid shifted pairs, determinism, ranks, resume, chunking."""
+"""ResidentTokens on the cpu: valid shifted pairs, determinism, ranks, resume, chunking; the
+host sampler's ranks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.batches import WindowSampler
 from gpuflow.data.resident import ResidentTokens, window_starts
 from gpuflow.data.shards import Shard, write_shard
 
@@ -75,6 +77,23 @@ def test_ranks_draw_disjoint_windows(tmp_path):
     ordered = [spans[r] for r in range(3)]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
     assert ordered[0][0] >= 0 and ordered[-1][1] <= len(corpus)
+
+
+def test_host_sampled_ranks_draw_from_disjoint_shares_of_the_starts(tmp_path):
+    shards, _ = _shards(tmp_path)
+    whole = WindowSampler(tuple(shards), B, T, seed=1)
+    windows = {}
+    for rank in range(3):
+        sampler = WindowSampler(tuple(shards), B, T, seed=1, rank=rank, world_size=3)
+        windows[rank] = {tuple(w) for s in range(100) for w in sampler.batch(s)}
+        assert all(len(w) == T + 1 for w in windows[rank])
+    assert not windows[0] & windows[1] and not windows[1] & windows[2]
+    assert not windows[0] & windows[2]
+    # A single process draws as it always did: its own stream over every start.
+    again = WindowSampler(tuple(shards), B, T, seed=1, rank=0, world_size=1)
+    np.testing.assert_array_equal(whole.batch(7), again.batch(7))
+    with pytest.raises(GpuflowError, match="too few for"):
+        WindowSampler(tuple(shards), B, T, seed=1, rank=0, world_size=10**6)
 
 
 def test_resume_continues_the_same_sequence(tmp_path):

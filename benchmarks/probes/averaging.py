@@ -87,9 +87,9 @@ AVERAGERS = {
 def measure(config, device, label, run_dir, warmup=10, timed=100):
     ranks = None if label == "single" else Ranks(0, 1, 0, launched=True)
     trainer = Trainer(config, run_dir, device, ranks=ranks)
-    if ranks is not None:
-        trainer.averager = AVERAGERS[label](1)
     trainer.build(resume=False, say=lambda note: None)
+    if ranks is not None:  # the step is opened below, with this averager
+        trainer.averager = AVERAGERS[label](1)
     total = warmup + timed
     with trainer.open_step(0, total) as step:
         for s in range(warmup):

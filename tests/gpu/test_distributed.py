@@ -64,3 +64,24 @@ def test_one_nccl_rank_captures_the_all_reduce_and_trains_as_one_process(
             with budget(h2d_bytes=0, d2h_bytes=0, syncs=0, device_allocs=0):
                 train_step(step)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("path", ["resident", "standard"])
+def test_one_nccl_rank_on_an_eager_path_trains_under_ddp_as_one_process(
+    accel, one_rank, prepared, workdir, path
+):
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=12", "train.log_interval=1"]
+    config = resolve_config("tiny", None, [*sets, f"train.data_path={path}"])
+    alone = Trainer(config, workdir / "runs" / f"alone-{path}", accel)
+    alone.run()
+    ranked = Trainer(config, workdir / "runs" / f"rank-{path}", accel, ranks=one_rank)
+    ranked.run()
+    assert isinstance(ranked.forward, torch.nn.parallel.DistributedDataParallel) or isinstance(
+        getattr(ranked.forward, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel
+    )
+    losses = {
+        name: [r["loss"] for r in read_metrics(workdir / "runs" / name) if "loss" in r]
+        for name in (f"alone-{path}", f"rank-{path}")
+    }
+    assert len(losses[f"rank-{path}"]) == 12
+    assert losses[f"rank-{path}"] == pytest.approx(losses[f"alone-{path}"], rel=1e-3)

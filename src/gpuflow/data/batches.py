@@ -13,9 +13,14 @@ from gpuflow.data.shards import Shard
 
 
 class WindowSampler:
-    """Uniform random windows over every shard, never crossing a shard boundary."""
+    """Uniform random windows over every shard, never crossing a shard boundary. Rank
+    ``rank`` of ``world_size`` draws from its own contiguous share of the window starts, so
+    the ranks of a data-parallel job never draw the same window."""
 
-    def __init__(self, shards: tuple[Shard, ...], batch_size: int, seq_len: int, seed: int) -> None:
+    def __init__(
+        self, shards: tuple[Shard, ...], batch_size: int, seq_len: int, seed: int,
+        rank: int = 0, world_size: int = 1,
+    ) -> None:  # fmt: skip
         self.shards = shards
         self.batch_size = batch_size
         self.window = seq_len + 1
@@ -28,11 +33,20 @@ class WindowSampler:
             )
         self._cumulative = np.cumsum(starts_per_shard)  # (n_shards,)
         self._maps = [s.tokens for s in shards]
+        total = int(self._cumulative[-1])
+        self._first, self._last = total * rank // world_size, total * (rank + 1) // world_size
+        if self._last <= self._first:
+            raise GpuflowError(
+                f"the train split has {total} window starts, too few for {world_size} ranks: "
+                "prepare more text or train on fewer GPUs"
+            )
+        # Each rank its own stream: equal shares must not be read at the same offsets.
+        self._key = (seed,) if world_size == 1 else (seed, rank)
 
     def batch(self, step: int) -> np.ndarray:
         """Tokens for ``step``, shape (batch_size, seq_len + 1), in the shards' dtype."""
-        rng = np.random.default_rng((self.seed, step))
-        flat = rng.integers(0, self._cumulative[-1], size=self.batch_size)  # (B,)
+        rng = np.random.default_rng((*self._key, step))
+        flat = rng.integers(self._first, self._last, size=self.batch_size)  # (B,)
         shard_ids = np.searchsorted(self._cumulative, flat, side="right")  # (B,)
         offsets = flat - np.concatenate(([0], self._cumulative[:-1]))[shard_ids]  # (B,)
         return np.stack(

@@ -19,6 +19,10 @@ What a rank does differently from a single process:
 - a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
   every rank stops after the same step.
 
+The eager data paths (host-sampled batches, or a resident corpus without the captured step)
+wrap the model in ``DistributedDataParallel`` instead, which all-reduces gradient buckets
+during the backward; ``GradientAverager`` then averages the loss alone.
+
 NCCL's traffic is invisible to the transfer ledger (it is not a copy torch dispatches):
 ``GradientAverager.bytes_per_step`` is computed from the buffers it reduces.
 """
@@ -167,11 +171,18 @@ class GradientAverager:
     aligned place, as MasterAdamW's kernel reads fastest), reduced there by a single
     all-reduce, and each parameter's ``.grad`` then *is* its view of that buffer: no copy
     back, and the clip's norm is one pass over the flat buffers. NCCL averages as it reduces
-    (``ReduceOp.AVG``); gloo sums, then one scale."""
+    (``ReduceOp.AVG``); gloo sums, then one scale.
 
-    def __init__(self, world_size: int) -> None:
+    Under ``DistributedDataParallel`` (the eager data paths), which averages the gradients
+    itself during the backward, ``reduce_gradients=False`` leaves them be and averages the
+    loss alone."""
+
+    def __init__(self, world_size: int, reduce_gradients: bool = True) -> None:
         self.world_size = world_size
-        self.bytes_per_step = 0  # what this rank hands NCCL per step (the ledger cannot see it)
+        self.reduce_gradients = reduce_gradients
+        # What this rank hands the collectives per step, DDP's all-reduce included (the
+        # ledger cannot see collectives).
+        self.bytes_per_step = 0
         # dtype -> (the parameters it was laid out for, the flat buffer, their views of it)
         self._buffers: dict[torch.dtype, tuple[list[int], torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -179,9 +190,10 @@ class GradientAverager:
         self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """Average the ``.grad`` of ``params`` (and ``loss``, in place) over the ranks;
-        returns the flat buffers, which hold every averaged gradient."""
+        returns tensors that hold every averaged gradient (the flat buffers, or the
+        gradients DDP averaged)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
+        for p in params if self.reduce_gradients else ():
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         flats, sent = [], 0
         for dtype, group in by_dtype.items():
@@ -192,11 +204,13 @@ class GradientAverager:
                 p.grad = view  # the gradient autograd made is freed
             flats.append(flat)
             sent += flat.numel() * flat.element_size()
+        if not self.reduce_gradients:  # DDP's buckets hold what autograd made, no padding
+            sent += sum(p.grad.numel() * p.grad.element_size() for p in params)
         if loss is not None:
             self._mean(loss.detach())
             sent += loss.element_size()
         self.bytes_per_step = sent
-        return flats
+        return flats if self.reduce_gradients else [p.grad for p in params]
 
     def _mean(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:  # NCCL divides as it reduces

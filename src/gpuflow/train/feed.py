@@ -24,7 +24,7 @@ class BatchPlan:
     seed: int
     vocab_size: int
     device_budget_bytes: int | None = None  # the resident corpus's cap (None: its default)
-    rank: int = 0  # of a data-parallel job: the resident corpus is this rank's slice
+    rank: int = 0  # of a data-parallel job: every source draws from this rank's slice
     world_size: int = 1
 
     @cached_property
@@ -32,7 +32,9 @@ class BatchPlan:
         """Batches drawn on the host, after every train shard's ids are checked (a resident
         corpus checks its own as it uploads them); built on first use."""
         self.data.check_vocab(self.vocab_size, splits=("train",))
-        return WindowSampler(self.data.train, self.batch_size, self.seq_len, self.seed)
+        return WindowSampler(
+            self.data.train, self.batch_size, self.seq_len, self.seed, self.rank, self.world_size
+        )
 
 
 def open_batches(

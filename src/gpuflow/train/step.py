@@ -65,7 +65,9 @@ def optimizer_for(
     return adamw
 
 
-def compiled_forward(model: GPT, device: Device, options: StepOptions) -> torch.nn.Module:
+def compiled_forward(
+    model: torch.nn.Module, device: Device, options: StepOptions
+) -> torch.nn.Module:
     """The model's forward (and so backward) compiled where torch.compile makes kernels
     (CUDA); the model itself elsewhere."""
     if device.type != "cuda":

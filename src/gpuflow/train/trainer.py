@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
@@ -103,7 +104,7 @@ class Trainer:
         self.tokens_per_step = (
             config.train.batch_size * config.model.max_len * self.ranks.world_size
         )
-        self.averager = GradientAverager(self.ranks.world_size) if self.ranks.distributed else None
+        self.averager: GradientAverager | None = None  # chosen with the data path, in build
         self._flops_per_token = flops_per_token(config.model)
         self._peak_flops = device.peak_bf16_flops()
 
@@ -117,23 +118,25 @@ class Trainer:
         if not ranks.is_main:
             say = _silent  # rank 0 speaks for the job
         self.path, self.path_note = resolve_data_path(cfg.train.data_path, device)
-        if ranks.distributed and self.path not in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH):
-            raise GpuflowError(
-                f"data-parallel training runs the resident data paths; train.data_path is "
-                f"{cfg.train.data_path!r}: use auto, resident or resident-graph"
-            )
+        # Data-parallel: the captured step averages the gradients inside its graph; the
+        # eager paths leave it to DDP (overlapped with the backward), but for the naive
+        # baseline, whose per-sequence backward DDP cannot wrap.
+        ddp = ranks.distributed and self.path not in (DataPath.RESIDENT_GRAPH, DataPath.NAIVE)
+        if ranks.distributed:
+            self.averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
         with main_first(ranks):  # the built-in corpus is prepared once, by rank 0
             self.data = open_training_data(cfg)
-        self.data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
         # The validation set is read now (a split too short for one window is refused) and
-        # uploaded once; it stays on the device.
-        self.val_batches = [
-            upload_tokens(w, device)
-            for w in validation_windows(
+        # uploaded once, by the rank that evaluates (rank 0); it stays on the device. The
+        # other ranks read nothing but their slice of the train split.
+        self.val_batches = []
+        if ranks.is_main:
+            self.data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
+            windows = validation_windows(
                 self.data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
             )
-        ]
+            self.val_batches = [upload_tokens(w, device) for w in windows]
         mb = cfg.data.device_budget_mb
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
@@ -143,8 +146,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = place(GPT(cfg.model), device.torch)
         # The training step's forward (and so its backward); evaluation stays eager.
+        trained: torch.nn.Module = self.model
+        if ddp:
+            trained = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None
+            )
         self.forward = (
-            compiled_forward(self.model, device, self.options) if cfg.train.compile else self.model
+            compiled_forward(trained, device, self.options) if cfg.train.compile else trained
         )
         adamw = build_optimizer(self.model, cfg.train, device)
         self.start_step = 0

@@ -142,28 +142,44 @@ def _finish(job: subprocess.Popen, cwd: Path) -> str:
     return out
 
 
+def _saved(run: Path) -> dict:
+    record = read_record(latest_checkpoint(run))
+    return {"step": record["step"], "tokens_seen": record["tokens_seen"], **record["data"]}
+
+
 def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, workdir):
     run = workdir / "runs" / "dp"
-    out = _finish(_torchrun("--name", "dp", *_settings(prepared, 8), cwd=workdir), workdir)
+    # A 20 kB budget streams the corpus in chunks: their order carries over between runs.
+    budget = ["--set", "data.device_budget_mb=0.02"]
+    out = _finish(_torchrun("--name", "dp", *_settings(prepared, 8), *budget, cwd=workdir), workdir)
     assert "2 ranks" in out and "per rank" in out
     assert out.count("finished at step 8") == 1  # rank 0 speaks for the job
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [2, 4, 6, 8]  # one record per logging step: rank 0 alone writes
     report = json.loads((run / "report.json").read_text())
-    assert report["tokens_per_s"] > 0
-    # tokens of the whole job: 2 ranks x batch 8 x 32 tokens per step
-    assert read_metrics(run)[-1]["step"] == 8
+    assert report["tokens_per_s"] > 0 and report["world_size"] == 2
+    per_rank = B * 2 * 32  # FAST's batch of 8 windows of 32 tokens
+    assert report["tokens_per_step"] == 2 * per_rank
+    two = _saved(run)
+    assert two["world_size"] == 2 and two["chunk_base"] == [0, 0]
+    assert two["tokens_seen"] == 8 * 2 * per_rank
 
     resumed = gpuflow_cli("train", "--name", "dp", "--resume", *_settings(prepared, 12),
-                          cwd=workdir)  # fmt: skip
+                          *budget, cwd=workdir)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed" in resumed.stdout + resumed.stderr
+    one = _saved(run)
+    # One rank starts fresh rounds at the first chunk the two had not begun.
+    assert one["world_size"] == 1 and one["chunk_base"] == [two["next_chunk"], 8]
+    assert one["tokens_seen"] == two["tokens_seen"] + 4 * per_rank
     out = _finish(
-        _torchrun("--name", "dp", "--resume", *_settings(prepared, 16), cwd=workdir), workdir
+        _torchrun("--name", "dp", "--resume", *_settings(prepared, 16), *budget, cwd=workdir),
+        workdir,
     )
     assert "finished at step 16" in out
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert _saved(run)["chunk_base"] == [one["next_chunk"], 12]
 
 
 def test_a_rank_killed_mid_run_stops_the_job_and_the_run_resumes(prepared, workdir):

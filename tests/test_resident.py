@@ -33,7 +33,7 @@ def _expected_starts(tokens: ResidentTokens, step: int) -> np.ndarray:
     chunk = tokens.chunk_of(step)
     length = min(tokens.chunk_tokens, tokens._last - tokens._first - chunk * tokens.chunk_tokens)
     local = window_starts(
-        tokens.seed, torch.tensor(step), torch.arange(B), torch.tensor(length - T)
+        tokens._draw_seed, torch.tensor(step), torch.arange(B), torch.tensor(length - T)
     ).numpy()
     return tokens._first + chunk * tokens.chunk_tokens + local
 
@@ -120,6 +120,43 @@ def test_a_small_budget_streams_the_corpus_in_chunks(tmp_path):
         for row, start in enumerate(_expected_starts(tokens, step)):
             assert np.array_equal(x[row].numpy(), corpus[start : start + T])
     assert chunks_seen == set(range(6)) and tokens.chunk == 0
+
+
+@pytest.mark.parametrize("mid_round", [False, True])
+def test_a_run_resumed_on_other_ranks_reads_each_chunk_once_per_epoch(tmp_path, mid_round):
+    shards, corpus = _shards(tmp_path)
+    # 3000 tokens; a 2000-byte budget streams them as 6 chunks of 500, on 1 rank or on 2.
+    two = [
+        ResidentTokens(shards, "cpu", B, T, seed=2, rank=r, world_size=2, budget_bytes=2000)
+        for r in range(2)
+    ]
+    spc = two[0].steps_per_chunk
+    stop = 2 * spc - (spc // 2 if mid_round else 0)  # two rounds, the second cut short or not
+    begun: list[int] = []
+    for step in range(stop):
+        for tokens in two:
+            tokens.advance(step)
+            if not begun or tokens.chunk not in begun[-2:]:
+                begun.append(tokens.chunk)
+            x, _ = tokens.sample()
+            for row, start in enumerate(_expected_starts(tokens, step)):
+                assert np.array_equal(x[row].numpy(), corpus[start : start + T])
+    assert begun == [0, 1, 2, 3]  # rounds of two chunks, one per rank
+    position = two[0].position(stop)
+    assert two[1].position(stop) == position
+    # The same ranks resume exactly where they were.
+    again = ResidentTokens(shards, "cpu", B, T, seed=2, rank=1, world_size=2, budget_bytes=2000)
+    again.set_step(stop, position)
+    two[1].advance(stop)
+    assert torch.equal(again.sample()[0], two[1].sample()[0])
+    # One rank carries on from the first chunk not begun, and the epoch reads each once.
+    one = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
+    one.set_step(stop, position)
+    for step in range(stop, stop + spc * (6 - len(begun))):
+        one.advance(step)
+        if one.chunk != begun[-1]:
+            begun.append(one.chunk)
+    assert sorted(begun) == list(range(6))
 
 
 def test_uint32_ids_survive_the_signed_gather(tmp_path):

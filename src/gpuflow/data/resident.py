@@ -12,20 +12,23 @@ the windows are gathered there, and inputs and targets are slices of them.
 
 Sampling depends only on the step counter (a device tensor that ``sample`` advances in
 place), so it is the same eagerly and inside a CUDA graph, the same on every device, and a
-checkpoint restores it with ``set_step``. Each of ``world_size`` ranks draws from its own
-contiguous slice of the corpus, so ranks never share a window.
+checkpoint restores it with ``set_step``. Each of ``world_size`` ranks keeps its own
+contiguous slice of the corpus and reads nothing else from disk, so ranks never share a
+window and the ranks of a host read the corpus once between them.
 
-When the corpus is larger than ``budget_bytes`` (default: half the device's free memory),
-it is split into chunks of half the budget that take turns: the model trains on the active
-chunk while the next one uploads on a side stream into a second buffer, and every
-``steps_per_chunk`` steps ``advance`` copies the new chunk into the active buffer (on the
-device, so a captured graph that reads the active buffer stays valid).
+When a rank's slice is larger than ``budget_bytes`` (default: half the device's free
+memory), the corpus streams through in chunks of half the budget at most that take turns:
+the model trains on the active chunk while the next one uploads on a side stream into a
+second buffer, and every ``steps_per_chunk`` steps ``advance`` copies the new chunk into the
+active buffer (on the device, so a captured graph that reads the active buffer stays valid).
+The ranks take the chunks in one order, ``world_size`` of them per round, so a run resumed
+on a different number of ranks carries on from the first chunk none had begun.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,6 +94,8 @@ class ResidentTokens:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
         self.device = Device.resolve(device)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        # Each rank its own draws: equal slices must not be read at the same offsets.
+        self._draw_seed = seed if world_size == 1 else (seed + rank * _STREAMS[1]) & _MASK32
         self.vocab_size = vocab_size  # ids at or past it are refused as they upload
         self.window = seq_len + 1
         dtypes = {s.dtype for s in shards}
@@ -98,26 +103,34 @@ class ResidentTokens:
             raise GpuflowError("the train shards mix uint16 and uint32 tokens; prepare them again")
         self.token_dtype = np.dtype(dtypes.pop())
         self._shards = list(shards)
+        self.rank, self.world_size = rank, world_size
         # This rank's contiguous slice of the corpus (all shards end to end).
         total = sum(s.n_tokens for s in shards)
-        self._first = total * rank // world_size
-        self._last = total * (rank + 1) // world_size
-        if self._last - self._first < self.window:
+        first, last = total * rank // world_size, total * (rank + 1) // world_size
+        if last - first < self.window:
             raise GpuflowError(
-                f"the train split gives rank {rank} of {world_size} {self._last - self._first} "
+                f"the train split gives rank {rank} of {world_size} {last - first} "
                 f"tokens, fewer than one window of {self.window} (model.max_len + 1)"
             )
         self.budget_bytes = (
             budget_bytes if budget_bytes is not None else _default_budget(self.device)
         )
         itemsize = self.token_dtype.itemsize
-        corpus_bytes = (self._last - self._first) * itemsize
-        if corpus_bytes <= self.budget_bytes:
-            self.chunk_tokens = self._last - self._first
+        corpus_bytes = (last - first) * itemsize
+        if corpus_bytes <= self.budget_bytes:  # the slice stays resident
+            self._first, self._last = first, last
+            self.n_chunks, self.chunk_tokens = 1, last - first
         else:
-            self.chunk_tokens = max(self.window, self.budget_bytes // (2 * itemsize))
-        self.n_chunks = math.ceil((self._last - self._first) / self.chunk_tokens)
+            # The whole corpus streams through in chunks of equal size (half the budget at
+            # most), which the ranks take in turn: world_size consecutive chunks per round.
+            # The order does not depend on how many ranks there are, so a run resumed on
+            # another number of them carries on where the last one stopped (``position``).
+            self._first, self._last = 0, total
+            self.n_chunks = math.ceil(total / max(self.window, self.budget_bytes // (2 * itemsize)))
+            self.chunk_tokens = math.ceil(total / self.n_chunks)
         self.steps_per_chunk = max(1, self.chunk_tokens // (batch_size * seq_len))
+        # (the chunk the first round of this run starts at, the step it starts at)
+        self.chunk_base = (0, 0)
         self._show_progress = show_progress and corpus_bytes >= _PROGRESS_MIN_BYTES
         self._pool = PinnedPool(self.device, max_bytes=2 * UPLOAD_CHUNK_BYTES)
         self._copy_stream = self.device.new_stream()
@@ -145,7 +158,7 @@ class ResidentTokens:
     def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of the current step, (B, T) int64 each, then the step counter
         moves on. Queues device work only: no copy, no sync (safe inside a CUDA graph)."""
-        starts = window_starts(self.seed, self.step, self._rows, self.n_starts)  # (B,)
+        starts = window_starts(self._draw_seed, self.step, self._rows, self.n_starts)  # (B,)
         index = starts[:, None] + self._offsets  # (B, T+1)
         windows = self._active[index].long() & self._id_mask  # (B, T+1) int64 token ids
         self.step += 1
@@ -154,13 +167,43 @@ class ResidentTokens:
     # ---- position: host work between steps ------------------------------------------------
 
     def chunk_of(self, step: int) -> int:
-        return (step // self.steps_per_chunk) % self.n_chunks
+        """The chunk this rank trains on at ``step``: its slice while that fits, else the
+        round's ``rank``-th chunk."""
+        if self.n_chunks == 1:
+            return 0
+        first, since = self.chunk_base
+        rounds = (step - since) // self.steps_per_chunk
+        return (first + rounds * self.world_size + self.rank) % self.n_chunks
 
-    def set_step(self, step: int) -> None:
-        """Continue from ``step`` (a resumed run): its chunk is made active, the next one
-        starts uploading."""
+    def set_step(self, step: int, position: Mapping[str, Any] | None = None) -> None:
+        """Continue from ``step`` (a resumed run; ``position`` is what ``position`` said at
+        its checkpoint): its chunk is made active, the next one starts uploading."""
+        self.chunk_base = self._base_after(step, position or {})
         self.step.fill_(step)
         self._activate(self.chunk_of(step))
+
+    def position(self, step: int) -> dict[str, Any]:
+        """Where a run stopping after ``step`` is in the chunk order, for its checkpoint."""
+        if self.n_chunks == 1:
+            return {"world_size": self.world_size}
+        first, since = self.chunk_base
+        begun = -(-(step - since) // self.steps_per_chunk)  # rounds whose chunks were read
+        return {
+            "world_size": self.world_size,
+            "chunk_base": [first, since],
+            "next_chunk": (first + begun * self.world_size) % self.n_chunks,
+        }
+
+    def _base_after(self, step: int, saved: Mapping[str, Any]) -> tuple[int, int]:
+        """The same rounds as before on the same number of ranks; on another number, fresh
+        rounds from the first chunk no rank had begun (the rest of a round that was cut
+        short mid-way is not read again, and no chunk is skipped)."""
+        if saved.get("world_size", 1) == self.world_size and "chunk_base" in saved:
+            first, since = saved["chunk_base"]
+            return int(first), int(since)
+        if "next_chunk" in saved:
+            return int(saved["next_chunk"]), step
+        return 0, 0
 
     def advance(self, step: int) -> None:
         """Call before step ``step`` is sampled (outside any captured graph): switches to
@@ -183,7 +226,7 @@ class ResidentTokens:
             done = self.device.new_event()
             done.record(stream)  # the staged buffer is free once the copy above has run
             self._copy_stream.wait_event(done)
-            self._staged_chunk = (chunk + 1) % self.n_chunks
+            self._staged_chunk = (chunk + self.world_size) % self.n_chunks  # the next round's
             self._staged_ready = self._upload(self._staged_chunk, self._staged, self._copy_stream)
 
     def _chunk_length(self, chunk: int) -> int:

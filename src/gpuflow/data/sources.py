@@ -14,8 +14,9 @@ The baselines' sources (``gpuflow.baselines``) follow the same interface.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -37,6 +38,11 @@ class BatchSource(AbstractContextManager):
 
     def close(self) -> None:
         """Free what the source holds (threads, device memory); idempotent."""
+
+    def position(self, step: int) -> dict[str, Any]:
+        """Where the source is after ``step`` beyond the step itself, for a checkpoint (every
+        source draws step s's batch from (seed, s); a streamed corpus adds its chunk)."""
+        return {}
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -87,14 +93,17 @@ class ResidentBatches(CapturableSource):
     def __init__(
         self, shards: tuple[Shard, ...], device: Device, batch_size: int, seq_len: int,
         seed: int, start: int, budget_bytes: int | None = None, vocab_size: int | None = None,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, resumed: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.tokens = ResidentTokens(
             shards, device, batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
             budget_bytes=budget_bytes, vocab_size=vocab_size,
         )  # fmt: skip
-        self.tokens.set_step(start)
+        self.tokens.set_step(start, resumed)  # ``resumed``: the checkpoint's ``position``
         self.counter = self.tokens.step
+
+    def position(self, step: int) -> dict[str, Any]:
+        return self.tokens.position(step)
 
     def prepare(self, step: int) -> None:
         self.tokens.advance(step)  # a chunk switch happens here, outside any graph

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from gpuflow.baselines.naive import NaiveBatches
 from gpuflow.baselines.standard import StandardBatches
@@ -26,6 +28,7 @@ class BatchPlan:
     device_budget_bytes: int | None = None  # the resident corpus's cap (None: its default)
     rank: int = 0  # of a data-parallel job: every source draws from this rank's slice
     world_size: int = 1
+    resumed: Mapping[str, Any] | None = None  # the checkpoint's data position, if resuming
 
     @cached_property
     def sampler(self) -> WindowSampler:
@@ -50,6 +53,6 @@ def open_batches(
     if path in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH):
         return ResidentBatches(
             plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,
-            plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size,
+            plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size, plan.resumed,
         )  # fmt: skip
     raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")

@@ -10,6 +10,7 @@ checkpoint, so an interrupted run resumes exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -156,6 +157,7 @@ class Trainer:
         )
         adamw = build_optimizer(self.model, cfg.train, device)
         self.start_step = 0
+        self.tokens_seen = 0  # by the run's checkpoint: its steps may have run on other ranks
         self.best_val = math.inf
         checkpoint = None
         if resume:
@@ -165,6 +167,11 @@ class Trainer:
                 say(f"{self.run_dir} has no checkpoint yet: training it from step 0")
             else:
                 self.start_step = self._restore(checkpoint, adamw)
+                data = checkpoint.record.get("data", {})
+                self.plan = dataclasses.replace(self.plan, resumed=data)
+                self.tokens_seen = int(
+                    checkpoint.record.get("tokens_seen", self.start_step * self.tokens_per_step)
+                )
         if self.start_step >= cfg.train.steps:
             raise GpuflowError(
                 f"{self.run_dir} already finished {self.start_step} of {cfg.train.steps} steps; "
@@ -222,6 +229,7 @@ class Trainer:
         """The run's step over its data path's batches for steps ``start`` to ``stop`` (or
         over ``source``, which the step then closes); ``build`` first."""
         batches = source or open_batches(self.path, self.plan, self.device, start, stop)
+        self._batches = batches  # whose position each checkpoint records
         with batches:
             parts = StepParts(
                 self.model, self.forward, self.optimizer, self.config.train, self.device,
@@ -248,14 +256,16 @@ class Trainer:
         unless ``checkpointer`` writes in the foreground)."""
         tc = self.config.train
         device_rng = self.device.rng_state()
+        data = {"path": str(self.path), "seed": tc.seed, "next_step": step}
         state = {
             "rng": {
                 "torch": ckpt.encode_tensor(torch.get_rng_state()),
                 "device": ckpt.encode_tensor(device_rng) if device_rng is not None else None,
             },
-            # Every data path draws step s's batch from (seed, s): the step is the position.
-            "data": {"path": str(self.path), "seed": tc.seed, "next_step": step},
-            "tokens_seen": step * self.tokens_per_step,
+            # Every data path draws step s's batch from (seed, s): the step is the position,
+            # with a streamed corpus's place in its chunk order.
+            "data": {**data, **self._batches.position(step)},
+            "tokens_seen": self.tokens_seen + (step - self.start_step) * self.tokens_per_step,
             "val_loss": self.last_val,
         }
         checkpointer.save(step, self.model, self.optimizer, state, names)

@@ -33,7 +33,7 @@ CROSSING_ALLOWED = {
     "bench/loaders.py": "times the loading idioms DeviceLoader replaces, and their .to()",
     "bench/checkpoint.py": "times the usual checkpoint save (every tensor .cpu()) as a baseline",
     "train/checkpoint.py::.numpy()": "encode_tensor's RNG states, which live on the host",
-    "train/distributed.py::.item()": "agree's vote: a host tensor, all-reduced over gloo",
+    "train/distributed.py::.item()": "agree's and least's host tensors, all-reduced over gloo",
 }
 HOST_BUILT = {"tensor", "as_tensor", "from_numpy"}
 READS = {"item", "cpu", "tolist", "numpy", "pin_memory"}

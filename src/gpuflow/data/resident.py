@@ -113,7 +113,7 @@ class ResidentTokens:
                 f"tokens, fewer than one window of {self.window} (model.max_len + 1)"
             )
         self.budget_bytes = (
-            budget_bytes if budget_bytes is not None else _default_budget(self.device)
+            budget_bytes if budget_bytes is not None else default_budget(self.device)
         )
         itemsize = self.token_dtype.itemsize
         corpus_bytes = (last - first) * itemsize
@@ -299,7 +299,7 @@ class ResidentTokens:
         self._pool.close()
 
 
-def _default_budget(device: Device) -> int:
+def default_budget(device: Device) -> int:
     """Half the device's free memory (everything the host has on the cpu)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device.torch)

@@ -143,6 +143,15 @@ def agree(flag: bool, ranks: Ranks) -> bool:
     return bool(vote.item())
 
 
+def least(value: int, ranks: Ranks) -> int:
+    """The smallest of every rank's ``value`` (host work, gloo); ``value`` for one process."""
+    if not ranks.distributed:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
+
+
 @contextmanager
 def main_first(ranks: Ranks) -> Iterator[None]:
     """Rank 0 runs the block before the others (which then find what it prepared, say, the

@@ -26,6 +26,7 @@ from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import validation_windows
 from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.data.resident import default_budget
 from gpuflow.data.sources import BatchSource
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device, out_of_memory_figures
@@ -33,7 +34,7 @@ from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.distributed import GradientAverager, Ranks, main_first
+from gpuflow.train.distributed import GradientAverager, Ranks, least, main_first
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim import build_optimizer
@@ -139,9 +140,14 @@ class Trainer:
             )
             self.val_batches = [upload_tokens(w, device) for w in windows]
         mb = cfg.data.device_budget_mb
+        budget = int(mb * 1e6) if mb > 0 else None
+        if budget is None and ranks.distributed:
+            # One budget for every rank (the least free memory), so that they all keep their
+            # slice resident or all stream the corpus in the same chunks.
+            budget = least(default_budget(device), ranks)
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
-            cfg.model.vocab_size, int(mb * 1e6) if mb > 0 else None, ranks.rank, ranks.world_size,
+            cfg.model.vocab_size, budget, ranks.rank, ranks.world_size,
         )  # fmt: skip
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)

@@ -153,13 +153,15 @@ def least(value: int, ranks: Ranks) -> int:
 
 
 @contextmanager
-def main_first(ranks: Ranks) -> Iterator[None]:
-    """Rank 0 runs the block before the others (which then find what it prepared, say, the
-    built-in corpus); host work only, and nothing for a single process."""
-    if not ranks.is_main:
-        agree(False, ranks)  # waits for rank 0's call below
+def each_host_first(ranks: Ranks) -> Iterator[None]:
+    """The first rank of each host (``LOCAL_RANK`` 0) runs the block before the others,
+    which then find what it prepared on their host's disk (say, the built-in corpus); host
+    work only, and nothing for a single process."""
+    first = ranks.local_rank == 0
+    if not first:
+        agree(False, ranks)  # returns once every host's first rank has made the call below
     yield
-    if ranks.is_main:
+    if first:
         agree(False, ranks)
 
 

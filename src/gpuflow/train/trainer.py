@@ -34,7 +34,7 @@ from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.distributed import GradientAverager, Ranks, least, main_first
+from gpuflow.train.distributed import GradientAverager, Ranks, each_host_first, least
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim import build_optimizer
@@ -127,7 +127,7 @@ class Trainer:
         if ranks.distributed:
             self.averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
-        with main_first(ranks):  # the built-in corpus is prepared once, by rank 0
+        with each_host_first(ranks):  # the built-in corpus is prepared once per host
             self.data = open_training_data(cfg)
         # The validation set is read now (a split too short for one window is refused) and
         # uploaded once, by the rank that evaluates (rank 0); it stays on the device. The

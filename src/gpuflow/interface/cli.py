@@ -161,6 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default="tiny", help="the run to soak (default tiny)")
     p.add_argument("--steps", type=int, default=10_000, help="steps to train (default 10000)")
+    p = bench_parser(
+        "scale",
+        "the same training run as a plain process, under torchrun with 1 process and with N "
+        "(one per GPU), each in a child process: tokens/s, speedup, scaling efficiency",
+    )
+    p.add_argument("--preset", default="seed-d384", help="the run (default seed-d384)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="steps per row (default 300: tens of logging intervals for a steady median)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="processes of the last row (default: every visible GPU; 2 on the cpu)",
+    )
 
     p = sub.add_parser(
         "profile",

@@ -339,6 +339,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot = plot_soak(results, path.with_suffix(".png"))
         out_console.print(f"results: {path} and {plot}")
         return 0 if results["flat"] else 1
+    elif args.bench == "scale":
+        from gpuflow.bench.scale import ScaleConfig, print_scale_table, run_scale_bench
+
+        scale = ScaleConfig(
+            preset=args.preset, steps=args.steps, nproc=args.nproc, overrides=tuple(args.set or ())
+        )
+        results = run_scale_bench(device, scale)
+        print_scale_table(results)
     else:
         from gpuflow.bench.train import MODES, TrainBenchConfig, print_train_table, run_train_bench
 

@@ -171,11 +171,13 @@ def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdi
     from gpuflow.data.resident import ResidentTokens
     from gpuflow.data.tokens import TokenFolder
 
-    # 10,240 bytes: two buffers of 2,560 uint16 tokens, 10 steps of 8 x 32 tokens each.
+    # 10,240 bytes: two buffers of at most 2,560 uint16 tokens (the corpus in equal chunks),
+    # 9 or 10 steps of 8 x 32 tokens each.
     budget_mb = 0.01024
     shards = TokenFolder.open(prepared).train
     tokens = ResidentTokens(shards, accel, 8, 32, budget_bytes=int(budget_mb * 1e6))
-    assert (tokens.chunk_tokens, tokens.steps_per_chunk) == (2560, 10) and tokens.n_chunks > 6
+    assert 2560 * 0.9 < tokens.chunk_tokens <= 2560 and tokens.n_chunks > 6
+    assert tokens.steps_per_chunk == tokens.chunk_tokens // (8 * 32)
     for mode in ("resident", "resident-graph"):
         config = resolve_config(
             "tiny",
@@ -191,7 +193,7 @@ def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdi
         )
         result = Trainer(config, workdir / "runs" / mode, accel).run()  # six chunk switches
         val = [r["val_loss"] for r in read_metrics(result.run_dir) if "val_loss" in r]
-        assert val[-1] < val[0] - 0.3, mode
+        assert val[-1] < val[0] - 0.3, (mode, val)
 
 
 def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, workdir):

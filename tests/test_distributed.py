@@ -152,7 +152,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
     # A 20 kB budget streams the corpus in chunks: their order carries over between runs.
     budget = ["--set", "data.device_budget_mb=0.02"]
     out = _finish(_torchrun("--name", "dp", *_settings(prepared, 8), *budget, cwd=workdir), workdir)
-    assert "2 ranks" in out and "per rank" in out
+    assert "2 ranks" in out and "MiB per step per rank" in out
     assert out.count("finished at step 8") == 1  # rank 0 speaks for the job
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [2, 4, 6, 8]  # one record per logging step: rank 0 alone writes

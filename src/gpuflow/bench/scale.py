@@ -41,6 +41,7 @@ import torch
 
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.signals import handling
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.run import REPORT_FILE, RUNS_DIR
@@ -266,15 +267,8 @@ def _descendants(pid: int) -> list[int]:
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM to this bench stops it as Ctrl-C does, children included: by default it would
     die at once and leave them running."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    except ValueError:  # not the main thread: leave signals alone
+    with handling([signal.SIGTERM], _raise_interrupt):
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

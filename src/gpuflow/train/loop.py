@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.signals import handling
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.display import TrainDisplay
@@ -46,16 +47,8 @@ class _StopFlag:
                 raise KeyboardInterrupt
             self.requested = True
 
-        try:
-            previous = {sig: signal.signal(sig, handler) for sig in self.SIGNALS}
-        except ValueError:  # not the main thread: leave signals alone
+        with handling(self.SIGNALS, handler):
             yield
-            return
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
 
 
 @dataclass(frozen=True)

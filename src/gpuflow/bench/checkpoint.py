@@ -62,7 +62,7 @@ def _pytorch_save(folder: Path, trainer: Trainer) -> None:
 def run_checkpoint_bench(device: Device, bench: CheckpointBenchConfig) -> dict[str, Any]:
     steps = bench.warmup + bench.window * (2 * len(KINDS) + 1) * bench.rounds + 100
     config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
-    path, _ = resolve_data_path(config.train.data_path, device)
+    path, _ = resolve_data_path(config.train.data_path, device, config.train.allocator)
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-checkpoint-"))
     try:
         with err_console.status(f"measuring checkpoint saves of {bench.preset}..."):

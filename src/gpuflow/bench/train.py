@@ -10,6 +10,7 @@ captured, shows each path's data-path overhead as a percentage.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.common.console import err_console
 from gpuflow.data.sources import FixedBatch
 from gpuflow.device.accelerator import Device
+from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
 from gpuflow.train.datapath import DataPath, resolve_data_path
 from gpuflow.train.feed import open_batches
@@ -78,6 +80,8 @@ def _measure(
         "step_ms": seconds * 1e3 / timed,
         "mfu": trainer.mfu(rate),
         **ledger.summary().totals.per_step(counted),
+        # What the allocator holds from the device after the row (None off CUDA).
+        "reserved_bytes": device.memory_sample()["device_reserved_bytes"],
     }
 
 
@@ -92,7 +96,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
         if device.type == "cuda":
             plan += [("resident-graph", True)]
         for mode, synthetic in plan:
-            path, why = resolve_data_path(mode, device)
+            path, why = resolve_data_path(mode, device, config.train.allocator)
             if why:
                 skipped[mode] = why
                 continue
@@ -125,6 +129,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
         "config": {"warmup": bench.warmup, "timed": bench.timed, "overrides": bench.overrides},
         "batch_size": config.train.batch_size,
         "seq_len": config.model.max_len,
+        "allocator": allocator_in(os.environ),
         "rows": rows,
         "skipped": skipped,
     }

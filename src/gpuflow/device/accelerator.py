@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.device.allocator import allocator_in
 
 ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
 
@@ -361,6 +362,7 @@ def allocator_settings() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         settings["cuda_backend"] = torch.cuda.get_allocator_backend()
+        settings["train.allocator"] = allocator_in(os.environ)  # what the settings amount to
     return settings
 
 

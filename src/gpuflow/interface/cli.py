@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start again with (allocator)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 from gpuflow.common.errors import GpuflowError
 
 if TYPE_CHECKING:  # torch-heavy: imported inside the commands
+    from pathlib import Path
+
     from gpuflow.device.accelerator import Device
+    from gpuflow.train.config import RunConfig
     from gpuflow.train.distributed import Ranks
 
 EXIT_BAD_INPUT = 2
@@ -142,9 +145,36 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 # ---- train ----------------------------------------------------------------------------------
 
 
+def _run_config(args: argparse.Namespace) -> tuple[Path | None, RunConfig]:
+    """The config ``gpuflow train ARGS`` runs, and the run folder when resuming (a new run's
+    folder is named later, by rank 0). Reads files only: every rank can call it."""
+    from gpuflow.train.config import apply_overrides, resolve_config
+    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, resumed_config
+
+    if args.resume:
+        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        return run_dir, resumed_config(
+            run_dir, args.set or (), args.steps, args.preset, args.config
+        )
+    config = resolve_config(args.preset, args.config, args.set or ())
+    if args.steps is not None:
+        config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+    return None, config
+
+
+def _use_allocator(config: RunConfig, device_name: str, argv: list[str]) -> None:
+    """On CUDA, start again with the run's allocator if it is not the one in effect."""
+    from gpuflow.device.accelerator import Device
+    from gpuflow.device.allocator import use_allocator
+
+    if Device.resolve(device_name).type == "cuda":
+        use_allocator(config.train.allocator, argv)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gpuflow.train import distributed
 
+    _use_allocator(_run_config(args)[1], args.device, args.argv)
     # Under torchrun this process is one rank of a data-parallel job, on its own device.
     ranks = distributed.Ranks.from_env()
     device = distributed.rank_device(ranks, args.device)
@@ -158,20 +188,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, ranks: Ranks, device: Device) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.interface.report import write_report
-    from gpuflow.train.config import apply_overrides, resolve_config
     from gpuflow.train.distributed import broadcast_from_main
-    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, new_run_dir, resumed_config
+    from gpuflow.train.run import new_run_dir
     from gpuflow.train.trainer import Trainer
 
     chosen = None
     if ranks.is_main:  # rank 0 names the run folder and reads the config, for every rank
-        if args.resume:
-            run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
-            config = resumed_config(run_dir, args.set or (), args.steps, args.preset, args.config)
-        else:
-            config = resolve_config(args.preset, args.config, args.set or ())
-            if args.steps is not None:
-                config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+        run_dir, config = _run_config(args)
+        if run_dir is None:
             run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
         chosen = (run_dir, config)
     run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
@@ -299,6 +323,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.device.accelerator import Device
 
+    if args.bench == "train":  # before CUDA starts: its allocator is chosen then
+        from gpuflow.train.config import resolve_config
+
+        _use_allocator(resolve_config(args.preset, None, args.set or ()), args.device, args.argv)
     device = Device.resolve(args.device)
     out_console.print(f"bench {args.bench} on {device} ({device.name()})")
     if args.bench == "transfer":

@@ -24,6 +24,7 @@ from typing import Any
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
+from gpuflow.device.allocator import ALLOCATORS
 from gpuflow.model.gpt import ModelConfig
 from gpuflow.train.datapath import DataPath
 
@@ -54,6 +55,9 @@ class TrainConfig:
     # Compile the model's forward and backward with torch.compile where it can run (CUDA:
     # Triton kernels); elsewhere the model runs eagerly. Costs tens of seconds at start-up.
     compile: bool = True
+    # The CUDA allocator (gpuflow.device.allocator): auto (what PYTORCH_CUDA_ALLOC_CONF
+    # selects, else native), native, cudaMallocAsync or expandable.
+    allocator: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -74,6 +78,11 @@ class TrainConfig:
         if self.data_path not in tuple(DataPath):
             raise GpuflowError(
                 f"train.data_path must be one of {', '.join(DataPath)}, got {self.data_path!r}"
+            )
+        if self.allocator not in ("auto", *ALLOCATORS):
+            raise GpuflowError(
+                f"train.allocator must be one of auto, {', '.join(ALLOCATORS)}, got "
+                f"{self.allocator!r}"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise GpuflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

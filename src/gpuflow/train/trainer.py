@@ -30,6 +30,7 @@ from gpuflow.data.resident import default_budget
 from gpuflow.data.sources import BatchSource
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device, out_of_memory_figures
+from gpuflow.device.allocator import check_allocator
 from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
@@ -119,7 +120,9 @@ class Trainer:
         cfg, device, ranks = self.config, self.device, self.ranks
         if not ranks.is_main:
             say = _silent  # rank 0 speaks for the job
-        self.path, self.path_note = resolve_data_path(cfg.train.data_path, device)
+        self.path, self.path_note = resolve_data_path(
+            cfg.train.data_path, device, cfg.train.allocator
+        )
         # Data-parallel: the captured step averages the gradients inside its graph; the
         # eager paths leave it to DDP (overlapped with the backward), but for the naive
         # baseline, whose per-sequence backward DDP cannot wrap.
@@ -149,6 +152,8 @@ class Trainer:
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
             cfg.model.vocab_size, budget, ranks.rank, ranks.world_size,
         )  # fmt: skip
+        if device.type == "cuda":
+            check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
         self.model = place(GPT(cfg.model), device.torch)

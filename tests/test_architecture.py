@@ -32,6 +32,7 @@ CROSSING_ALLOWED = {
     "bench/transfer.py": "times the PyTorch idioms it compares the transfer layer with",
     "bench/loaders.py": "times the loading idioms DeviceLoader replaces, and their .to()",
     "bench/checkpoint.py": "times the usual checkpoint save (every tensor .cpu()) as a baseline",
+    "device/managed.py::torch.as_tensor(..., device=...)": "wraps managed memory: no copy",
     "train/checkpoint.py::.numpy()": "encode_tensor's RNG states, which live on the host",
     "train/distributed.py::.item()": "agree's and least's host tensors, all-reduced over gloo",
 }

@@ -99,3 +99,20 @@ def test_shipped_config_files_resolve():
     for path in files:
         config = resolve_config(None, str(path))
         assert config.train.steps > 0
+
+
+def test_data_placement_is_device_or_managed():
+    assert resolve_config("tiny", None, ["data.placement=managed"]).data.placement == "managed"
+    with pytest.raises(GpuflowError, match=r"data\.placement must be device or managed"):
+        resolve_config("tiny", None, ["data.placement=host"])
+
+
+def test_a_managed_corpus_off_cuda_is_refused_before_the_run_starts(prepared, workdir):
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.trainer import Trainer
+
+    config = resolve_config("tiny", None, [f"data.dir={prepared}", "data.placement=managed"])
+    trainer = Trainer(config, workdir / "runs" / "m", Device("cpu"))
+    with pytest.raises(GpuflowError, match="managed memory, not cpu's"):
+        trainer.build(resume=False)
+    assert not (workdir / "runs" / "m").exists()

@@ -89,6 +89,7 @@ class ResidentTokens:
         budget_bytes: int | None = None,
         vocab_size: int | None = None,
         show_progress: bool = True,
+        managed: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
@@ -137,12 +138,11 @@ class ResidentTokens:
         torch_device = self.device.torch
         # Signed views of the unsigned ids (gather works on them; ids are masked back).
         wire = torch.int16 if itemsize == 2 else torch.int32
-        self._active = torch.empty(self.chunk_tokens, dtype=wire, device=torch_device)
-        self._staged = (
-            torch.empty(self.chunk_tokens, dtype=wire, device=torch_device)
-            if self.n_chunks > 1
-            else None
-        )
+        # In managed memory (``managed``): CUDA's unified memory, prefetched to the device.
+        self.managed = managed
+        empty = self._managed_empty if managed else self._device_empty
+        self._active = empty(self.chunk_tokens, wire)
+        self._staged = empty(self.chunk_tokens, wire) if self.n_chunks > 1 else None
         self._staged_chunk: int | None = None
         self._staged_ready = None
         self._id_mask = (1 << (8 * itemsize)) - 1
@@ -229,6 +229,14 @@ class ResidentTokens:
             self._staged_chunk = (chunk + self.world_size) % self.n_chunks  # the next round's
             self._staged_ready = self._upload(self._staged_chunk, self._staged, self._copy_stream)
 
+    def _device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device.torch)
+
+    def _managed_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        from gpuflow.device.managed import managed_empty
+
+        return managed_empty(numel, dtype, self.device)
+
     def _chunk_length(self, chunk: int) -> int:
         start = self._first + chunk * self.chunk_tokens
         return min(self.chunk_tokens, self._last - start)
@@ -266,6 +274,10 @@ class ResidentTokens:
                     self._pool.release(host, after=copied)
                     if bar:
                         bar.update(task, advance=array.nbytes)
+                if self.managed:  # the pages the copies wrote, to the device
+                    from gpuflow.device.managed import prefetch_to_device
+
+                    prefetch_to_device(target[:length])
                 done.record(stream)
         finally:
             if bar:

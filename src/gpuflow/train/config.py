@@ -102,12 +102,17 @@ class DataConfig:
     # Device memory the resident corpus may use, in MB; past it, it streams in chunks.
     # 0: half the device's free memory.
     device_budget_mb: float = 0.0
+    # Where the resident corpus lives on CUDA: device memory, or managed (unified) memory
+    # advised read-mostly and prefetched to the device (gpuflow.device.managed).
+    placement: str = "device"
 
     def __post_init__(self) -> None:
         if self.device_budget_mb < 0:
             raise GpuflowError(
                 f"data.device_budget_mb must be >= 0 (0: automatic), got {self.device_budget_mb}"
             )
+        if self.placement not in ("device", "managed"):
+            raise GpuflowError(f"data.placement must be device or managed, got {self.placement!r}")
 
     def resolved_dir(self, vocab_size: int) -> Path:
         from gpuflow.data.prepare import default_data_dir

@@ -29,6 +29,7 @@ class BatchPlan:
     rank: int = 0  # of a data-parallel job: every source draws from this rank's slice
     world_size: int = 1
     resumed: Mapping[str, Any] | None = None  # the checkpoint's data position, if resuming
+    managed: bool = False  # the resident corpus in CUDA managed memory (data.placement)
 
     @cached_property
     def sampler(self) -> WindowSampler:
@@ -54,5 +55,6 @@ def open_batches(
         return ResidentBatches(
             plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,
             plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size, plan.resumed,
+            plan.managed,
         )  # fmt: skip
     raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")

@@ -151,7 +151,17 @@ class Trainer:
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
             cfg.model.vocab_size, budget, ranks.rank, ranks.world_size,
+            managed=cfg.data.placement == "managed",
         )  # fmt: skip
+        if cfg.data.placement == "managed" and device.type != "cuda":
+            raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
+        if cfg.data.placement == "managed" and self.path not in (
+            DataPath.RESIDENT, DataPath.RESIDENT_GRAPH
+        ):  # fmt: skip
+            raise GpuflowError(
+                f"data.placement=managed places the resident corpus; train.data_path "
+                f"{cfg.train.data_path!r} has none: use resident or resident-graph"
+            )
         if device.type == "cuda":
             check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
         device.configure_for_training()

@@ -1,0 +1,49 @@
+"""data.placement=managed: the resident corpus in CUDA managed memory trains as the
+device-resident one does, and a request past the device's free memory is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.train.config import resolve_config
+from gpuflow.train.run import read_metrics
+from gpuflow.train.trainer import Trainer
+
+from ..conftest import FAST
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def managed(accel):
+    if accel.type != "cuda":
+        pytest.skip("managed memory is CUDA's")
+    pytest.importorskip("cuda.bindings", reason="needs cuda-python (gpuflow[managed])")
+    from gpuflow.device import managed
+
+    return managed
+
+
+def test_a_managed_corpus_trains_as_a_device_resident_one(accel, managed, prepared, workdir):
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
+    losses = {}
+    for placement in ("device", "managed"):
+        config = resolve_config("tiny", None, [*sets, f"data.placement={placement}"])
+        trainer = Trainer(config, workdir / "runs" / placement, accel)
+        trainer.run()
+        losses[placement] = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
+    assert len(losses["managed"]) == 20
+    assert losses["managed"] == losses["device"]  # the same tokens, the same step
+
+
+def test_managed_memory_holds_what_is_written_and_refuses_past_free(accel, managed):
+    tokens = managed.managed_empty(1 << 20, torch.int16, accel)  # (1M,) int16
+    tokens.copy_(torch.arange(1 << 20, device=accel.torch).to(torch.int16))
+    managed.prefetch_to_device(tokens)
+    expected = torch.arange(1 << 20).to(torch.int16)
+    assert torch.equal(tokens.cpu(), expected)
+    free, _ = torch.cuda.mem_get_info(accel.index)
+    with pytest.raises(GpuflowError, match="past the free memory is refused"):
+        managed.managed_empty(free // 2 + (1 << 30), torch.int16, accel)

@@ -86,7 +86,7 @@ def managed_empty(numel: int, dtype: torch.dtype, device: Device) -> torch.Tenso
         raise GpuflowError(
             f"managed memory is CUDA's; data.placement=managed cannot run on {device}"
         )
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     free, total = torch.cuda.mem_get_info(device.index)
     if nbytes > free:
         raise GpuflowError(

@@ -174,18 +174,22 @@ def _use_allocator(config: RunConfig, device_name: str, argv: list[str]) -> None
 def cmd_train(args: argparse.Namespace) -> int:
     from gpuflow.train import distributed
 
-    _use_allocator(_run_config(args)[1], args.device, args.argv)
+    resolved = _run_config(args)
+    _use_allocator(resolved[1], args.device, args.argv)
     # Under torchrun this process is one rank of a data-parallel job, on its own device.
     ranks = distributed.Ranks.from_env()
     device = distributed.rank_device(ranks, args.device)
     distributed.start(ranks, device)
     try:
-        return _train(args, ranks, device)
+        return _train(args, resolved, ranks, device)
     finally:
         distributed.stop()
 
 
-def _train(args: argparse.Namespace, ranks: Ranks, device: Device) -> int:
+def _train(
+    args: argparse.Namespace, resolved: tuple[Path | None, RunConfig], ranks: Ranks,
+    device: Device,
+) -> int:  # fmt: skip
     from gpuflow.common.console import out_console
     from gpuflow.interface.report import write_report
     from gpuflow.train.distributed import broadcast_from_main
@@ -193,8 +197,8 @@ def _train(args: argparse.Namespace, ranks: Ranks, device: Device) -> int:
     from gpuflow.train.trainer import Trainer
 
     chosen = None
-    if ranks.is_main:  # rank 0 names the run folder and reads the config, for every rank
-        run_dir, config = _run_config(args)
+    if ranks.is_main:  # rank 0 names the run folder, for every rank, with its config
+        run_dir, config = resolved
         if run_dir is None:
             run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
         chosen = (run_dir, config)
@@ -210,7 +214,7 @@ def _train(args: argparse.Namespace, ranks: Ranks, device: Device) -> int:
     report = write_report(config, result)
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     if ranks.distributed and report["tokens_per_s"]:
-        rate += f" ({report['tokens_per_s'] / ranks.world_size:,.0f} per rank)"
+        rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"
     reduced = report["allreduce_bytes_per_step_per_rank"]
     if reduced:  # NCCL's traffic, which the transfer ledger cannot see
         rate += f", all-reduce {reduced / 2**20:,.1f} MiB per step per rank"

@@ -25,6 +25,7 @@ from typing import Any
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.device.allocator import ALLOCATORS
+from gpuflow.device.managed import PLACEMENTS
 from gpuflow.model.gpt import ModelConfig
 from gpuflow.train.datapath import DataPath
 
@@ -111,7 +112,7 @@ class DataConfig:
             raise GpuflowError(
                 f"data.device_budget_mb must be >= 0 (0: automatic), got {self.device_budget_mb}"
             )
-        if self.placement not in ("device", "managed"):
+        if self.placement not in PLACEMENTS:
             raise GpuflowError(f"data.placement must be device or managed, got {self.placement!r}")
 
     def resolved_dir(self, vocab_size: int) -> Path:

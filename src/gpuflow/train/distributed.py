@@ -203,10 +203,21 @@ class GradientAverager:
         """Average the ``.grad`` of ``params`` (and ``loss``, in place) over the ranks;
         returns tensors that hold every averaged gradient (the flat buffers, or the
         gradients DDP averaged)."""
+        grads = self._reduce(params) if self.reduce_gradients else [p.grad for p in params]
+        if loss is not None:
+            self._mean(loss.detach())
+        if not self.bytes_per_step:  # the same every step: the buffers do not change
+            # DDP's buckets hold what autograd made (no padding); ours, the flat buffers.
+            sent = sum(g.numel() * g.element_size() for g in grads)
+            self.bytes_per_step = sent + (loss.element_size() if loss is not None else 0)
+        return grads
+
+    def _reduce(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per dtype: the gradients into the flat buffer, one all-reduce, ``.grad`` views."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params if self.reduce_gradients else ():
+        for p in params:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
-        flats, sent = [], 0
+        flats = []
         for dtype, group in by_dtype.items():
             flat, views = self._buffer(dtype, group)
             torch._foreach_copy_(views, [p.grad for p in group])
@@ -214,14 +225,7 @@ class GradientAverager:
             for p, view in zip(group, views, strict=True):
                 p.grad = view  # the gradient autograd made is freed
             flats.append(flat)
-            sent += flat.numel() * flat.element_size()
-        if not self.reduce_gradients:  # DDP's buckets hold what autograd made, no padding
-            sent += sum(p.grad.numel() * p.grad.element_size() for p in params)
-        if loss is not None:
-            self._mean(loss.detach())
-            sent += loss.element_size()
-        self.bytes_per_step = sent
-        return flats if self.reduce_gradients else [p.grad for p in params]
+        return flats
 
     def _mean(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:  # NCCL divides as it reduces
@@ -239,8 +243,7 @@ class GradientAverager:
         kept = self._buffers.get(dtype)
         if kept is not None and kept[0] == ids:
             return kept[1], kept[2]
-        per_element = torch.empty((), dtype=dtype).element_size()
-        align = max(1, 16 // per_element)
+        align = max(1, 16 // dtype.itemsize)
         offsets, end = [], 0
         for p in group:
             offsets.append(end)

@@ -142,6 +142,7 @@ class Trainer:
                 self.data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
             )
             self.val_batches = [upload_tokens(w, device) for w in windows]
+        managed = cfg.data.placement == "managed"
         mb = cfg.data.device_budget_mb
         budget = int(mb * 1e6) if mb > 0 else None
         if budget is None and ranks.distributed:
@@ -151,11 +152,11 @@ class Trainer:
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
             cfg.model.vocab_size, budget, ranks.rank, ranks.world_size,
-            managed=cfg.data.placement == "managed",
+            managed=managed,
         )  # fmt: skip
-        if cfg.data.placement == "managed" and device.type != "cuda":
+        if managed and device.type != "cuda":
             raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
-        if cfg.data.placement == "managed" and self.path not in (
+        if managed and self.path not in (
             DataPath.RESIDENT, DataPath.RESIDENT_GRAPH
         ):  # fmt: skip
             raise GpuflowError(

@@ -73,6 +73,9 @@ def test_train_from_nothing_then_sample(workdir):
     run = workdir / "runs" / "tiny"
     report = json.loads((run / "report.json").read_text())
     assert report["steps_done"] == 12 and report["preset"] == "tiny"
+    why = "kvikio reads into CUDA memory, and the device is cpu"
+    assert report["data_io"] == {"path": "pinned", "mode": None, "reason": why}
+    assert f"data.io pinned: {why}" in result.stderr + result.stdout
     assert report["final_val_loss"] < report["first_train_loss"]
     assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [0, 6, 12]
@@ -215,6 +218,27 @@ def _bad_shard_folder(folder, damage):
         (None, ["train", "--resume"], "there is no run in runs/ to resume"),
         (None, ["train", "--resume", "--preset", "tiny"], "there is no run in runs/ to resume"),
         (None, ["train", "--device", "cuda:7"], "cuda:7"),
+        (None, ["train", "--set", "data.io=gds"], "data.io must be one of auto, kvikio, pinned"),
+        (
+            None,
+            ["train", "--set", "data.dir=tokens", "--set", "data.io=kvikio", "--device", "cpu"],
+            "data.io=kvikio cannot run: kvikio reads into CUDA memory, and the device is cpu",
+        ),
+        (
+            None,
+            [
+                "train",
+                "--set",
+                "data.dir=tokens",
+                "--set",
+                "data.io=kvikio",
+                "--set",
+                "train.data_path=standard",
+                "--device",
+                "cpu",
+            ],
+            "data.io=kvikio is about the resident corpus; train.data_path 'standard' has none",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(workdir, data_copy, capsys, setup, argv, message):

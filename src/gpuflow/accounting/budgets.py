@@ -39,6 +39,7 @@ _LIMITS: dict[str, tuple[str, Callable[[TransferEvent], bool]]] = {
     "h2d_bytes": ("h2d_bytes", lambda e: e.kind == "h2d"),
     "d2h_bytes": ("d2h_bytes", lambda e: e.kind == "d2h"),
     "d2d_bytes": ("d2d_bytes", lambda e: e.kind == "d2d"),
+    "disk2d_bytes": ("disk2d_bytes", lambda e: e.kind == "disk2d"),
     "syncs": ("syncs", lambda e: e.kind == "sync"),
     "device_allocs": ("device_allocs", lambda e: False),  # from allocator counters
 }
@@ -68,6 +69,7 @@ class Budget:
     d2d_bytes: int | None = None
     syncs: int | None = None
     device_allocs: int | None = None
+    disk2d_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in _LIMITS:
@@ -97,10 +99,11 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         d2d_bytes: int | None = None,
         syncs: int | None = None,
         device_allocs: int | None = None,
+        disk2d_bytes: int | None = None,
         device: Device | str = "auto",
         at_site: bool = False,
     ) -> None:
-        self.limits = Budget(h2d_bytes, d2h_bytes, d2d_bytes, syncs, device_allocs)
+        self.limits = Budget(h2d_bytes, d2h_bytes, d2d_bytes, syncs, device_allocs, disk2d_bytes)
         self.device = device
         self.at_site = at_site
         self.ledger: TransferLedger | None = None  # the last checked region's ledger

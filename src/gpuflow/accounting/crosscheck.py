@@ -11,8 +11,11 @@ The profiler sees every copy the device made, from any thread or C++ code, which
 may not (see ``gpuflow.accounting.ledger``); the ledger knows each copy's source line, which the
 profiler does not. The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
 Device-to-device rows are shown but not compared: the profiler's DtoD also counts copies
-within one device (``clone`` and the like), which the ledger treats as compute. Nothing is
-compared where the profiler has no device record (the cpu).
+within one device (``clone`` and the like), which the ledger treats as compute. Nor are
+disk-to-device rows: the profiler has no such kind, and the copies kvikio's compatibility
+mode makes from its bounce buffers show in the trace as HtoD (a region with kvikio reads in
+it has more profiler h2d than ledger h2d). Nothing is compared where the profiler has no
+device record (the cpu).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class CopyComparison:
     ledger_bytes: int
     profiler_copies: int
     profiler_bytes: int
-    compared: bool  # False for d2d (see the module docstring)
+    compared: bool  # False for d2d and disk2d (see the module docstring)
 
     @property
     def agrees(self) -> bool:
@@ -146,7 +149,7 @@ class ProfiledLedger:
                     getattr(totals, f"{kind}_bytes"),
                     len(copies),
                     sum(a.nbytes for a in copies),
-                    compared=kind != "d2d" and self.device.type == "cuda",
+                    compared=kind in ("h2d", "d2h") and self.device.type == "cuda",
                 )
             )
         return rows

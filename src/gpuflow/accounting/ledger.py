@@ -55,7 +55,8 @@ from gpuflow.common.layers import LOOKED_THROUGH
 from gpuflow.device.accelerator import Device, HostEvent, HostStream
 from gpuflow.transfer import tally
 
-COPY_KINDS = ("h2d", "d2h", "d2d")
+# disk2d: file bytes read straight into device memory (kvikio), reported by the reader.
+COPY_KINDS = ("h2d", "d2h", "d2d", "disk2d")
 
 # Operations whose result size depends on device data: the host waits for the device.
 _aten = torch.ops.aten
@@ -83,7 +84,7 @@ _SKIPPED = (_TORCH_DIR, f"{os.sep}contextlib.py", "<frozen ")
 
 @dataclass(frozen=True)
 class TransferEvent:
-    """One counted operation: a copy (``kind`` h2d/d2h/d2d) or a host ``sync``."""
+    """One counted operation: a copy (``kind`` h2d/d2h/d2d/disk2d) or a host ``sync``."""
 
     kind: str
     op: str
@@ -98,6 +99,8 @@ class TransferEvent:
         if self.kind == "sync":
             return f"sync  {self.op}  at {self.location}"
         memory = {True: "pinned", False: "pageable", None: "device"}[self.pinned]
+        if self.kind == "disk2d":
+            memory = "file"
         mode = "blocking" if self.blocking else "async"
         return (
             f"{self.kind}  {self.nbytes:,} B {self.dtype} {memory} {mode} ({self.op})  "
@@ -112,9 +115,11 @@ class StepTotals:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     d2d_bytes: int = 0
+    disk2d_bytes: int = 0
     h2d_copies: int = 0
     d2h_copies: int = 0
     d2d_copies: int = 0
+    disk2d_copies: int = 0
     syncs: int = 0
     device_allocs: int = 0  # cudaMalloc calls
     device_frees: int = 0  # cudaFree calls
@@ -144,6 +149,7 @@ class StepTotals:
         return {
             "h2d_bytes_per_step": self.h2d_bytes / steps,
             "d2h_bytes_per_step": self.d2h_bytes / steps,
+            "disk2d_bytes_per_step": self.disk2d_bytes / steps,
             "syncs_per_step": self.syncs / steps,
             "device_allocs_per_step": self.device_allocs / steps,
         }

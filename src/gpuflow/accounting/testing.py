@@ -27,8 +27,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "transfer_budget(h2d_bytes=None, d2h_bytes=None, d2d_bytes=None, syncs=None, "
-        "device_allocs=None, at_site=False): fail when the test's body moves, waits or "
-        "allocates more (gpuflow.budget; at_site=True fails at the offending operation)",
+        "device_allocs=None, disk2d_bytes=None, at_site=False): fail when the test's body "
+        "moves, waits or allocates more (gpuflow.budget; at_site=True fails at the offending "
+        "operation)",
     )
 
 

@@ -1,11 +1,13 @@
 """``ResidentTokens``: the training corpus in device memory, batches drawn on the device.
 
-The token shards cross the bus once, at start-up: read into pinned buffers and copied in
-64 MiB chunks (a progress bar for large corpora), each piece's largest id checked against
-``vocab_size`` on the way, so a shard with ids the model cannot embed is refused before
-training rather than failing mid-run. After that a training step moves 0 bytes:
-window starts come from a counter-based hash of (seed, step, row) computed on the device,
-the windows are gathered there, and inputs and targets are slices of them.
+The token shards cross the bus once, at start-up: read by a few threads into pinned buffers
+and copied in 64 MiB chunks (a progress bar for large corpora), or with ``io="kvikio"`` read
+by kvikio straight into the device buffer (``gpuflow.transfer.diskread``). Each piece's
+largest id is found on the device and checked against ``vocab_size``, so a shard with ids
+the model cannot embed is refused before training rather than failing mid-run.
+After that a training step moves 0 bytes: window starts come from a counter-based hash of
+(seed, step, row) computed on the device, the windows are gathered there, and inputs and
+targets are slices of them.
 
     tokens = ResidentTokens(data.train, device, batch_size=32, seq_len=128, seed=1337)
     x, y = tokens.sample()        # (B, T) int64 each, on the device; no host work, no sync
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,17 +40,21 @@ from rich.progress import DownloadColumn
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.shards import Shard
+from gpuflow.data.shards import HEADER_BYTES, Shard
 from gpuflow.data.tokens import check_ids
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer.diskread import HostFileReader, KvikioReader
 from gpuflow.transfer.pinned import PinnedPool
 
 UPLOAD_CHUNK_BYTES = 64 << 20
+KVIKIO_REQUEST_BYTES = 1 << 30  # kvikio splits a request among its threads itself
 _PROGRESS_MIN_BYTES = 256 << 20  # smaller corpora upload too fast for a bar to help
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, no overflow.
 _MIX = (0x7FEB352D, 0x2C1B3C6D)
 _STREAMS = (0x9E3779B1, 0x85EBCA77)  # two independent hash streams, for high and low bits
+# (shard, offset in the chunk, first token, end token in the shard)
+Piece = tuple[Shard, int, int, int]
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +97,7 @@ class ResidentTokens:
         vocab_size: int | None = None,
         show_progress: bool = True,
         managed: bool = False,
+        io: str = "pinned",
     ) -> None:
         if not 0 <= rank < world_size:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
@@ -133,7 +141,13 @@ class ResidentTokens:
         # (the chunk the first round of this run starts at, the step it starts at)
         self.chunk_base = (0, 0)
         self._show_progress = show_progress and corpus_bytes >= _PROGRESS_MIN_BYTES
+        if io not in ("pinned", "kvikio"):
+            raise GpuflowError(f"ResidentTokens reads through pinned or kvikio, got {io!r}")
+        # kvikio reads into device memory itself; pinned stages through a pool of two buffers
+        self._kvikio = KvikioReader(self.device) if io == "kvikio" else None
+        self._host_reader = HostFileReader() if io == "pinned" else None
         self._pool = PinnedPool(self.device, max_bytes=2 * UPLOAD_CHUNK_BYTES)
+        self._ids = _IdCheck(vocab_size, itemsize)
         self._copy_stream = self.device.new_stream()
         torch_device = self.device.torch
         # Signed views of the unsigned ids (gather works on them; ids are masked back).
@@ -145,7 +159,7 @@ class ResidentTokens:
         self._staged = empty(self.chunk_tokens, wire) if self.n_chunks > 1 else None
         self._staged_chunk: int | None = None
         self._staged_ready = None
-        self._id_mask = (1 << (8 * itemsize)) - 1
+        self._id_mask = (1 << (8 * itemsize)) - 1  # unsigned ids back from signed views
         self.step = torch.zeros((), dtype=torch.int64, device=torch_device)
         self.n_starts = torch.zeros((), dtype=torch.int64, device=torch_device)
         self._rows = torch.arange(batch_size, device=torch_device)  # (B,)
@@ -242,8 +256,8 @@ class ResidentTokens:
         return min(self.chunk_tokens, self._last - start)
 
     def _upload(self, chunk: int, target: torch.Tensor, stream: Any = None) -> Any:
-        """Copy ``chunk`` of this rank's tokens into ``target`` through pinned buffers, on
-        ``stream`` (default: the current one). Returns the event of its last copy."""
+        """Copy ``chunk`` of this rank's tokens into ``target`` through pinned buffers or
+        kvikio, on ``stream`` (default: the current one). Returns the event of its last copy."""
         stream = stream or self.device.current_stream()
         start = self._first + chunk * self.chunk_tokens
         length = self._chunk_length(chunk)
@@ -253,7 +267,7 @@ class ResidentTokens:
                 f"({self.window}); raise the device-memory budget"
             )
         itemsize = self.token_dtype.itemsize
-        per_copy = UPLOAD_CHUNK_BYTES // itemsize
+        per_copy = (KVIKIO_REQUEST_BYTES if self._kvikio else UPLOAD_CHUNK_BYTES) // itemsize
         done = self.device.new_event()
         pieces = list(self._pieces(start, length, per_copy))
         bar = progress_bar(counter=DownloadColumn()) if self._show_progress else None
@@ -262,18 +276,10 @@ class ResidentTokens:
             bar.start()
         try:
             with self.device.use_stream(stream):
-                for shard, into, array in pieces:
-                    if self.vocab_size is not None:  # the bytes pass through the host anyway
-                        check_ids(shard.path, int(array.max()), self.vocab_size)
-                    host = self._pool.acquire(array.nbytes, timeout=None)
-                    view = host.bytes[: array.nbytes].view(target.dtype)  # (n,)
-                    view.numpy()[:] = array.view(view.numpy().dtype)
-                    target[into : into + array.size].copy_(view, non_blocking=True)
-                    copied = self.device.new_event()
-                    copied.record(stream)
-                    self._pool.release(host, after=copied)
-                    if bar:
-                        bar.update(task, advance=array.nbytes)
+                if self._kvikio is not None:
+                    self._read_with_kvikio(pieces, target, stream, bar, task)
+                else:
+                    self._copy_through_pinned(pieces, target, stream, bar, task)
                 if self.managed:  # the pages the copies wrote, to the device
                     from gpuflow.device.managed import prefetch_to_device
 
@@ -284,10 +290,46 @@ class ResidentTokens:
                 bar.stop()
         return done
 
-    def _pieces(
-        self, start: int, length: int, per_copy: int
-    ) -> Iterator[tuple[Shard, int, np.ndarray]]:
-        """(shard, offset in the chunk, host array) pieces of at most ``per_copy`` tokens."""
+    def _copy_through_pinned(
+        self, pieces: list[Piece], target: torch.Tensor, stream: Any, bar: Any, task: Any
+    ) -> None:
+        """Each piece read into a pinned buffer by several threads, then copied to the device
+        while the next piece is read into the other buffer."""
+        itemsize = self.token_dtype.itemsize
+        for shard, into, lo, hi in pieces:
+            nbytes = (hi - lo) * itemsize
+            host = self._pool.acquire(nbytes, timeout=None)
+            staged = host.bytes[:nbytes]  # (nbytes,) uint8, pinned
+            self._host_reader.read(shard.path, HEADER_BYTES + lo * itemsize, staged.numpy())
+            piece = target[into : into + hi - lo]  # (n,)
+            piece.copy_(staged.view(target.dtype), non_blocking=True)
+            copied = self.device.new_event()
+            copied.record(stream)
+            self._pool.release(host, after=copied)
+            self._ids.note(shard.path, piece)
+            if bar:
+                bar.update(task, advance=nbytes)
+        self._ids.check()
+
+    def _read_with_kvikio(
+        self, pieces: list[Piece], target: torch.Tensor, stream: Any, bar: Any, task: Any
+    ) -> None:
+        """kvikio writes the device buffer as soon as it is asked, outside any stream: the
+        host first waits for the work queued on ``stream`` (earlier readers of ``target``,
+        and the copy out of the staged buffer that ``_activate`` queued)."""
+        stream.synchronize()
+        itemsize = self.token_dtype.itemsize
+        for shard, into, lo, hi in pieces:
+            piece = target[into : into + hi - lo]  # (n,)
+            self._kvikio.read(shard.path, HEADER_BYTES + lo * itemsize, piece)
+            self._ids.note(shard.path, piece)
+            if bar:
+                bar.update(task, advance=piece.nbytes)
+        self._ids.check()
+
+    def _pieces(self, start: int, length: int, per_copy: int) -> Iterator[Piece]:
+        """(shard, offset in the chunk, first token, end token in the shard) pieces of at
+        most ``per_copy`` tokens."""
         into = 0
         position = 0
         for shard in self._shards:
@@ -296,10 +338,9 @@ class ResidentTokens:
             a, b = max(lo, start), min(hi, start + length)
             if a >= b:
                 continue
-            body = shard.tokens
             for piece in range(a, b, per_copy):
                 end = min(b, piece + per_copy)
-                yield shard, into, np.asarray(body[piece - lo : end - lo])
+                yield shard, into, piece - lo, end - lo
                 into += end - piece
 
     @property
@@ -309,6 +350,33 @@ class ResidentTokens:
     def close(self) -> None:
         self.device.synchronize()
         self._pool.close()
+        for reader in (self._kvikio, self._host_reader):
+            if reader is not None:
+                reader.close()
+
+
+class _IdCheck:
+    """The largest id of each shard, found on the device as its pieces arrive and checked
+    against ``vocab_size`` once per upload (one wait). Nothing without a ``vocab_size``."""
+
+    def __init__(self, vocab_size: int | None, itemsize: int) -> None:
+        self.vocab_size = vocab_size
+        self._wide = torch.int32 if itemsize == 2 else torch.int64  # holds every unsigned id
+        self._mask = (1 << (8 * itemsize)) - 1
+        self._per_part = UPLOAD_CHUNK_BYTES // itemsize  # bounds the widened copy below
+        self._largest: dict[Path, list[torch.Tensor]] = {}
+
+    def note(self, shard: Path, piece: torch.Tensor) -> None:
+        if self.vocab_size is None:
+            return
+        for part in piece.split(self._per_part):
+            wide = part.to(self._wide) & self._mask  # (n,) the ids as unsigned values
+            self._largest.setdefault(shard, []).append(wide.max())
+
+    def check(self) -> None:
+        largest, self._largest = self._largest, {}
+        for shard, maxima in largest.items():
+            check_ids(shard, int(torch.stack(maxima).max()), self.vocab_size)
 
 
 def default_budget(device: Device) -> int:

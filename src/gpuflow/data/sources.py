@@ -94,11 +94,11 @@ class ResidentBatches(CapturableSource):
         self, shards: tuple[Shard, ...], device: Device, batch_size: int, seq_len: int,
         seed: int, start: int, budget_bytes: int | None = None, vocab_size: int | None = None,
         rank: int = 0, world_size: int = 1, resumed: Mapping[str, Any] | None = None,
-        managed: bool = False,
+        managed: bool = False, io: str = "pinned",
     ) -> None:  # fmt: skip
         self.tokens = ResidentTokens(
             shards, device, batch_size, seq_len, seed=seed, rank=rank, world_size=world_size,
-            budget_bytes=budget_bytes, vocab_size=vocab_size, managed=managed,
+            budget_bytes=budget_bytes, vocab_size=vocab_size, managed=managed, io=io,
         )  # fmt: skip
         self.tokens.set_step(start, resumed)  # ``resumed``: the checkpoint's ``position``
         self.counter = self.tokens.step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 from pathlib import Path
@@ -35,6 +36,7 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
             result.tokens_per_s / result.world_size if result.tokens_per_s else None
         ),
         "allreduce_bytes_per_step_per_rank": result.allreduce_bytes_per_step,
+        "data_io": dataclasses.asdict(result.data_io) if result.data_io else None,
         "mfu": result.mfu,
         "first_train_loss": train[0]["loss"] if train else None,
         "final_train_loss": train[-1]["loss"] if train else None,

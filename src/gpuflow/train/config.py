@@ -28,6 +28,7 @@ from gpuflow.device.allocator import ALLOCATORS
 from gpuflow.device.managed import PLACEMENTS
 from gpuflow.model.gpt import ModelConfig
 from gpuflow.train.datapath import DataPath
+from gpuflow.transfer.diskread import IO_PATHS
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,10 @@ class DataConfig:
     # Where the resident corpus lives on CUDA: device memory, or managed (unified) memory
     # advised read-mostly and prefetched to the device (gpuflow.device.managed).
     placement: str = "device"
+    # How the resident corpus is read from its shards: kvikio (GPUDirect Storage, or its
+    # POSIX fallback) straight into device memory, pinned host buffers, or auto: kvikio when
+    # it can read here (gpuflow.transfer.diskread).
+    io: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device_budget_mb < 0:
@@ -114,6 +119,8 @@ class DataConfig:
             )
         if self.placement not in PLACEMENTS:
             raise GpuflowError(f"data.placement must be device or managed, got {self.placement!r}")
+        if self.io not in IO_PATHS:
+            raise GpuflowError(f"data.io must be one of {', '.join(IO_PATHS)}, got {self.io!r}")
 
     def resolved_dir(self, vocab_size: int) -> Path:
         from gpuflow.data.prepare import default_data_dir

@@ -126,7 +126,7 @@ class TrainDisplay:
             self.console.print(self._plain_line(record), soft_wrap=True)
 
     def note(self, message: str) -> None:
-        self.console.print(message)
+        self.console.print(message, markup=False)  # plain text: "gpuflow[gds]" stays whole
 
     # ---- what is shown ---------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ class BatchPlan:
     world_size: int = 1
     resumed: Mapping[str, Any] | None = None  # the checkpoint's data position, if resuming
     managed: bool = False  # the resident corpus in CUDA managed memory (data.placement)
+    io: str = "pinned"  # how the resident corpus is read: pinned or kvikio (data.io, resolved)
 
     @cached_property
     def sampler(self) -> WindowSampler:
@@ -55,6 +56,6 @@ def open_batches(
         return ResidentBatches(
             plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,
             plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size, plan.resumed,
-            plan.managed,
+            plan.managed, plan.io,
         )  # fmt: skip
     raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")

@@ -128,6 +128,8 @@ class TrainLoop:
         ):
             why = f" ({trainer.path_note})" if trainer.path_note else ""
             self.display.note(f"data path: {trainer.path}{why}")
+            if trainer.io is not None:
+                self.display.note(trainer.io.describe())
             if latest is not None:
                 self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")
             elif main:  # the untrained baseline, so the curve shows what was learnt

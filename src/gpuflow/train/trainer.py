@@ -48,6 +48,7 @@ from gpuflow.train.step import (
     compiled_forward,
     optimizer_for,
 )
+from gpuflow.transfer.diskread import IoChoice, choose_io
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.upload import place
@@ -72,6 +73,7 @@ class TrainResult:
     # What each rank handed NCCL per step (the gradients' all-reduce): computed from the
     # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
     allreduce_bytes_per_step: int | None = None
+    data_io: IoChoice | None = None  # how the resident corpus was read; None: no such corpus
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -149,20 +151,25 @@ class Trainer:
             # One budget for every rank (the least free memory), so that they all keep their
             # slice resident or all stream the corpus in the same chunks.
             budget = least(default_budget(device), ranks)
+        if managed and device.type != "cuda":
+            raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
+        resident = self.path in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH)
+        for setting, asked in (
+            ("placement=managed", managed),
+            ("io=kvikio", cfg.data.io == "kvikio"),
+        ):
+            if asked and not resident:
+                raise GpuflowError(
+                    f"data.{setting} is about the resident corpus; train.data_path "
+                    f"{cfg.train.data_path!r} has none: use resident or resident-graph"
+                )
+        # How the resident corpus is read from disk (kvikio or pinned), and why.
+        self.io = choose_io(cfg.data.io, device, managed) if resident else None
         self.plan = BatchPlan(
             self.data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed,
             cfg.model.vocab_size, budget, ranks.rank, ranks.world_size,
-            managed=managed,
+            managed=managed, io=self.io.path if self.io else "pinned",
         )  # fmt: skip
-        if managed and device.type != "cuda":
-            raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
-        if managed and self.path not in (
-            DataPath.RESIDENT, DataPath.RESIDENT_GRAPH
-        ):  # fmt: skip
-            raise GpuflowError(
-                f"data.placement=managed places the resident corpus; train.data_path "
-                f"{cfg.train.data_path!r} has none: use resident or resident-graph"
-            )
         if device.type == "cuda":
             check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
         device.configure_for_training()
@@ -362,4 +369,5 @@ class Trainer:
             world_size=self.ranks.world_size,
             tokens_per_step=self.tokens_per_step,
             allreduce_bytes_per_step=self.averager.bytes_per_step if self.averager else None,
+            data_io=self.io,
         )

@@ -162,6 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help="the run to soak (default tiny)")
     p.add_argument("--steps", type=int, default=10_000, help="steps to train (default 10000)")
     p = bench_parser(
+        "io",
+        "token shards into device memory through kvikio, gpuflow's pinned reads and memmap + "
+        ".to(), cold and warm, beside the link's peak",
+        overrides=False,
+    )
+    p.add_argument(
+        "--data", help="a prepared token folder whose train shards are read (default: random "
+        "shards written beside the results and removed after)",
+    )  # fmt: skip
+    p.add_argument("--mib", type=int, default=2048, help="MiB of generated shards (default 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="timed reads per path (default 3)")
+    p = bench_parser(
         "scale",
         "the same training run as a plain process, under torchrun with 1 process and with N "
         "(one per GPU), each in a child process: tokens/s, speedup, scaling efficiency",

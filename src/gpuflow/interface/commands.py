@@ -374,6 +374,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot = plot_soak(results, path.with_suffix(".png"))
         out_console.print(f"results: {path} and {plot}")
         return 0 if results["flat"] else 1
+    elif args.bench == "io":
+        from gpuflow.bench.common import RESULTS_DIR
+        from gpuflow.bench.io import IoBenchConfig, print_io_table, run_io_bench
+
+        io = IoBenchConfig(
+            mib=args.mib, repeats=args.repeats, data=args.data or "",
+            scratch=args.out or str(RESULTS_DIR),
+        )  # fmt: skip
+        results = run_io_bench(device, io)
+        print_io_table(results)
     elif args.bench == "scale":
         from gpuflow.bench.scale import ScaleConfig, print_scale_table, run_scale_bench
 

@@ -219,6 +219,8 @@ def _bad_shard_folder(folder, damage):
         (None, ["train", "--resume", "--preset", "tiny"], "there is no run in runs/ to resume"),
         (None, ["train", "--device", "cuda:7"], "cuda:7"),
         (None, ["train", "--set", "data.io=gds"], "data.io must be one of auto, kvikio, pinned"),
+        (None, ["bench", "io", "--device", "cpu"], "bench io reads into CUDA memory"),
+        (None, ["bench", "io", "--repeats", "0"], "--mib and --repeats must be >= 1"),
         (
             None,
             ["train", "--set", "data.dir=tokens", "--set", "data.io=kvikio", "--device", "cpu"],

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import gpuflow
+from gpuflow.common import pagecache
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident import ResidentTokens
 from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
@@ -243,3 +244,19 @@ def test_either_path_checks_ids_as_unsigned(posix_kvikio, tmp_path, io, dtype, b
     write_shard(shards[1].path, body)
     with pytest.raises(GpuflowError, match=f"{shards[1].path.name}.*{bad}"):
         ResidentTokens(shards, "cpu", B, T, vocab_size=60000, io=io)
+
+
+# ---- the page cache, for cold reads ---------------------------------------------------------
+
+
+def test_the_page_cache_share_of_a_file(tmp_path):
+    path = tmp_path / "pages"
+    path.write_bytes(np.random.default_rng(0).bytes(1 << 20))
+    path.read_bytes()
+    if pagecache.cached_fraction(path) is None:
+        pytest.skip("mincore is Linux's")
+    assert pagecache.cached_fraction(path) == 1.0  # just read
+    assert pagecache.drop_cached(path)
+    # Dropped on a disk; tmpfs has nothing else to keep the pages in and keeps them.
+    assert 0.0 <= pagecache.cached_fraction(path) <= 1.0
+    assert np.frombuffer(path.read_bytes(), dtype=np.uint8).size == 1 << 20  # still whole

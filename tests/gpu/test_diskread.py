@@ -4,6 +4,7 @@ reads the same batches either way."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 import gpuflow
 from gpuflow.data.resident import ResidentTokens
 from gpuflow.data.shards import Shard, write_shard
+from gpuflow.interface.cli import main
 from gpuflow.train.config import resolve_config
 from gpuflow.train.run import read_metrics
 from gpuflow.train.trainer import Trainer
@@ -104,3 +106,19 @@ def test_training_reads_the_same_batches_through_kvikio(accel, kvikio, prepared,
         assert result.data_io.path == io
         losses[io] = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
     assert len(losses["kvikio"]) == 20 and losses["kvikio"] == losses["pinned"]
+
+
+def test_bench_io_measures_every_path_and_cleans_up(accel, workdir):
+    if accel.type != "cuda":
+        pytest.skip("bench io reads into CUDA memory")
+    out = workdir / "results"
+    assert main(["bench", "io", "--mib", "64", "--repeats", "1", "--out", str(out)]) == 0
+    (path,) = out.glob("io-*.json")
+    record = json.loads(path.read_text())
+    paths = [row["path"] for row in record["rows"]]
+    expected = ["pinned", "auto", "memmap + .to()"]
+    assert paths == (["kvikio", *expected] if diskread.kvikio_mode() else expected)
+    assert record["corpus_bytes"] == 64 << 20 and record["identical_bytes"]
+    for row in record["rows"]:
+        assert row["cold"]["gb_per_s"] > 0 and row["warm"]["gb_per_s"] > 0
+    assert [p.name for p in out.iterdir()] == [path.name]  # the generated shards are gone

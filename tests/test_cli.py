@@ -34,6 +34,7 @@ def test_info_json_describes_the_machine(workdir):
     assert info["devices"][-1]["type"] == "cpu"
     assert info["software"]["torch"]
     if info["selected"] == "cpu":
+        assert info["data_io"]["path"] == "pinned"
         assert info["link_probe"]["gb_per_s"] == {}
         assert "skipped" in info["link_probe"]["note"]
     else:
@@ -50,6 +51,7 @@ def test_info_prints_a_readable_summary(workdir):
     result = gpuflow_cli("info", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "devices" in result.stdout and "link probe" in result.stdout
+    assert "data.io auto takes " in result.stdout
 
 
 def test_train_from_nothing_then_sample(workdir):

@@ -6,6 +6,7 @@ parses them). Each returns the exit status; bad input raises ``GpuflowError``. H
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
     from gpuflow.device.accelerator import Device, allocator_settings, available_devices
     from gpuflow.device.linkprobe import PROBE_BYTES, probe_link
     from gpuflow.device.peers import peer_report
+    from gpuflow.transfer.diskread import choose_io
 
     device = Device.resolve(device_spec)
     link = probe_link(device)
@@ -45,6 +47,7 @@ def _gather_info(device_spec: str) -> dict[str, Any]:
         "devices": [d.describe() for d in available_devices()],
         "selected": str(device),
         "allocator": allocator_settings(),
+        "data_io": dataclasses.asdict(choose_io("auto", device)),  # what data.io=auto takes
         "link_probe": {
             "device": str(device),
             "bytes": PROBE_BYTES if link else None,
@@ -80,6 +83,8 @@ def _print_info(info: dict[str, Any]) -> None:
         "allocator: "
         + (", ".join(f"{k}={v}" for k, v in allocator.items()) if allocator else "torch defaults")
     )
+    io = info["data_io"]
+    out_console.print(f"data.io auto takes {io['path']}: {io['reason']}", markup=False)
     probe = info["link_probe"]
     if not probe["gb_per_s"]:
         out_console.print(f"link probe: {probe['note']}")

@@ -42,6 +42,7 @@ class Interval:
     stream: int
     kind: str  # "kernel" or a copy kind
     nbytes: int = 0
+    name: str = ""  # the kernel's or copy's name in the trace
 
 
 def device_activity(trace: dict[str, Any]) -> list[Interval]:
@@ -66,6 +67,7 @@ def device_activity(trace: dict[str, Any]) -> list[Interval]:
                 int(args.get("stream", e.get("tid", 0)) or 0),
                 kind,
                 int(args.get("bytes", 0) or 0),
+                e.get("name", ""),
             )
         )
     return out

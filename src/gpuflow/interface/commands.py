@@ -303,6 +303,19 @@ def _print_profile(result: dict[str, Any]) -> None:
             else "(not compared)",
         )
     out_console.print(check)
+    kernels = result.get("kernels")
+    if kernels and kernels["groups"]:
+        where = table(
+            "group", "µs per step", "share", "kernels per step", "TFLOP/s",
+            title=f"device time by kernel group, {kernels['step_us']:.0f} µs per step",
+        )  # fmt: skip
+        for g in kernels["groups"]:
+            rate = g["tflop_per_s"]
+            where.add_row(
+                g["group"], f"{g['us_per_step']:.1f}", f"{g['share']:.1%}",
+                f"{g['kernels_per_step']:g}", "-" if rate is None else f"{rate:.0f}",
+            )  # fmt: skip
+        out_console.print(where)
 
 
 # ---- sample ---------------------------------------------------------------------------------

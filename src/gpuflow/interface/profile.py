@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.accounting.crosscheck import DeviceTrace, Interval, ProfiledLedger
+from gpuflow.accounting.kernels import kernel_breakdown, step_flops
 from gpuflow.accounting.metrics import TransferMetrics, from_activity
 from gpuflow.common.atomic import write_text_atomic
 from gpuflow.common.console import err_console
@@ -131,6 +132,18 @@ def profile_training(
             "top_by_syncs": summary.top_by_syncs,
         },
         "crosscheck": [asdict(row) | {"agrees": row.agrees} for row in counted.comparison()],
+        # Each kernel group's device time per step (and rate where its FLOPs are known).
+        "kernels": kernel_breakdown(
+            timed.activity,
+            steps,
+            step_flops(
+                config.model.d_model,
+                config.model.n_layer,
+                config.model.max_len,
+                config.model.vocab_size,
+                trainer.tokens_per_step,
+            ),
+        ).as_dict(),
         "metrics": _metrics_dict(metrics, summary),
         "step_clock": "device" if traced else "host",
         "note": None if traced else HOST_ONLY_NOTE,

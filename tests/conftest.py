@@ -116,3 +116,18 @@ def line_holding(file: str, marker: str) -> int:
         if marker in text and "_line(" not in text:
             return number
     raise AssertionError(marker)
+
+
+def random_shards(folder: Path, sizes, dtype, high: int, seed: int = 0) -> list:
+    """``train_*.bin`` shards of uniformly random ids below ``high``, opened."""
+    import numpy as np
+
+    from gpuflow.data.shards import Shard, write_shard
+
+    rng = np.random.default_rng(seed)
+    shards = []
+    for i, n in enumerate(sizes):
+        path = Path(folder) / f"train_{i:06d}.bin"
+        write_shard(path, rng.integers(0, high, size=n).astype(dtype))
+        shards.append(Shard.open(path))
+    return shards

@@ -21,10 +21,12 @@ import gpuflow
 from gpuflow.common import pagecache
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident import ResidentTokens
-from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
+from gpuflow.data.shards import HEADER_BYTES, write_shard
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import DataConfig
 from gpuflow.transfer import diskread
+
+from .conftest import random_shards
 
 B, T = 4, 16
 CUDA = Device("cuda", 0)  # never touched: choose_io only reads its type
@@ -79,13 +81,7 @@ def no_kvikio(monkeypatch):
 
 
 def _shards(tmp_path, sizes=(3000, 1700, 2600), dtype=np.uint16, high=60000):
-    rng = np.random.default_rng(0)
-    out = []
-    for i, n in enumerate(sizes):
-        path = tmp_path / f"train_{i:06d}.bin"
-        write_shard(path, rng.integers(0, high, size=n).astype(dtype))
-        out.append(Shard.open(path))
-    return out
+    return random_shards(tmp_path, sizes, dtype, high)
 
 
 # ---- the choice -----------------------------------------------------------------------------

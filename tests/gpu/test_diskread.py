@@ -13,14 +13,11 @@ import torch
 
 import gpuflow
 from gpuflow.data.resident import ResidentTokens
-from gpuflow.data.shards import Shard, write_shard
 from gpuflow.interface.cli import main
-from gpuflow.train.config import resolve_config
-from gpuflow.train.run import read_metrics
-from gpuflow.train.trainer import Trainer
 from gpuflow.transfer import diskread
 
-from ..conftest import FAST
+from ..conftest import random_shards
+from .conftest import tiny_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -34,14 +31,7 @@ def kvikio(accel):
 
 
 def _shards(folder, dtype, sizes=(3_000_001, 1_700_003, 26_000_007)):
-    rng = np.random.default_rng(1)
-    high = 100_000 if dtype == np.uint32 else 65_536
-    out = []
-    for i, n in enumerate(sizes):
-        path = folder / f"train_{i:06d}.bin"
-        write_shard(path, rng.integers(0, high, size=n).astype(dtype))
-        out.append(Shard.open(path))
-    return out
+    return random_shards(folder, sizes, dtype, 100_000 if dtype == np.uint32 else 65_536, seed=1)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
@@ -97,15 +87,10 @@ def test_the_ledger_counts_kvikio_reads_as_disk_to_device(accel, kvikio, tmp_pat
 
 
 def test_training_reads_the_same_batches_through_kvikio(accel, kvikio, prepared, workdir):
-    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
-    losses = {}
-    for io in ("pinned", "kvikio"):
-        config = resolve_config("tiny", None, [*sets, f"data.io={io}"])
-        trainer = Trainer(config, workdir / "runs" / io, accel)
-        result = trainer.run()
-        assert result.data_io.path == io
-        losses[io] = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
-    assert len(losses["kvikio"]) == 20 and losses["kvikio"] == losses["pinned"]
+    runs = tiny_runs(accel, prepared, workdir, "data.io", ("pinned", "kvikio"))
+    (pinned, by_pinned), (kvikio, by_kvikio) = runs["pinned"], runs["kvikio"]
+    assert (by_pinned.data_io.path, by_kvikio.data_io.path) == ("pinned", "kvikio")
+    assert len(kvikio) == 20 and kvikio == pinned
 
 
 def test_bench_io_measures_every_path_and_cleans_up(accel, workdir):

@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.train.config import resolve_config
-from gpuflow.train.run import read_metrics
-from gpuflow.train.trainer import Trainer
 
-from ..conftest import FAST
+from .conftest import tiny_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -27,15 +24,10 @@ def managed(accel):
 
 
 def test_a_managed_corpus_trains_as_a_device_resident_one(accel, managed, prepared, workdir):
-    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
-    losses = {}
-    for placement in ("device", "managed"):
-        config = resolve_config("tiny", None, [*sets, f"data.placement={placement}"])
-        trainer = Trainer(config, workdir / "runs" / placement, accel)
-        trainer.run()
-        losses[placement] = [r["loss"] for r in read_metrics(trainer.run_dir) if "loss" in r]
-    assert len(losses["managed"]) == 20
-    assert losses["managed"] == losses["device"]  # the same tokens, the same step
+    runs = tiny_runs(accel, prepared, workdir, "data.placement", ("device", "managed"))
+    (device, _), (managed, _) = runs["device"], runs["managed"]
+    assert len(managed) == 20
+    assert managed == device  # the same tokens, the same step
 
 
 def test_managed_memory_holds_what_is_written_and_refuses_past_free(accel, managed):

@@ -10,6 +10,7 @@ in ``tests/gpu/test_diskread.py``; the test below that imports it skips with the
 from __future__ import annotations
 
 import os
+import threading
 import types
 from typing import ClassVar
 
@@ -238,8 +239,10 @@ def test_either_path_checks_ids_as_unsigned(posix_kvikio, tmp_path, io, dtype, b
     body = np.asarray(shards[1].tokens).copy()
     body[17] = bad  # negative in the signed view the corpus is held in
     write_shard(shards[1].path, body)
+    threads = threading.active_count()
     with pytest.raises(GpuflowError, match=f"{shards[1].path.name}.*{bad}"):
         ResidentTokens(shards, "cpu", B, T, vocab_size=60000, io=io)
+    assert threading.active_count() == threads  # the refused corpus's readers are gone
 
 
 # ---- the page cache, for cold reads ---------------------------------------------------------

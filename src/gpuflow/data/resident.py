@@ -165,7 +165,11 @@ class ResidentTokens:
         self._rows = torch.arange(batch_size, device=torch_device)  # (B,)
         self._offsets = torch.arange(self.window, device=torch_device)  # (T+1,)
         self.chunk = -1
-        self.set_step(0)
+        try:
+            self.set_step(0)  # the first upload: a shard it refuses leaves no reader behind
+        except BaseException:
+            self.close()
+            raise
 
     # ---- sampling: device work only -------------------------------------------------------
 

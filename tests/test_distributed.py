@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
-from gpuflow.train.distributed import GradientAverager, Ranks, agree
+from gpuflow.train.distributed import GradientAverager, Ranks, agree, largest
 from gpuflow.train.run import read_metrics
 from gpuflow.train.step import Update
 
@@ -79,6 +79,9 @@ def _rank_update(rank: int, store: str, out: str) -> None:
         result = _one_update(_model(), half, averager)
         result["bytes_per_step"] = averager.bytes_per_step
         result["agreed"] = agree(rank == 1, Ranks(rank, 2, rank))
+        result["largest"] = largest(
+            {"syncs": float(rank), "bytes": 8.0 - rank}, Ranks(rank, 2, rank)
+        )
         # The eager paths' way: DDP averages the gradients in the backward, the loss alone
         # is left to the averager.
         model = _model()
@@ -106,6 +109,7 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
         assert result["bytes_per_step"] >= 4 * (parameters + 1)  # fp32 gradients and the loss
         assert result["bytes_per_step"] < 4 * (parameters + 1) + 16 * len(whole["weights"])
         assert result["agreed"] is True  # rank 1 asked: both ranks hear it
+        assert result["largest"] == {"syncs": 1.0, "bytes": 8.0}  # each figure's largest
     assert ranks[0]["weights"].keys() == whole["weights"].keys()
 
 
@@ -156,6 +160,8 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
     assert out.count("finished at step 8") == 1  # rank 0 speaks for the job
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [2, 4, 6, 8]  # one record per logging step: rank 0 alone writes
+    bus = [r for r in read_metrics(run) if "syncs_per_step" in r]  # the largest over ranks
+    assert bus and all(r["h2d_bytes_per_step"] == 0 for r in bus)
     report = json.loads((run / "report.json").read_text())
     assert report["tokens_per_s"] > 0 and report["world_size"] == 2
     per_rank = B * 2 * 32  # FAST's batch of 8 windows of 32 tokens

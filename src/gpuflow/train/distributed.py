@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -150,6 +150,17 @@ def least(value: int, ranks: Ranks) -> int:
     box = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(box, op=dist.ReduceOp.MIN)
     return int(box.item())
+
+
+def largest(values: Mapping[str, float], ranks: Ranks) -> dict[str, float]:
+    """Each of ``values`` at its largest over the ranks (host work, gloo): every rank passes
+    the same keys. ``values`` as they are for one process."""
+    if not ranks.distributed or not values:
+        return dict(values)
+    keys = sorted(values)
+    box = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, box.tolist(), strict=True))
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from gpuflow.common.signals import handling
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.display import TrainDisplay
-from gpuflow.train.distributed import agree
+from gpuflow.train.distributed import agree, largest
 from gpuflow.train.meter import BusMeter, Throughput
 from gpuflow.train.run import MetricsLog
 from gpuflow.train.schedule import lr_at
@@ -174,11 +174,14 @@ class TrainLoop:
         interval = self.throughput.close_interval()
         with self.bus.readback():
             results = self.train_step.readback(step)
+        # Under torchrun every rank counts its own sampled step; the record keeps the largest
+        # figure of each (a sync on any rank shows), exchanged at this step on every rank.
+        bus = largest(self.bus.take(), self.trainer.ranks)
         self.pending[step] = {
             "lr": lr_at(step - 1, self.config),
             "interval": interval,  # timed when its scalars land
             "elapsed_s": time.perf_counter() - self.started,
-            **self.bus.take(),
+            **bus,
             **self.trainer.device.memory_sample(),  # host reads only: the soak's record
         }
         self.publish(results)

@@ -36,6 +36,7 @@ CROSSING_ALLOWED = {
     "device/managed.py::torch.as_tensor(..., device=...)": "wraps managed memory: no copy",
     "train/checkpoint.py::.numpy()": "encode_tensor's RNG states, which live on the host",
     "train/distributed.py::.item()": "agree's and least's host tensors, all-reduced over gloo",
+    "train/distributed.py::.tolist()": "largest's host tensor, all-reduced over gloo",
 }
 HOST_BUILT = {"tensor", "as_tensor", "from_numpy"}
 READS = {"item", "cpu", "tolist", "numpy", "pin_memory"}

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuflow.bench.common import RESULTS_DIR
 from gpuflow.common.console import err_console, out_console, table
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.pagecache import cached_fraction, drop_cached
@@ -48,7 +49,7 @@ class IoBenchConfig:
     mib: int = 2048  # of generated shards, when no --data is given
     repeats: int = 3
     data: str = ""  # a prepared token folder: its train shards are read
-    scratch: str = "runs/bench"  # where generated shards are written (and removed)
+    scratch: str = str(RESULTS_DIR)  # where generated shards are written (and removed)
 
     def __post_init__(self) -> None:
         if self.mib < 1 or self.repeats < 1:

@@ -281,9 +281,17 @@ class ResidentTokens:
         try:
             with self.device.use_stream(stream):
                 if self._kvikio is not None:
-                    self._read_with_kvikio(pieces, target, stream, bar, task)
-                else:
-                    self._copy_through_pinned(pieces, target, stream, bar, task)
+                    # kvikio writes the buffer as soon as it is asked, outside any stream: the
+                    # host first waits for the work queued on ``stream`` (earlier readers of
+                    # ``target``, and the copy out of the staged buffer ``_activate`` queued).
+                    stream.synchronize()
+                for shard, into, lo, hi in pieces:
+                    piece = target[into : into + hi - lo]  # (n,)
+                    self._read_piece(shard.path, HEADER_BYTES + lo * itemsize, piece, stream)
+                    self._ids.note(shard.path, piece)
+                    if bar:
+                        bar.update(task, advance=piece.nbytes)
+                self._ids.check()
                 if self.managed:  # the pages the copies wrote, to the device
                     from gpuflow.device.managed import prefetch_to_device
 
@@ -294,42 +302,20 @@ class ResidentTokens:
                 bar.stop()
         return done
 
-    def _copy_through_pinned(
-        self, pieces: list[Piece], target: torch.Tensor, stream: Any, bar: Any, task: Any
-    ) -> None:
-        """Each piece read into a pinned buffer by several threads, then copied to the device
-        while the next piece is read into the other buffer."""
-        itemsize = self.token_dtype.itemsize
-        for shard, into, lo, hi in pieces:
-            nbytes = (hi - lo) * itemsize
-            host = self._pool.acquire(nbytes, timeout=None)
-            staged = host.bytes[:nbytes]  # (nbytes,) uint8, pinned
-            self._host_reader.read(shard.path, HEADER_BYTES + lo * itemsize, staged.numpy())
-            piece = target[into : into + hi - lo]  # (n,)
-            piece.copy_(staged.view(target.dtype), non_blocking=True)
-            copied = self.device.new_event()
-            copied.record(stream)
-            self._pool.release(host, after=copied)
-            self._ids.note(shard.path, piece)
-            if bar:
-                bar.update(task, advance=nbytes)
-        self._ids.check()
-
-    def _read_with_kvikio(
-        self, pieces: list[Piece], target: torch.Tensor, stream: Any, bar: Any, task: Any
-    ) -> None:
-        """kvikio writes the device buffer as soon as it is asked, outside any stream: the
-        host first waits for the work queued on ``stream`` (earlier readers of ``target``,
-        and the copy out of the staged buffer that ``_activate`` queued)."""
-        stream.synchronize()
-        itemsize = self.token_dtype.itemsize
-        for shard, into, lo, hi in pieces:
-            piece = target[into : into + hi - lo]  # (n,)
-            self._kvikio.read(shard.path, HEADER_BYTES + lo * itemsize, piece)
-            self._ids.note(shard.path, piece)
-            if bar:
-                bar.update(task, advance=piece.nbytes)
-        self._ids.check()
+    def _read_piece(self, path: Path, offset: int, piece: torch.Tensor, stream: Any) -> None:
+        """``piece.nbytes`` bytes of ``path`` from ``offset`` into ``piece``: by kvikio, or
+        read into a pinned buffer by several threads and copied from there on ``stream``
+        (while the next piece is read into the pool's other buffer)."""
+        if self._kvikio is not None:
+            self._kvikio.read(path, offset, piece)
+            return
+        host = self._pool.acquire(piece.nbytes, timeout=None)
+        staged = host.bytes[: piece.nbytes]  # (nbytes,) uint8, pinned
+        self._host_reader.read(path, offset, staged.numpy())
+        piece.copy_(staged.view(piece.dtype), non_blocking=True)
+        copied = self.device.new_event()
+        copied.record(stream)
+        self._pool.release(host, after=copied)
 
     def _pieces(self, start: int, length: int, per_copy: int) -> Iterator[Piece]:
         """(shard, offset in the chunk, first token, end token in the shard) pieces of at

@@ -393,13 +393,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out_console.print(f"results: {path} and {plot}")
         return 0 if results["flat"] else 1
     elif args.bench == "io":
-        from gpuflow.bench.common import RESULTS_DIR
         from gpuflow.bench.io import IoBenchConfig, print_io_table, run_io_bench
 
-        io = IoBenchConfig(
-            mib=args.mib, repeats=args.repeats, data=args.data or "",
-            scratch=args.out or str(RESULTS_DIR),
-        )  # fmt: skip
+        io = IoBenchConfig(mib=args.mib, repeats=args.repeats, data=args.data or "")
+        if args.out:  # the generated shards go beside the results
+            io = dataclasses.replace(io, scratch=args.out)
         results = run_io_bench(device, io)
         print_io_table(results)
     elif args.bench == "scale":

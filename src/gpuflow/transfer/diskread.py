@@ -148,10 +148,7 @@ class KvikioReader:
                 futures.append(handle.pread(flat[lo:hi], hi - lo, file_offset + lo))
         got = sum(f.get() for f in futures)
         if got != nbytes:
-            raise GpuflowError(
-                f"{path} gave {got} of {nbytes} bytes from offset {file_offset}: the file "
-                "is shorter than its header says; prepare the data again"
-            )
+            raise _short_read(path, got, nbytes, file_offset)
         report_copy("disk2d", nbytes, "kvikio pread", str(target.dtype).removeprefix("torch."))
 
     def _open(self, path: Path) -> Any:
@@ -184,10 +181,7 @@ class HostFileReader:
         ]
         got = sum(part.result() for part in parts)
         if got != len(view):
-            raise GpuflowError(
-                f"{path} gave {got} of {len(view)} bytes from offset {file_offset}: the file "
-                "is shorter than its header says; prepare the data again"
-            )
+            raise _short_read(path, got, len(view), file_offset)
 
     def _open(self, path: Path) -> int:
         path = Path(path)
@@ -200,6 +194,13 @@ class HostFileReader:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _short_read(path: Path, got: int, wanted: int, offset: int) -> GpuflowError:
+    return GpuflowError(
+        f"{path} gave {got} of {wanted} bytes from offset {offset}: the file is shorter than "
+        "its header says; prepare the data again"
+    )
 
 
 def _read_fully(fd: int, out: memoryview, offset: int) -> int:

@@ -38,46 +38,42 @@ if triton is not None:
         BLOCK: tl.constexpr,
         ONE_PASS: tl.constexpr,  # BLOCK >= vocab: the row is read once, kept in registers
     ):
-        # Each program takes rows pid, pid + programs, ...: a grid smaller than the rows
-        # bounds how many rows are between their two passes at once (they must stay in L2).
+        row = tl.program_id(0).to(tl.int64)
         inv_rows = 1.0 / rows
-        for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-            base = logits_ptr + row.to(tl.int64) * stride
-            target = tl.load(targets_ptr + row)
-            target_logit = tl.load(base + target).to(tl.float32)
-            if ONE_PASS:
-                cols = tl.arange(0, BLOCK)
+        base = logits_ptr + row * stride
+        target = tl.load(targets_ptr + row)
+        target_logit = tl.load(base + target).to(tl.float32)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
+            mask = cols < vocab
+            x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            row_max = tl.max(x, 0)
+            exps = tl.exp(x - row_max)
+            total = tl.sum(exps, 0)
+            lse = row_max + tl.log(total)
+            grad = exps / total - tl.where(cols == target, 1.0, 0.0)
+            tl.store(base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Pass 1: an online max and sum of exponentials over the row.
+            running_max = tl.full([], float("-inf"), tl.float32)
+            running_sum = tl.full([], 0.0, tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                new_max = tl.maximum(running_max, tl.max(x, 0))
+                running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
+                    tl.exp(x - new_max), 0
+                )
+                running_max = new_max
+            lse = running_max + tl.log(running_sum)
+            # Pass 2: the row again (an L2 hit), replaced by (softmax - one_hot) / N.
+            for start in range(0, vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
                 mask = cols < vocab
-                x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                row_max = tl.max(x, 0)
-                exps = tl.exp(x - row_max)
-                total = tl.sum(exps, 0)
-                lse = row_max + tl.log(total)
-                grad = exps / total - tl.where(cols == target, 1.0, 0.0)
+                x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
                 tl.store(base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask)
-            else:
-                # Pass 1: an online max and sum of exponentials over the row.
-                running_max = tl.full([], float("-inf"), tl.float32)
-                running_sum = tl.full([], 0.0, tl.float32)
-                for start in range(0, vocab, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-                    new_max = tl.maximum(running_max, tl.max(x, 0))
-                    running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
-                        tl.exp(x - new_max), 0
-                    )
-                    running_max = new_max
-                lse = running_max + tl.log(running_sum)
-                # Pass 2: the row again (an L2 hit), replaced by (softmax - one_hot) / N.
-                for start in range(0, vocab, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    mask = cols < vocab
-                    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-                    tl.store(
-                        base + cols, (grad * inv_rows).to(logits_ptr.dtype.element_ty), mask=mask
-                    )
-            tl.store(losses_ptr + row, lse - target_logit)
+        tl.store(losses_ptr + row, lse - target_logit)
 
 
 # Rows up to this long are held in registers whole; longer ones are read twice.

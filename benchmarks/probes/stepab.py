@@ -10,7 +10,14 @@ handed to the optimizer;
 nocombo: main without inductor's combo kernels;
 cdt: main with inductor's coordinate-descent tuning of its own kernels;
 autotune: main with inductor's matrix-product autotuning;
-mor: main with inductor's mixed-order reductions.
+mor: main with inductor's mixed-order reductions;
+flash: main with cuDNN's attention switched off in torch's SDPA (its flash kernel instead),
+for contexts past FlexAttention's limit;
+inductor: main with FlexAttention's kernels at inductor's default blocks (at T 128 its H100
+defaults make one forward program per batch row and head: 192 for 132 SMs);
+flexfwd32, flexbwd32, flexmid, flexsafe: main's FlexAttention blocks changed (forward rows
+of 32; backward blocks of 32; forward 64 x 128 and backward 64s), or told that every causal
+row has a key to attend to.
 Variants alternate over rounds in one process, resident-graph, compiled. Earlier variants
 (the unfused head, the fp32 residual stream, cuDNN/flash/math attention) and their figures
 are in benchmarks/NOTES.md.
@@ -22,9 +29,11 @@ PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [v
 import sys
 import tempfile
 
+import torch
 from abrows import measure_row
 
 from gpuflow.device.accelerator import Device
+from gpuflow.model import gpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.step import COMPILE_OPTIONS, StepOptions
 
@@ -41,7 +50,23 @@ VARIANTS = {
     "cdt": compiled_with(coordinate_descent_tuning=True),
     "autotune": compiled_with(max_autotune=True),
     "mor": compiled_with(**{"triton.mix_order_reduction": True}),
+    "flash": StepOptions(),
+    "inductor": StepOptions(),
+    "flexfwd32": StepOptions(),
+    "flexbwd32": StepOptions(),
+    "flexmid": StepOptions(),
+    "flexsafe": StepOptions(),
 }
+MAIN_FLEX = dict(gpt.FLEX_KERNEL_OPTIONS)
+FLEX = {
+    "inductor": {},
+    "flexfwd32": {**MAIN_FLEX, "fwd_BLOCK_M": 32},
+    "flexbwd32": {**MAIN_FLEX, "BLOCK_N1": 32, "BLOCK_M2": 32},
+    "flexmid": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_warps": 4, "fwd_num_stages": 3,
+                "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64,
+                "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "flexsafe": {**MAIN_FLEX, "ROWS_GUARANTEED_SAFE": True},
+}  # fmt: skip
 
 preset = sys.argv[1]
 out = sys.argv[2] if len(sys.argv) > 2 else None
@@ -55,4 +80,7 @@ meta = {"preset": preset, "overrides": overrides}
 with tempfile.TemporaryDirectory() as scratch:
     for r in range(rounds):
         for label in chosen:
+            torch.backends.cuda.enable_cudnn_sdp(label != "flash")  # read when it compiles
+            gpt.FLEX_KERNEL_OPTIONS.clear()
+            gpt.FLEX_KERNEL_OPTIONS.update(FLEX.get(label, MAIN_FLEX))
             measure_row(config, device, label, r, scratch, rows, out, meta, VARIANTS[label])

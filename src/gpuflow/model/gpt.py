@@ -52,6 +52,14 @@ class ModelConfig:
 # (pytorch/pytorch#133254).
 FLEX_MAX_LEN = 128
 FLEX_MAX_HEAD_DIM = 64
+# FlexAttention's kernel blocks. Inductor's H100 defaults (forward 128 x 128, backward
+# 64/128/128/64) give T 128 one forward program per batch row and head, 192 of them for 132
+# SMs; blocks of 64 (forward) and 32/64 (backward) fill the GPU: seed-d384 +1.5%.
+FLEX_KERNEL_OPTIONS: dict[str, int | bool] = {
+    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+    "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+    "bwd_num_warps": 4, "bwd_num_stages": 3,
+}  # fmt: skip
 _causal_masks: dict[tuple[int, str], BlockMask] = {}
 
 
@@ -91,7 +99,13 @@ class CausalSelfAttention(nn.Module):
             # bf16 only, so taken only there, which also keeps it to GPUs with bf16): at T 128
             # seed-d384's step is 2.4% faster than with cuDNN's attention and its helpers;
             # at T 1024 cuDNN's is faster (gpt2-124m 509k tokens/s against 495k).
-            y = flex_attention(q, k, v, block_mask=causal_block_mask(T, x.device))
+            y = flex_attention(
+                q,
+                k,
+                v,
+                block_mask=causal_block_mask(T, x.device),
+                kernel_options=FLEX_KERNEL_OPTIONS or None,
+            )
         else:  # eagerly FlexAttention would build the whole score matrix
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)

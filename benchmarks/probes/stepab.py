@@ -11,6 +11,11 @@ nocombo: main without inductor's combo kernels;
 cdt: main with inductor's coordinate-descent tuning of its own kernels;
 autotune: main with inductor's matrix-product autotuning;
 mor: main with inductor's mixed-order reductions;
+aggressive: main with inductor's aggressive fusion (fusing kernels that share no reads);
+multikernel: main with inductor's multi-kernels (persistent and looped forms of each reduction
+compiled, the faster chosen by timing them);
+combo: main with combo kernels whose parts share one block size (main before their own);
+benchcombo: main keeping only the combo kernels that time faster than their parts;
 flash: main with cuDNN's attention switched off in torch's SDPA (its flash kernel instead),
 for contexts past FlexAttention's limit;
 inductor: main with FlexAttention's kernels at inductor's default blocks (at T 128 its H100
@@ -38,6 +43,15 @@ from gpuflow.train.config import resolve_config
 from gpuflow.train.step import COMPILE_OPTIONS, StepOptions
 
 
+def known_option(name: str) -> bool:
+    config = torch._inductor.config
+    for part in name.split("."):
+        if not hasattr(config, part):
+            return False
+        config = getattr(config, part)
+    return True
+
+
 def compiled_with(**extra) -> StepOptions:
     return StepOptions(compile_options={**COMPILE_OPTIONS, **extra})
 
@@ -50,6 +64,10 @@ VARIANTS = {
     "cdt": compiled_with(coordinate_descent_tuning=True),
     "autotune": compiled_with(max_autotune=True),
     "mor": compiled_with(**{"triton.mix_order_reduction": True}),
+    "aggressive": compiled_with(aggressive_fusion=True),
+    "multikernel": compiled_with(**{"triton.multi_kernel": 1}),
+    "combo": StepOptions(compile_options={"combo_kernels": True}),
+    "benchcombo": compiled_with(benchmark_combo_kernel=True),
     "flash": StepOptions(),
     "inductor": StepOptions(),
     "flexfwd32": StepOptions(),
@@ -80,6 +98,10 @@ meta = {"preset": preset, "overrides": overrides}
 with tempfile.TemporaryDirectory() as scratch:
     for r in range(rounds):
         for label in chosen:
+            unknown = [k for k in VARIANTS[label].compile_options if not known_option(k)]
+            if unknown:
+                print(f"{label}: this torch has no inductor option {unknown}; skipped")
+                continue
             torch.backends.cuda.enable_cudnn_sdp(label != "flash")  # read when it compiles
             gpt.FLEX_KERNEL_OPTIONS.clear()
             gpt.FLEX_KERNEL_OPTIONS.update(FLEX.get(label, MAIN_FLEX))

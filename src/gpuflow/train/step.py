@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch._inductor import config as inductor_config
 
 from gpuflow.baselines.naive import NaiveBatches, naive_gradients
 from gpuflow.data.sources import BatchSource, CapturableSource
@@ -34,10 +35,21 @@ from gpuflow.train.optim import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.transfer.mirror import AsyncScalars, read_now
 
+
+def _known_to_inductor(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less any this torch's inductor does not have (torch.compile would refuse
+    them): newer options speed the step up where they exist and are skipped elsewhere."""
+    return {k: v for k, v in options.items() if hasattr(inductor_config, k)}
+
+
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones
-# (the weights' bf16 casts, say) as one, +2.7% tokens/s (benchmarks/NOTES.md, where tuning
-# inductor's kernels is left out: +1% for 95 s more of compiling).
-COMPILE_OPTIONS = MappingProxyType({"combo_kernels": True})
+# (the weights' bf16 casts, say) as one, +2.7% tokens/s, and tuning each part of such a
+# combined kernel to blocks of its own (the LayerNorm backwards and their weight gradients'
+# column sums, say) +2.9% more (benchmarks/NOTES.md, where tuning inductor's kernels is left
+# out: +1% for 95 s more of compiling).
+COMPILE_OPTIONS = MappingProxyType(
+    _known_to_inductor({"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
+)
 SCALARS = ("loss", "grad_norm")
 
 

@@ -15,6 +15,8 @@ aggressive: main with inductor's aggressive fusion (fusing kernels that share no
 multikernel: main with inductor's multi-kernels (persistent and looped forms of each reduction
 compiled, the faster chosen by timing them);
 combo: main with combo kernels whose parts share one block size (main before their own);
+nodes16: main with up to 16 kernels combined into one (8 by default);
+autotune2: main with combo kernels of foreach operations autotuned too;
 benchcombo: main keeping only the combo kernels that time faster than their parts;
 flash: main with cuDNN's attention switched off in torch's SDPA (its flash kernel instead),
 for contexts past FlexAttention's limit;
@@ -67,6 +69,8 @@ VARIANTS = {
     "aggressive": compiled_with(aggressive_fusion=True),
     "multikernel": compiled_with(**{"triton.multi_kernel": 1}),
     "combo": StepOptions(compile_options={"combo_kernels": True}),
+    "nodes16": compiled_with(combo_kernel_max_num_nodes=16),
+    "autotune2": compiled_with(combo_kernels_autotune=2),
     "benchcombo": compiled_with(benchmark_combo_kernel=True),
     "flash": StepOptions(),
     "inductor": StepOptions(),

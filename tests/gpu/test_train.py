@@ -196,8 +196,11 @@ def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdi
         assert val[-1] < val[0] - 0.3, (mode, val)
 
 
-def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, workdir):
+# T 128 takes FlexAttention with the model's own kernel blocks, T 32 inductor's.
+@pytest.mark.parametrize("max_len", [32, 128])
+def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, workdir, max_len):
     sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
+    sets.append(f"model.max_len={max_len}")
     losses = {}
     runs = {
         "eager": ["train.data_path=resident"],

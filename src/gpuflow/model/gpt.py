@@ -52,9 +52,12 @@ class ModelConfig:
 # (pytorch/pytorch#133254).
 FLEX_MAX_LEN = 128
 FLEX_MAX_HEAD_DIM = 64
-# FlexAttention's kernel blocks. Inductor's H100 defaults (forward 128 x 128, backward
-# 64/128/128/64) give T 128 one forward program per batch row and head, 192 of them for 132
-# SMs; blocks of 64 (forward) and 32/64 (backward) fill the GPU: seed-d384 +1.5%.
+# FlexAttention's kernel blocks for contexts that are whole 128-position blocks of its mask.
+# Inductor's H100 defaults (forward 128 x 128, backward 64/128/128/64) give T 128 one forward
+# program per batch row and head, 192 of them for 132 SMs; blocks of 64 (forward) and 32/64
+# (backward) fill the GPU: seed-d384 +1.5%. Shorter contexts keep inductor's blocks: at T 32
+# these gave NaN losses once the step was captured.
+FLEX_BLOCK = 128
 FLEX_KERNEL_OPTIONS: dict[str, int | bool] = {
     "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
     "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
@@ -71,7 +74,9 @@ def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     """FlexAttention's block mask for causal attention over T positions (built once per T)."""
     key = (T, str(device))
     if key not in _causal_masks:
-        _causal_masks[key] = create_block_mask(_is_causal, None, None, T, T, device=device)
+        _causal_masks[key] = create_block_mask(
+            _is_causal, None, None, T, T, device=device, BLOCK_SIZE=FLEX_BLOCK
+        )
     return _causal_masks[key]
 
 
@@ -104,7 +109,7 @@ class CausalSelfAttention(nn.Module):
                 k,
                 v,
                 block_mask=causal_block_mask(T, x.device),
-                kernel_options=FLEX_KERNEL_OPTIONS or None,
+                kernel_options=(FLEX_KERNEL_OPTIONS or None) if T % FLEX_BLOCK == 0 else None,
             )
         else:  # eagerly FlexAttention would build the whole score matrix
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)

@@ -335,6 +335,9 @@ def test_closing_a_loader_that_pinned_nothing_of_its_own_keeps_torchs_pinned_cac
                 assert bool((batch == float(i)).all())
         assert loader.pool_stats.misses == 0  # nothing was staged
         frees = torch.cuda.host_memory_stats().get("num_host_free", 0)
+    # torch reuses a pinned block once the copy recorded on it has finished: wait for them
+    # all, or a block still in flight makes the next loader's pin a new allocation.
+    torch.cuda.synchronize()
     allocs = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
     with DeviceLoader(batches, accel) as loader:
         for _ in loader:

@@ -55,7 +55,7 @@ FLEX_MAX_HEAD_DIM = 64
 # FlexAttention's kernel blocks for contexts that are whole 128-position blocks of its mask.
 # Inductor's H100 defaults (forward 128 x 128, backward 64/128/128/64) give T 128 one forward
 # program per batch row and head, 192 of them for 132 SMs; blocks of 64 (forward) and 32/64
-# (backward) fill the GPU: seed-d384 +1.5%. Shorter contexts keep inductor's blocks: at T 32
+# (backward) fill the GPU: seed-d384 +1.4%. Shorter contexts keep inductor's blocks: at T 32
 # these gave NaN losses once the step was captured.
 FLEX_BLOCK = 128
 FLEX_KERNEL_OPTIONS: dict[str, int | bool] = {

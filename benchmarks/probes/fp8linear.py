@@ -24,15 +24,6 @@ SHAPES = [("qkv", D, 3 * D, 12), ("proj", D, D, 12), ("fc", D, 4 * D, 12),
 
 
 @torch.compile
-def scaled(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` cast to ``dtype`` under one scale that maps its largest value to dtype's; and
-    the inverse scale, for the product to undo."""
-    top = torch.finfo(dtype).max
-    scale = top / t.abs().amax().float().clamp(min=1e-12)
-    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
-
-
-@torch.compile
 def scaled_transposed(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """``t`` and its transpose (contiguous) cast to ``dtype`` under one scale."""
     top = torch.finfo(dtype).max

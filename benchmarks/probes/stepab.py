@@ -42,16 +42,7 @@ from abrows import measure_row
 from gpuflow.device.accelerator import Device
 from gpuflow.model import gpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.step import COMPILE_OPTIONS, StepOptions
-
-
-def known_option(name: str) -> bool:
-    config = torch._inductor.config
-    for part in name.split("."):
-        if not hasattr(config, part):
-            return False
-        config = getattr(config, part)
-    return True
+from gpuflow.train.step import COMPILE_OPTIONS, StepOptions, _known_to_inductor
 
 
 def compiled_with(**extra) -> StepOptions:
@@ -72,12 +63,6 @@ VARIANTS = {
     "nodes16": compiled_with(combo_kernel_max_num_nodes=16),
     "autotune2": compiled_with(combo_kernels_autotune=2),
     "benchcombo": compiled_with(benchmark_combo_kernel=True),
-    "flash": StepOptions(),
-    "inductor": StepOptions(),
-    "flexfwd32": StepOptions(),
-    "flexbwd32": StepOptions(),
-    "flexmid": StepOptions(),
-    "flexsafe": StepOptions(),
 }
 MAIN_FLEX = dict(gpt.FLEX_KERNEL_OPTIONS)
 FLEX = {
@@ -89,6 +74,7 @@ FLEX = {
                 "bwd_num_warps": 4, "bwd_num_stages": 3},
     "flexsafe": {**MAIN_FLEX, "ROWS_GUARANTEED_SAFE": True},
 }  # fmt: skip
+ATTENTION = ("flash", *FLEX)
 
 preset = sys.argv[1]
 out = sys.argv[2] if len(sys.argv) > 2 else None
@@ -102,11 +88,14 @@ meta = {"preset": preset, "overrides": overrides}
 with tempfile.TemporaryDirectory() as scratch:
     for r in range(rounds):
         for label in chosen:
-            unknown = [k for k in VARIANTS[label].compile_options if not known_option(k)]
+            # the attention variants are main's options under other attention switches
+            options = VARIANTS["main" if label in ATTENTION else label]
+            wanted = options.compile_options
+            unknown = set(wanted) - set(_known_to_inductor(wanted))
             if unknown:
                 print(f"{label}: this torch has no inductor option {unknown}; skipped")
                 continue
             torch.backends.cuda.enable_cudnn_sdp(label != "flash")  # read when it compiles
             gpt.FLEX_KERNEL_OPTIONS.clear()
             gpt.FLEX_KERNEL_OPTIONS.update(FLEX.get(label, MAIN_FLEX))
-            measure_row(config, device, label, r, scratch, rows, out, meta, VARIANTS[label])
+            measure_row(config, device, label, r, scratch, rows, out, meta, options)

@@ -109,7 +109,7 @@ class CausalSelfAttention(nn.Module):
                 k,
                 v,
                 block_mask=causal_block_mask(T, x.device),
-                kernel_options=(FLEX_KERNEL_OPTIONS or None) if T % FLEX_BLOCK == 0 else None,
+                kernel_options=FLEX_KERNEL_OPTIONS if T % FLEX_BLOCK == 0 else None,
             )
         else:  # eagerly FlexAttention would build the whole score matrix
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)

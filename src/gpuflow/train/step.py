@@ -36,10 +36,20 @@ from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.transfer.mirror import AsyncScalars, read_now
 
 
-def _known_to_inductor(options: dict[str, Any]) -> dict[str, Any]:
+def _known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` less any this torch's inductor does not have (torch.compile would refuse
-    them): newer options speed the step up where they exist and are skipped elsewhere."""
-    return {k: v for k, v in options.items() if hasattr(inductor_config, k)}
+    them; dotted names, ``triton.x``, are looked up part by part): newer options speed the
+    step up where they exist and are skipped elsewhere."""
+
+    def known(name: str) -> bool:
+        where: Any = inductor_config
+        for part in name.split("."):
+            if not hasattr(where, part):
+                return False
+            where = getattr(where, part)
+        return True
+
+    return {k: v for k, v in options.items() if known(k)}
 
 
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones

@@ -109,6 +109,35 @@ def gpuflow_cli(
     )
 
 
+def torchrun_cli(*args: str, cwd: Path, nproc: int = 2) -> subprocess.Popen:
+    """``torchrun -m gpuflow train ARGS``, started, its output into ``cwd/torchrun.log`` (a
+    pipe nobody reads while the job runs would fill and stall it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "-m", "gpuflow", "train", *args,
+    ]  # fmt: skip
+    with open(cwd / "torchrun.log", "w") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def torchrun_ended(job: subprocess.Popen, cwd: Path, timeout: float = 180) -> str:
+    """Wait for a ``torchrun_cli`` job to end (at most ``timeout`` s); its output."""
+    job.wait(timeout=timeout)
+    return (cwd / "torchrun.log").read_text()
+
+
+def torchrun_workers(job: subprocess.Popen) -> dict[int, int]:
+    """A running ``torchrun_cli`` job's worker processes: pid by rank (from /proc)."""
+    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True)
+    ranks = {}
+    for pid in map(int, workers.stdout.split()):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next(v for v in environ if v.startswith(b"RANK="))
+        ranks[int(rank.split(b"=")[1])] = pid
+    return ranks
+
+
 def line_holding(file: str, marker: str) -> int:
     """The line of ``file`` that holds ``marker``, other than a ``_line(...)`` call naming it
     (tests check the locations a ledger reports against it)."""

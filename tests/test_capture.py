@@ -3,6 +3,8 @@ for CUDA's graphs; the device-side schedule and draw against their eager forms."
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -39,6 +41,9 @@ class StandInGraphs:
                 graphs.log.append("replay")
                 body()
 
+            def reset(self) -> None:
+                graphs.log.append("reset")
+
         return Recorded()
 
 
@@ -58,6 +63,34 @@ def test_warm_up_then_one_capture_then_the_rebind_then_replays():
     ]  # fmt: skip
     assert len(ran) == 6  # the capture itself ran nothing
     assert step.calls == 6
+    step.release()  # frees the graph; a later call captures anew
+    step.release()  # nothing left to free
+    step()
+    assert graphs.log[8:] == ["reset", "capture", "rebind", "replay"]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_runs_step_frees_its_graph_when_it_closes(prepared, workdir, fails):
+    """``Trainer.open_step`` releases the captured graph on the way out, also when the loop
+    inside fails: a graph that captured NCCL collectives would keep the job from leaving
+    its process group (``gpuflow.train.distributed.stop``)."""
+    cpu = Device("cpu")
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=8", "train.warmup_steps=3"]
+    graphs = StandInGraphs()
+    trainer = Trainer(resolve_config("tiny", None, sets), workdir / "runs" / "g", cpu,
+                      options=StepOptions(graphs=graphs))  # fmt: skip
+    trainer.build(resume=False, say=lambda note: None)
+    trainer.path = DataPath.RESIDENT_GRAPH  # as on CUDA; the stand-in records the graph
+    trainer.optimizer = MasterAdamW(trainer.optimizer)
+    failure = pytest.raises(RuntimeError, match="mid-loop") if fails else nullcontext()
+    with failure, trainer.open_step(0, 8) as train_step:
+        for step in range(5):
+            train_step(step)
+        assert graphs.log[-1] == "replay"
+        if fails:
+            raise RuntimeError("mid-loop")
+    assert graphs.log[-1] == "reset" and graphs.log.count("reset") == 1
+    assert train_step.captured.graph is None
 
 
 @pytest.mark.parametrize(

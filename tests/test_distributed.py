@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,12 +19,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.gpt import GPT, ModelConfig
+from gpuflow.train import distributed
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
-from gpuflow.train.distributed import GradientAverager, Ranks, agree, largest
+from gpuflow.train.distributed import GradientAverager, RankLost, Ranks, agree, largest
 from gpuflow.train.run import read_metrics
 from gpuflow.train.step import Update
 
-from .conftest import FAST, gpuflow_cli
+from .conftest import FAST, gpuflow_cli, torchrun_cli, torchrun_ended, torchrun_workers
 
 B, T = 4, 16
 
@@ -113,25 +113,66 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
     assert ranks[0]["weights"].keys() == whole["weights"].keys()
 
 
+class _Graph:
+    """A graph owner as ``CapturedStep`` is one: what ``release`` did, in order."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def release(self) -> None:
+        self.log.append("release")
+
+
+@pytest.mark.parametrize("leave", ["stop", "abort"])
+def test_leaving_the_job_frees_the_graphs_holding_its_collectives_first(monkeypatch, leave):
+    """NCCL's communicator waits, however long, for every graph that captured its
+    collectives to be freed: the graphs go before the process group does."""
+    log: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: log.append("destroy"))
+    monkeypatch.setattr(distributed, "_abort_process_group", lambda: log.append("abort"))
+    graphs = [_Graph(log), _Graph(log)]
+    for graph in graphs:
+        distributed.holds_collectives(graph)
+    getattr(distributed, leave)()
+    assert log == ["release", "release", "destroy" if leave == "stop" else "abort"]
+    log.clear()
+    getattr(distributed, leave)()  # released once: nothing is held any more
+    assert log == ["destroy" if leave == "stop" else "abort"]
+
+
+def _rank_left_behind(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    ranks = Ranks(rank, 2, rank)
+    agree(False, ranks)  # both ranks are there
+    if rank == 1:
+        os._exit(0)  # gone without a word, as a killed rank is
+    log: list[str] = []
+    graph = _Graph(log)  # held weakly by the job: its owner keeps it
+    distributed.holds_collectives(graph)
+    started = time.monotonic()
+    try:
+        agree(False, ranks)
+        result = "agreed with nobody"
+    except RankLost as exc:
+        result = str(exc)
+    Path(out).write_text(json.dumps({
+        "error": result, "seconds": time.monotonic() - started, "log": log,
+        "still_in_a_group": dist.is_initialized(),
+    }))  # fmt: skip
+
+
+def test_a_rank_that_finds_another_gone_leaves_the_job_at_once(tmp_path):
+    out = tmp_path / "out.json"
+    mp.spawn(_rank_left_behind, args=(str(tmp_path / "store"), str(out)), nprocs=2)
+    found = json.loads(out.read_text())
+    assert found["error"].startswith("another rank of this job stopped or died (")
+    assert "--resume" in found["error"] and "\n" not in found["error"]
+    assert found["seconds"] < 10  # the closed connection, not a timeout
+    assert found["log"] == ["release"] and found["still_in_a_group"] is False
+
+
 # ---- torchrun -m gpuflow train --------------------------------------------------------------
-
-
-def _torchrun(*args: str, cwd: Path, nproc: int = 2) -> subprocess.Popen:
-    """``torchrun -m gpuflow train ARGS``, its output into ``cwd/torchrun.log`` (a pipe
-    nobody reads while the job runs would fill and stall it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "gpuflow", "train", *args,
-    ]  # fmt: skip
-    with open(cwd / "torchrun.log", "w") as log:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _ended(job: subprocess.Popen, cwd: Path, timeout: float = 180) -> str:
-    """Wait for the job; its output."""
-    job.wait(timeout=timeout)
-    return (cwd / "torchrun.log").read_text()
 
 
 def _settings(prepared: Path, steps: int) -> list[str]:
@@ -141,7 +182,7 @@ def _settings(prepared: Path, steps: int) -> list[str]:
 
 
 def _finish(job: subprocess.Popen, cwd: Path) -> str:
-    out = _ended(job, cwd)
+    out = torchrun_ended(job, cwd)
     assert job.returncode == 0, out
     return out
 
@@ -155,7 +196,8 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
     run = workdir / "runs" / "dp"
     # A 20 kB budget streams the corpus in chunks: their order carries over between runs.
     budget = ["--set", "data.device_budget_mb=0.02"]
-    out = _finish(_torchrun("--name", "dp", *_settings(prepared, 8), *budget, cwd=workdir), workdir)
+    job = torchrun_cli("--name", "dp", *_settings(prepared, 8), *budget, cwd=workdir)
+    out = _finish(job, workdir)
     assert "2 ranks" in out and "MiB per step per rank" in out
     assert out.count("finished at step 8") == 1  # rank 0 speaks for the job
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
@@ -179,7 +221,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
     assert one["world_size"] == 1 and one["chunk_base"] == [two["next_chunk"], 8]
     assert one["tokens_seen"] == two["tokens_seen"] + 4 * per_rank
     out = _finish(
-        _torchrun("--name", "dp", "--resume", *_settings(prepared, 16), *budget, cwd=workdir),
+        torchrun_cli("--name", "dp", "--resume", *_settings(prepared, 16), *budget, cwd=workdir),
         workdir,
     )
     assert "finished at step 16" in out
@@ -189,21 +231,22 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
 
 
 def test_a_rank_killed_mid_run_stops_the_job_and_the_run_resumes(prepared, workdir):
-    job = _torchrun("--name", "killed", *_settings(prepared, 100000), cwd=workdir)
+    job = torchrun_cli("--name", "killed", *_settings(prepared, 100000), cwd=workdir)
     checkpoints = workdir / "runs" / "killed" / "checkpoints"
     deadline = time.monotonic() + 120
     while latest_checkpoint(checkpoints.parent) is None:
         assert time.monotonic() < deadline, (workdir / "torchrun.log").read_text()
         assert job.poll() is None, (workdir / "torchrun.log").read_text()
         time.sleep(0.5)
-    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True)
-    pids = [int(p) for p in workers.stdout.split()]
-    assert len(pids) == 2, workers.stdout
-    os.kill(pids[-1], signal.SIGKILL)
+    workers = torchrun_workers(job)
+    assert sorted(workers) == [0, 1], workers
+    os.kill(workers[1], signal.SIGKILL)
     started = time.monotonic()
-    out = _ended(job, workdir, timeout=120)  # the job ends: no rank hangs on the dead one
+    out = torchrun_ended(job, workdir, timeout=120)  # the job ends: no rank hangs on the dead one
     assert job.returncode != 0, out
-    assert time.monotonic() - started < 60, out
+    assert time.monotonic() - started < 20, out
+    # The survivor says so in one line (found in DDP's all-reduce or at a logging step).
+    assert "error: another rank of this job stopped or died" in out, out
     latest = latest_checkpoint(workdir / "runs" / "killed")
     assert latest is not None
     saved = read_record(latest)["step"]
@@ -216,7 +259,7 @@ def test_a_rank_killed_mid_run_stops_the_job_and_the_run_resumes(prepared, workd
 def test_host_sampled_batches_train_data_parallel_under_ddp(prepared, workdir):
     args = _settings(prepared, 4)
     args[args.index("train.data_path=resident")] = "train.data_path=standard"
-    _finish(_torchrun("--name", "std", *args, cwd=workdir), workdir)
+    _finish(torchrun_cli("--name", "std", *args, cwd=workdir), workdir)
     report = json.loads((workdir / "runs" / "std" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps_done"] == 4
     # DDP all-reduces the fp32 gradients; the loss is averaged on its own.

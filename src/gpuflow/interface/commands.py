@@ -186,9 +186,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = distributed.rank_device(ranks, args.device)
     distributed.start(ranks, device)
     try:
-        return _train(args, resolved, ranks, device)
-    finally:
-        distributed.stop()
+        code = _train(args, resolved, ranks, device)
+    except BaseException as exc:
+        distributed.abort()  # nothing in flight is waited for: another rank may be gone
+        if distributed.lost_a_rank(exc):
+            raise distributed.rank_lost(exc) from exc
+        raise
+    distributed.stop()
+    return code
 
 
 def _train(

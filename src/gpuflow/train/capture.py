@@ -14,8 +14,11 @@ step's kernels once and replays them with one launch. What makes the step captur
 ``CapturedStep`` runs the sequence: the first ``warmup`` calls eagerly on a side stream (real
 training steps: cuBLAS and the allocator settle), then one capture (which runs nothing),
 then ``after_capture`` (MasterAdamW points its table at the graph's gradients), then a
-replay per call. The graph API is a ``Graphs`` object, so that the sequence runs on the CPU
-with a stand-in (``tests/test_capture.py``).
+replay per call. ``release`` drops the graph: a graph that captured collectives holds their
+NCCL communicator, whose destruction waits until every such graph is gone, so a data-parallel
+step releases its graph before the job leaves its process group
+(``gpuflow.train.distributed``). The graph API is a ``Graphs`` object, so that the sequence
+runs on the CPU with a stand-in (``tests/test_capture.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ WARMUP_STEPS = 3
 
 class Graph(Protocol):
     def replay(self) -> None: ...
+
+    def reset(self) -> None:
+        """Free the graph; replays in flight finish first (CUDA frees it when they do)."""
 
 
 class Graphs(Protocol):
@@ -85,3 +91,11 @@ class CapturedStep:
                 self.after_capture()
             self.graph.replay()
         self.calls += 1
+
+    def release(self) -> None:
+        """Drop the captured graph, if any (a later call captures anew). Never waits for the
+        device: a replay still running, or stuck in a collective whose peer is gone, keeps
+        the graph alive until it ends."""
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.reset()

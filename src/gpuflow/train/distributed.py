@@ -19,6 +19,15 @@ What a rank does differently from a single process:
 - a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
   every rank stops after the same step.
 
+Leaving the job: NCCL destroys a communicator only once every CUDA graph that captured its
+collectives is gone (it waits for them, however long), so ``stop`` first releases the graphs
+registered with ``holds_collectives``, then destroys the process group; the captured step
+also releases its graph when it closes. A rank that finds another gone (a host collective
+fails: the peer's connection closed) does not wait for anything: ``abort`` releases the
+graphs and aborts NCCL, which ends any collective still waiting for the lost rank, and the
+rank stops with ``RankLost``. A rank that fails for any other reason aborts too, and the
+others then find it gone at their next logging step.
+
 The eager data paths (host-sampled batches, or a resident corpus without the captured step)
 wrap the model in ``DistributedDataParallel`` instead, which all-reduces gradient buckets
 during the backward; ``GradientAverager`` then averages the loss alone.
@@ -31,12 +40,16 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import re
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
@@ -45,6 +58,20 @@ from gpuflow.device.accelerator import Device
 # an error naming it (a rank that died, or one that stopped calling collectives).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_T = TypeVar("_T")
+
+
+class RankLost(GpuflowError):
+    """Another rank of the job is gone: this one has left the job too."""
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+# What holds captured collectives of this process's job (``CapturedStep``s): weakly, so that a
+# step nobody uses any more is not kept alive for this.
+_capturing: weakref.WeakSet[Releasable] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -127,10 +154,66 @@ def start(ranks: Ranks, device: Device) -> None:
     )  # fmt: skip
 
 
+def holds_collectives(captured: Releasable) -> None:
+    """Register ``captured``, a graph owner whose graph may hold this job's collectives:
+    leaving the job releases it first."""
+    _capturing.add(captured)
+
+
+def _release_graphs() -> None:
+    for captured in list(_capturing):
+        captured.release()
+    _capturing.clear()
+
+
 def stop() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one: every rank calls it at the end of
+    a job that went well (each rank's own device work is then complete or completing)."""
+    _release_graphs()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort() -> None:
+    """Leave the process group without waiting for anything in flight: a collective still
+    waiting for a rank that is gone ends (with garbage, which nothing reads). For a rank that
+    failed, or found another gone."""
+    _release_graphs()
+    if dist.is_initialized():
+        with suppress(RuntimeError):  # a backend already broken: there is nothing to free
+            _abort_process_group()
+
+
+# How gloo's transport words a peer that went away mid-collective (DDP's gradient all-reduce
+# on the cpu raises these from inside the backward).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def rank_lost(exc: BaseException) -> RankLost:
+    """``exc``, a failed collective, said as ``RankLost``: one line for the user."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    # gloo's own first sentence, less the source location it starts with
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:160]
+    return RankLost(
+        f"another rank of this job stopped or died ({cause}); this rank has left the "
+        "job too (the other rank's output says why); the run's checkpoints are intact: start "
+        "the job again with --resume"
+    )
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank went away."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _PEER_GONE)
+
+
+def _on_host(collective: Callable[[], _T]) -> _T:
+    """Run a host collective (gloo); if it fails, another rank is gone (its connection
+    closed) or stopped answering (the timeout passed): leave the job and say so."""
+    try:
+        return collective()
+    except RuntimeError as exc:  # DistError and its kinds are RuntimeErrors
+        abort()
+        raise rank_lost(exc) from exc
 
 
 def agree(flag: bool, ranks: Ranks) -> bool:
@@ -139,7 +222,7 @@ def agree(flag: bool, ranks: Ranks) -> bool:
     if not ranks.distributed:
         return flag
     vote = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    _on_host(lambda: dist.all_reduce(vote, op=dist.ReduceOp.MAX))
     return bool(vote.item())
 
 
@@ -148,7 +231,7 @@ def least(value: int, ranks: Ranks) -> int:
     if not ranks.distributed:
         return value
     box = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    _on_host(lambda: dist.all_reduce(box, op=dist.ReduceOp.MIN))
     return int(box.item())
 
 
@@ -159,7 +242,7 @@ def largest(values: Mapping[str, float], ranks: Ranks) -> dict[str, float]:
         return dict(values)
     keys = sorted(values)
     box = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    _on_host(lambda: dist.all_reduce(box, op=dist.ReduceOp.MAX))
     return dict(zip(keys, box.tolist(), strict=True))
 
 
@@ -181,7 +264,7 @@ def broadcast_from_main(value: object, ranks: Ranks) -> object:
     if not ranks.distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    _on_host(lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 

@@ -29,7 +29,7 @@ from gpuflow.model.gpt import GPT
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.datapath import DataPath
-from gpuflow.train.distributed import GradientAverager
+from gpuflow.train.distributed import GradientAverager, holds_collectives
 from gpuflow.train.master_adamw import with_fp32_masters
 from gpuflow.train.optim import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
@@ -169,6 +169,9 @@ class TrainStep:
     def __call__(self, step: int) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Free what the step holds beyond its tensors (the captured graph)."""
+
     def set_lr(self, step: int) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.config)
@@ -233,6 +236,8 @@ class GraphStep(TrainStep):
         self._draw, self._schedule = draw, schedule
         rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
         self.captured = CapturedStep(self._body, after_capture=rebind, graphs=parts.options.graphs)
+        if parts.averager is not None:  # the graph will hold the job's all-reduce
+            holds_collectives(self.captured)
 
     def _body(self) -> None:
         self.lr.copy_(self._schedule(self.batches.counter))
@@ -246,6 +251,9 @@ class GraphStep(TrainStep):
         self.batches.prepare(step)  # a chunk switch happens here, outside the graph
         self.captured()
         self.scalars.count()
+
+    def close(self) -> None:
+        self.captured.release()
 
 
 def build_step(path: DataPath, parts: StepParts, batches: BatchSource) -> TrainStep:

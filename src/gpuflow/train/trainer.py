@@ -264,7 +264,11 @@ class Trainer:
                 self.model, self.forward, self.optimizer, self.config.train, self.device,
                 self.options, self.averager,
             )  # fmt: skip
-            yield build_step(self.path, parts, batches)
+            train_step = build_step(self.path, parts, batches)
+            try:
+                yield train_step
+            finally:
+                train_step.close()
 
     def evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read); kept as

@@ -58,7 +58,7 @@ def test_scale_runs_plain_torchrun_1_and_2_and_reports_their_scaling(prepared, w
     for progress in ("[1/3] plain", "[2/3] torchrun 1", "[3/3] torchrun 2"):
         assert progress in result.stderr
     assert "torchrun 1 vs plain:" in result.stdout and "efficiency" in result.stdout
-    (path,) = (workdir / "results").glob("scale-*.json")
+    (path,) = (workdir / "results").glob("*-scale-tiny-cpu.json")
     record = json.loads(path.read_text())
     assert record["benchmark"] == "scale" and record["machine"]["type"] == "cpu"
     rows = record["rows"]

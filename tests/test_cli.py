@@ -306,7 +306,7 @@ def test_bench_transfer_runs_and_writes_json(workdir):
     result = gpuflow_cli("bench", "transfer", "--quick", "--device", "cpu", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert not (workdir / "benchmarks").exists()  # never into a checkout's tracked results
-    files = list((workdir / "runs" / "bench").glob("transfer-*.json"))
+    files = list((workdir / "runs" / "bench").glob("*-transfer-quick-cpu.json"))
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["benchmark"] == "transfer" and record["machine"]["type"] == "cpu"
@@ -327,7 +327,7 @@ def test_bench_train_measures_each_data_path_and_writes_json(workdir, prepared):
         "--steps", "3", "--warmup", "1", "--device", "cpu", *sets, cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    [path] = (workdir / "runs" / "bench").glob("train-*.json")
+    [path] = (workdir / "runs" / "bench").glob("*-train-*-cpu.json")
     record = json.loads(path.read_text())
     rows = {row["mode"]: row for row in record["rows"]}
     assert set(rows) == {"streamed", "resident", "resident (synthetic batch)"}
@@ -387,7 +387,7 @@ def test_bench_checkpoint_compares_blocking_and_async_saves(workdir, prepared):
         "--device", "cpu", "--out", "res", *sets, cwd=workdir,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    [path] = (workdir / "res").glob("checkpoint-*.json")
+    [path] = (workdir / "res").glob("*-checkpoint-*-cpu.json")
     record = json.loads(path.read_text())
     assert [row["kind"] for row in record["rows"]] == ["pytorch", "blocking", "async"]
     assert all(len(row["stall_ms_rounds"]) == 1 for row in record["rows"])
@@ -408,7 +408,7 @@ def test_bench_soak_samples_memory_over_a_run(workdir, prepared):
         "bench", "soak", "--steps", "24", "--device", "cpu", "--out", "res",
         "--set", "train.checkpoint_interval=4", *sets, cwd=workdir,
     )  # fmt: skip
-    [path] = (workdir / "res").glob("soak-*.json")
+    [path] = (workdir / "res").glob("*-soak-*-cpu.json")
     record = json.loads(path.read_text())
     assert result.returncode == (0 if record["flat"] else 1), result.stderr
     assert record["steps"] == 24 and record["warmup_steps"] == 6

@@ -98,7 +98,7 @@ def test_bench_io_measures_every_path_and_cleans_up(accel, workdir):
         pytest.skip("bench io reads into CUDA memory")
     out = workdir / "results"
     assert main(["bench", "io", "--mib", "64", "--repeats", "1", "--out", str(out)]) == 0
-    (path,) = out.glob("io-*.json")
+    (path,) = out.glob("*-io-generated-*.json")
     record = json.loads(path.read_text())
     paths = [row["path"] for row in record["rows"]]
     expected = ["pinned", "auto", "memmap + .to()"]

@@ -59,20 +59,34 @@ def machine(device: Device) -> dict[str, Any]:
     }
 
 
+def device_slug(device: Device, count: int = 1) -> str:
+    """A short name for the device in result file names: ``h100``, ``h200x2``, ``cpu``."""
+    if device.type == "cpu":
+        return "cpu"
+    words = re.findall(r"[a-z0-9]+", device.name().lower())
+    model = next((w for w in words if w not in ("nvidia", "amd", "intel", "tesla")), device.type)
+    return f"{model}x{count}" if count > 1 else model
+
+
 def write_result(
-    name: str, device: Device, payload: dict[str, Any], folder: Path | None = None
-) -> Path:
-    """``<folder>/<name>-<device>-<timestamp>.json`` (default folder ``runs/bench``), written
+    name: str, device: Device, payload: dict[str, Any], folder: Path | None = None,
+    preset: str | None = None, gpus: int = 1,
+) -> Path:  # fmt: skip
+    """``<folder>/<date>-<name>-<preset>-<device>.json`` (default folder ``runs/bench``; the
+    preset left out where a bench has none; ``gpus``: how many the bench ran on), written
     atomically under a name no earlier result has: results are never overwritten."""
     folder = Path(folder) if folder else RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    slug = re.sub(r"[^a-z0-9]+", "-", device.name().lower()).strip("-") or device.type
-    path = folder / f"{name}-{slug}-{stamp}.json"
+    now = dt.datetime.now(dt.UTC)
+    stem = "-".join(
+        part for part in (now.strftime("%Y-%m-%d"), name, preset, device_slug(device, gpus)) if part
+    )
+    path = folder / f"{stem}.json"
     n = 2
     while path.exists():
-        path = folder / f"{name}-{slug}-{stamp}-{n}.json"
+        path = folder / f"{stem}-{n}.json"
         n += 1
+    stamp = now.strftime("%Y%m%d-%H%M%S")
     record = {"benchmark": name, "created_utc": stamp, "machine": machine(device), **payload}
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
     return path

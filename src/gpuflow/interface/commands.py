@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
@@ -393,7 +394,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         soak = SoakConfig(preset=args.preset, steps=args.steps, overrides=tuple(args.set or ()))
         results = run_soak(device, soak)
         print_soak_table(results)
-        path = write_result(args.bench, device, results, args.out)
+        path = write_result(args.bench, device, results, args.out, preset=args.preset)
         plot = plot_soak(results, path.with_suffix(".png"))
         out_console.print(f"results: {path} and {plot}")
         return 0 if results["flat"] else 1
@@ -433,7 +434,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         results = run_train_bench(device, bench)
         print_train_table(results)
-    path = write_result(args.bench, device, results, args.out)
+    # The run's preset names the file; transfer's is its size, io's the shards it read.
+    if args.bench == "transfer":
+        preset = "quick" if args.quick else "full"
+    elif args.bench == "io":
+        preset = os.path.basename(os.path.normpath(args.data)) if args.data else "generated"
+    else:
+        preset = args.preset
+    gpus = results.get("nproc", 1) if args.bench == "scale" else 1
+    path = write_result(args.bench, device, results, args.out, preset=preset, gpus=gpus)
     out_console.print(f"results: {path}")
     return 0
 

@@ -160,21 +160,17 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def embed(self, idx: torch.Tensor, table_gradient: bool = True) -> torch.Tensor:
-        """Token plus position embeddings (B, T, C) of ids ``idx`` (B, T), T <= max_len.
-        ``table_gradient=False``: the lookup gives the token table no gradient (whoever
-        asks computes it from the embeddings' gradient), the output head still does."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings (B, T, C) of ids ``idx`` (B, T), T <= max_len."""
         T = idx.shape[1]
-        table = self.wte.weight if table_gradient else self.wte.weight.detach()
-        return F.embedding(idx, table) + self.wpe(self.positions[:T])  # the lookup is on-device
+        return self.wte(idx) + self.wpe(self.positions[:T])  # the lookup is on-device
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, T, C) for token ids ``idx`` (B, T)."""
         return self.trunk(self.embed(idx))
 
-    @staticmethod
-    def residual_stream(x: torch.Tensor) -> torch.Tensor:
-        """Embeddings ``x`` in the residual stream's dtype.
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks and final norm on embeddings ``x`` (B, T, C).
 
         Under autocast the residual stream is carried in autocast's dtype: the blocks' matrix
         products emit it anyway, and an fp32 stream would double the bytes every residual add
@@ -183,27 +179,16 @@ class GPT(nn.Module):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
-        return x
-
-    def trunk(self, x: torch.Tensor) -> torch.Tensor:
-        """The blocks and final norm on embeddings ``x`` (B, T, C)."""
-        x = self.residual_stream(x)
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)  # (B, T, C)
 
-    def loss_head(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The final norm, the output head (tied to wte) and the mean cross-entropy of the
-        last block's output ``x`` (B, T, C) against ``targets`` (B, T)."""
-        return linear_cross_entropy(self.ln_f(x).flatten(0, 1), self.wte.weight, targets.flatten())
-
     def loss_from_embeddings(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``forward`` from embeddings computed elsewhere (the naive data path's host
         lookup): x (B, T, C), targets (B, T)."""
-        x = self.residual_stream(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.loss_head(x, targets)
+        return linear_cross_entropy(
+            self.trunk(x).flatten(0, 1), self.wte.weight, targets.flatten()
+        )  # head tied to wte
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32 scalar) of ``idx`` (B, T) against ``targets``."""

@@ -32,7 +32,6 @@ from gpuflow.train.datapath import DataPath
 from gpuflow.train.distributed import GradientAverager, holds_collectives
 from gpuflow.train.master_adamw import with_fp32_masters
 from gpuflow.train.optim import global_grad_norm
-from gpuflow.train.overlap import OverlappedAverager, RegionalForward
 from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.transfer.mirror import AsyncScalars, read_now
 
@@ -76,9 +75,6 @@ class StepOptions:
     # a pass over the gradients of its own).
     fused_clip: bool = True
     graphs: Graphs | None = None  # the graph API; None: CUDA's
-    # Data-parallel, captured: all-reduce bucket by bucket during the backward, the model
-    # compiled region by region (else: one all-reduce after the backward of the whole model).
-    overlap_allreduce: bool = False
 
 
 def optimizer_for(
@@ -102,17 +98,6 @@ def compiled_forward(
     # was seen to run it eagerly instead (the benchmark builds several).
     torch._dynamo.reset()
     return torch.compile(model, options=dict(options.compile_options))
-
-
-def regional_forward(
-    model: GPT, averager: OverlappedAverager, device: Device, options: StepOptions, compile: bool
-) -> torch.nn.Module:
-    """The model's forward region by region for ``averager``, each region compiled where
-    torch.compile makes kernels (CUDA) and ``compile`` asks for it."""
-    if device.type != "cuda" or not compile:
-        return RegionalForward(model, averager, compile_options=None)
-    torch._dynamo.reset()  # a fresh compile per model, as compiled_forward
-    return RegionalForward(model, averager, compile_options=options.compile_options)
 
 
 class Update:

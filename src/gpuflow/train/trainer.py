@@ -39,7 +39,6 @@ from gpuflow.train.distributed import GradientAverager, Ranks, each_host_first, 
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim import build_optimizer
-from gpuflow.train.overlap import OverlappedAverager
 from gpuflow.train.run import TOKENIZER_FILE, RunFolder, truncate_metrics
 from gpuflow.train.step import (
     StepOptions,
@@ -48,7 +47,6 @@ from gpuflow.train.step import (
     build_step,
     compiled_forward,
     optimizer_for,
-    regional_forward,
 )
 from gpuflow.transfer.diskread import IoChoice, choose_io
 from gpuflow.transfer.loader import upload_tokens
@@ -131,13 +129,7 @@ class Trainer:
         # eager paths leave it to DDP (overlapped with the backward), but for the naive
         # baseline, whose per-sequence backward DDP cannot wrap.
         ddp = ranks.distributed and self.path not in (DataPath.RESIDENT_GRAPH, DataPath.NAIVE)
-        # The captured step all-reduces bucket by bucket while its backward runs, over a model
-        # run region by region (``gpuflow.train.overlap``).
-        overlap = (
-            ranks.distributed and self.path is DataPath.RESIDENT_GRAPH
-            and self.options.overlap_allreduce
-        )  # fmt: skip
-        if ranks.distributed and not overlap:
+        if ranks.distributed:
             self.averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
         with each_host_first(ranks):  # the built-in corpus is prepared once per host
@@ -189,15 +181,9 @@ class Trainer:
             trained = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None
             )
-        if overlap:
-            self.averager = OverlappedAverager(ranks.world_size, self.model)
-            self.forward = regional_forward(
-                self.model, self.averager, device, self.options, cfg.train.compile
-            )
-        else:
-            self.forward = (
-                compiled_forward(trained, device, self.options) if cfg.train.compile else trained
-            )
+        self.forward = (
+            compiled_forward(trained, device, self.options) if cfg.train.compile else trained
+        )
         adamw = build_optimizer(self.model, cfg.train, device)
         self.start_step = 0
         self.tokens_seen = 0  # by the run's checkpoint: its steps may have run on other ranks

@@ -14,7 +14,8 @@ import pytest
 
 import gpuflow.data.prepare as prepare_module
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.corpus import resolve_corpus_files
+from gpuflow.data.formats import resolve_inputs
+from gpuflow.data.pieces import PIECE_CHARS, held_out
 from gpuflow.data.prepare import PrepareConfig, PrepareSummary, prepare
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer import EOT, load_tokenizer, train_tokenizer
@@ -44,11 +45,14 @@ def test_prepared_folder_matches_the_corpus(prepared, small_corpus):
     train = np.concatenate([s.tokens for s in folder.train])
     val = np.concatenate([s.tokens for s in folder.val])
     eot = tokenizer.token_to_id(EOT)
-    # Every document starts with EOT; 1 in 20 documents is held out for validation.
+    # Every document starts with EOT; a document is held out by a hash of its text.
     assert train[0] == eot and val[0] == eot
     n_train_docs, n_val_docs = int((train == eot).sum()), int((val == eot).sum())
     assert n_train_docs + n_val_docs == meta["documents"]
-    assert n_val_docs == meta["documents"] // 20
+    assert 0 < n_val_docs < meta["documents"] // 5
+    for split, held in ((train, False), (val, True)):
+        for doc in np.split(split, np.flatnonzero(split == eot)[1:]):
+            assert held_out(tokenizer.decode(doc[1:].tolist()), 0.05) is held
     assert int(max(train.max(), val.max())) == meta["max_token"] < meta["vocab_size"]
     # The first document decodes back to the first file's text.
     second_eot = int(np.flatnonzero(train == eot)[1])
@@ -86,7 +90,8 @@ def test_small_shards_and_a_reused_tokenizer(tmp_path, prepared, small_corpus):
         np.concatenate([s.tokens for s in resharded.train]),
         np.concatenate([s.tokens for s in original.train]),
     )
-    assert all(s.n_tokens == 5000 for s in resharded.train[:-1])
+    # A shard closes at the end of the first piece that takes it past 5000 tokens.
+    assert all(5000 <= s.n_tokens < 5000 + PIECE_CHARS for s in resharded.train[:-1])
 
 
 def test_existing_output_is_kept_without_force(tmp_path, small_corpus, prepared):
@@ -224,7 +229,7 @@ def test_progress_counts_source_bytes_to_exactly_its_total(tmp_path, small_corpu
     monkeypatch.setattr(prepare_module, "progress_bar", recording_progress_bar)
     prepare(PrepareConfig(data=(str(small_corpus),), out=str(tmp_path / "out"), vocab_size=300))
     (task,) = bars[0].tasks
-    on_disk = sum(p.stat().st_size for p in resolve_corpus_files([small_corpus]))
+    on_disk = sum(i.size() for i in resolve_inputs([small_corpus]))
     assert task.total == task.completed == on_disk
 
 

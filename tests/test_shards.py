@@ -89,16 +89,33 @@ def test_truncated_body_and_header_are_refused(tmp_path):
         Shard.open(path)
 
 
-def test_writer_splits_into_fixed_size_shards(tmp_path):
+def test_writer_streams_shards_closed_where_the_caller_finishes_them(tmp_path):
     writer = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=1024)
     stream = np.arange(2500, dtype=np.uint16)
-    writer.add(stream[:700])
-    writer.add(stream[700:])
+    for start in range(0, 2500, 300):  # pieces of 300: a shard closes once one fills it
+        writer.add(stream[start : start + 300])
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("train")) == [
+            p.name for p in writer.paths
+        ]  # the open shard is a hidden temporary until finished
+        if writer.full:
+            writer.finish()
     paths = writer.close()
     assert [p.name for p in paths] == ["train_000000.bin", "train_000001.bin", "train_000002.bin"]
-    sizes = [Shard.open(p).n_tokens for p in paths]
-    assert sizes == [1024, 1024, 452]
+    assert [Shard.open(p).n_tokens for p in paths] == [1200, 1200, 100]
     np.testing.assert_array_equal(np.concatenate([Shard.open(p).tokens for p in paths]), stream)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in paths]
+
+
+def test_the_tail_comes_from_the_open_shard_or_else_the_last_finished_one(tmp_path):
+    writer = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=10)
+    writer.add(np.arange(12, dtype=np.uint16))
+    writer.finish()
+    writer.add(np.arange(12, 15, dtype=np.uint16))
+    np.testing.assert_array_equal(writer.take_tail(5), [12, 13, 14])  # the open shard's, all
+    np.testing.assert_array_equal(writer.take_tail(4), [8, 9, 10, 11])  # then the last shard's
+    (path,) = writer.close()
+    np.testing.assert_array_equal(Shard.open(path).tokens, np.arange(8))
+    assert writer.total_tokens == 8 and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):

@@ -1,26 +1,20 @@
-"""Where training text comes from: the user's files, or the documentation inside Python itself.
+"""The built-in corpus: the documentation inside Python itself.
 
-User corpora are ``.txt`` and ``.md`` files (one document each), ``.jsonl`` files (one
-document per line, in its ``text`` field), and folders of them. The default corpus needs no
-download and no file in this repository: it is built at run time from the standard
-library's documentation topics (``pydoc_data``) and the docstrings of its modules, read
-from source with ``ast`` so that no module is imported.
+It needs no download and no file in this repository: it is built at run time from the
+standard library's documentation topics (``pydoc_data``) and the docstrings of its modules,
+read from source with ``ast`` so that no module is imported. (The user's corpora are read
+by ``gpuflow.data.formats``.)
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpuflow.common.errors import GpuflowError
-
-TEXT_SUFFIXES = (".txt", ".md")
-JSONL_SUFFIXES = (".jsonl",)
-CORPUS_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
 
 # Parts of the standard library that are tests, demos or vendored trees rather than
 # documented modules.
@@ -49,112 +43,6 @@ class Document:
     # Source bytes this document accounts for; a corpus's documents sum to its size on disk,
     # so progress counted in them ends exactly at the total.
     size: int
-
-
-def resolve_corpus_files(paths: list[str | Path]) -> list[Path]:
-    """Expand folders and check every file before anything is read or written."""
-    if not paths:
-        raise GpuflowError(
-            "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
-        )
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists():
-            raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
-        if path.is_dir():
-            found = sorted(
-                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in CORPUS_SUFFIXES
-            )
-            if not found:
-                raise GpuflowError(
-                    f"folder {path} holds no {', '.join(CORPUS_SUFFIXES)} files; "
-                    "point --data at the text files"
-                )
-            files.extend(found)
-        elif path.suffix.lower() in CORPUS_SUFFIXES:
-            files.append(path)
-        else:
-            raise GpuflowError(
-                f"corpus file {path} has an unsupported type {path.suffix or '(none)'}; "
-                f"use {', '.join(CORPUS_SUFFIXES)} files"
-            )
-    for path in files:
-        if path.stat().st_size == 0:
-            raise GpuflowError(f"corpus file {path} is empty; remove it or add text to it")
-    return files
-
-
-def _read_utf8(path: Path) -> tuple[str, int]:
-    """The file's text without a byte-order mark, and its size in bytes."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise GpuflowError(
-            f"corpus file {path} is not UTF-8 text (bad byte at offset {exc.start}); "
-            "convert it to UTF-8 or leave it out"
-        ) from None
-    if "\x00" in text:
-        raise GpuflowError(
-            f"corpus file {path} is binary (it contains NUL bytes); pass only text files"
-        )
-    if not text.strip():
-        raise GpuflowError(f"corpus file {path} holds only whitespace; remove it or add text")
-    return text.removeprefix("\ufeff"), len(data)
-
-
-def _jsonl_lines(text: str) -> Iterator[tuple[str, int]]:
-    """Lines split at newlines only (JSON strings may hold U+2028 and other line breaks
-    that ``str.splitlines`` would cut at), each with its UTF-8 size including the newline."""
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start)
-        end = len(text) if end < 0 else end + 1
-        line = text[start:end]
-        yield line, len(line.encode("utf-8"))
-        start = end
-
-
-def _jsonl_documents(path: Path, text: str, size: int) -> Iterator[Document]:
-    held: Document | None = None  # yielded once the next one is found: the last takes the rest
-    pending = 0  # bytes of the lines read since the last document
-    yielded = 0
-    for line_no, (line, line_bytes) in enumerate(_jsonl_lines(text), start=1):
-        pending += line_bytes
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise GpuflowError(
-                f"{path}:{line_no} is not valid JSON ({exc.msg}); each line must be one object"
-            ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise GpuflowError(
-                f"{path}:{line_no} has no string field 'text'; each line must look like "
-                '{"text": "..."}'
-            )
-        if record["text"].strip():
-            if held is not None:
-                yield held
-                yielded += held.size
-            held, pending = Document(f"{path}:{line_no}", record["text"], pending), 0
-    if held is None:
-        raise GpuflowError(f"corpus file {path} has no non-empty 'text' field on any line")
-    # Skipped lines count towards the next document and the last one takes what remains (a
-    # byte-order mark, trailing blank lines), so the file's documents sum to its size.
-    yield Document(held.source, held.text, size - yielded)
-
-
-def iter_documents(files: list[Path]) -> Iterator[Document]:
-    """Documents in a fixed order: files as given (folders sorted), lines in file order."""
-    for path in files:
-        text, size = _read_utf8(path)
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            yield from _jsonl_documents(path, text, size)
-        else:
-            yield Document(str(path), text, size)
 
 
 def _builtin_document(source: str, text: str) -> Document:

@@ -1,16 +1,30 @@
-"""Corpus -> tokenizer -> train/val token shards, built in a staging folder and renamed into place.
+"""Corpus -> tokenizer -> train/val token shards, streamed in bounded memory on every core.
 
-    gpuflow prepare                           # the built-in corpus, 16000-token BPE
+    gpuflow prepare                                        # the built-in corpus
     gpuflow prepare --data books/ --vocab-size 32000 --out data/books
+    gpuflow prepare --data stories.txt --separator '<|endoftext|>' --tokenizer gpt2
+    gpuflow prepare --data more/ --out data/books --append
 
-The output folder holds ``tokenizer.json``, ``train_000000.bin``..., ``val_000000.bin``... and
-``meta.json``. It appears only when complete: a failure part-way leaves the old folder (or
-none) and no partial files. ``--force`` replaces only a folder that ``prepare`` wrote and that
-holds nothing else, so a mistyped ``--out`` cannot delete the user's own files.
+The corpus is read in bounded parts (``gpuflow.data.formats``), documents are cut into pieces
+where their tokens cannot change (``gpuflow.data.pieces``), pieces are encoded on every core
+in order (``gpuflow.data.encode``) and their tokens streamed into shard files: memory does
+not grow with the corpus or with a document, and the output holds the same bytes whatever
+the number of cores. Unless one is given, the tokenizer is trained on a sample drawn evenly
+from the corpus (``sample_mb``). A document is held out for validation by a hash of its text.
+
+The output folder holds tokenizer.json, train_000000.bin..., val_000000.bin... and meta.json,
+and appears only when complete: everything is written in a staging folder beside it and
+renamed into place at the end. An interrupted run (Ctrl-C, a kill, a reboot) leaves the
+staging folder with its finished shards and ``progress.json``; the same command continues
+from there. ``force`` replaces only a folder that ``prepare`` wrote and that holds nothing
+else, so a mistyped ``--out`` cannot delete the user's own files; ``append`` adds the
+documents of new inputs to a token folder, with its own tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
 import re
@@ -18,23 +32,31 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from rich.progress import DownloadColumn, TransferSpeedColumn
+from rich.progress import DownloadColumn, TextColumn, TransferSpeedColumn
+from tokenizers import Tokenizer
 
 from gpuflow.common.atomic import fsync_dir, write_text_atomic
 from gpuflow.common.console import err_console, progress_bar
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.corpus import Document, default_corpus, iter_documents, resolve_corpus_files
-from gpuflow.data.shards import ShardWriter, token_dtype_for
+from gpuflow.data.corpus import default_corpus
+from gpuflow.data.encode import ParallelEncoder, usable_cores
+from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.pieces import PIECE_CHARS, Cutter, Pieces
+from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
 
 META_FORMAT = "gpuflow-tokens-1"
 DEFAULT_VOCAB = 16000
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
-ENCODE_BATCH_CHARS = 4 << 20  # characters handed to the tokenizer's thread pool at once
+DEFAULT_SAMPLE_MB = 200  # text a tokenizer is trained on, drawn evenly from the corpus
+# Below this many bytes a corpus is encoded in this process: starting workers would cost more.
+POOL_MIN_BYTES = 16 << 20
+PROGRESS_FILE = "progress.json"
 
 
 @dataclass(frozen=True)
@@ -42,10 +64,15 @@ class PrepareConfig:
     data: tuple[str, ...] = ()  # empty: the built-in corpus
     out: str = ""  # empty: data/<corpus>-v<vocab>
     vocab_size: int = DEFAULT_VOCAB
-    tokenizer: str = ""  # a tokenizer.json to reuse instead of training one
+    tokenizer: str = ""  # a tokenizer.json, a folder holding one or a hub name: not trained
     val_fraction: float = 0.05
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     force: bool = False
+    append: bool = False  # add to the token folder ``out``, with its tokenizer
+    separator: str | None = None  # text files: documents between these (None: one per file)
+    text_field: str = "text"  # JSON lines, Parquet, datasets
+    sample_mb: float = DEFAULT_SAMPLE_MB
+    workers: int = 0  # 0: every usable core
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction <= 0.5:
@@ -54,12 +81,29 @@ class PrepareConfig:
             raise GpuflowError(f"--shard-tokens must be at least 1024, got {self.shard_tokens}")
         if not 257 <= self.vocab_size <= 1 << 32:
             raise GpuflowError(f"--vocab-size must be between 257 and 2**32, got {self.vocab_size}")
+        if not self.sample_mb > 0:
+            raise GpuflowError(f"--tokenizer-sample-mb must be positive, got {self.sample_mb}")
+        if self.workers < 0:
+            raise GpuflowError(f"--workers must be >= 0 (0: every core), got {self.workers}")
+        if self.append and (self.force or not self.out or not self.data):
+            raise GpuflowError(
+                "--append adds --data to the token folder named by --out (and never with --force)"
+            )
+        ReadOptions(self.separator, self.text_field)  # validates them
 
     @property
     def out_dir(self) -> Path:
         if self.out:
             return Path(self.out)
-        return default_data_dir(self.vocab_size, Path(self.data[0]).stem if self.data else "stdlib")
+        name = "stdlib"
+        if self.data:
+            first = Path(self.data[0])
+            name = "stdin" if self.data[0] == "-" else first.name.split(".")[0] or "corpus"
+        return default_data_dir(self.vocab_size, name)
+
+    @property
+    def read_options(self) -> ReadOptions:
+        return ReadOptions(self.separator, self.text_field)
 
 
 def default_data_dir(vocab_size: int, corpus_name: str = "stdlib") -> Path:
@@ -76,6 +120,8 @@ class PrepareSummary:
     val_shards: int
     vocab_size: int
     seconds: float
+    forced_cuts: int = 0
+    appended: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,122 +130,434 @@ class PrepareSummary:
     def describe(self) -> str:
         """One line for the terminal: what was written, how much, how fast."""
         documents = "document" if self.documents == 1 else "documents"
+        verb = "appended to" if self.appended else "prepared"
+        cuts = ""
+        if self.forced_cuts:
+            cuts = (
+                f"; {self.forced_cuts:,} cut{'s' if self.forced_cuts > 1 else ''} inside runs of "
+                f"{PIECE_CHARS:,} characters with no space or newline may have changed a token"
+            )
         return (
-            f"prepared {self.out_dir}: {self.documents:,} {documents}, {self.train_tokens:,} "
+            f"{verb} {self.out_dir}: {self.documents:,} {documents}, {self.train_tokens:,} "
             f"train + {self.val_tokens:,} val tokens in {self.train_shards} + {self.val_shards} "
             f"shards, vocab {self.vocab_size:,}, {self.seconds:.1f} s "
-            f"({self.tokens_per_s:,.0f} tokens/s)"
+            f"({self.tokens_per_s:,.0f} tokens/s){cuts}"
         )
+
+
+# ---- the corpus -------------------------------------------------------------------------
 
 
 class _Corpus:
-    """The documents to tokenize, readable more than once (tokenizer training, then encoding)."""
+    """The documents to tokenize as parts: the user's inputs, or the built-in corpus."""
 
-    def __init__(self, paths: tuple[str, ...]) -> None:
-        # total_bytes is the sum of the documents' sizes: the source bytes they are read from.
-        if paths:
-            self.files = resolve_corpus_files(list(paths))
-            self._documents: list[Document] | None = None
-            self.total_bytes = sum(p.stat().st_size for p in self.files)
-            self.description = ", ".join(str(p) for p in paths)
+    def __init__(self, paths: tuple[str, ...], options: ReadOptions) -> None:
+        self.options = options
+        self.inputs: list[Input] = resolve_inputs(list(paths)) if paths else []
+        if self.inputs:
+            sizes = [i.size() for i in self.inputs]
+            self.total_bytes = None if None in sizes else sum(s for s in sizes if s is not None)
+            self.description = ", ".join(paths)
+            self._builtin = None
         else:
-            self.files = []
-            self._documents = default_corpus()
-            self.total_bytes = sum(d.size for d in self._documents)
+            self._builtin = default_corpus()
+            self.total_bytes = sum(d.size for d in self._builtin)
             self.description = f"built-in (Python {sys.version.split()[0]} docs and docstrings)"
+        self._stdin_head: list[Part] = []  # standard input read while sampling, given again
+        self._stdin_rest: Iterator[Part] | None = None
 
-    def documents(self) -> Iterator[Document]:
-        if self._documents is not None:
-            return iter(self._documents)
-        return iter_documents(self.files)
+    @property
+    def rereadable(self) -> bool:
+        return all(i.path is not None for i in self.inputs)
+
+    def identity(self) -> list[Any]:
+        if self._builtin is not None:
+            return ["builtin", sys.version.split()[0], self.total_bytes]
+        return [i.identity() for i in self.inputs]
+
+    def parts(self) -> Iterator[Part]:
+        if self._builtin is not None:
+            yield from (Part(d.text, True, d.size) for d in self._builtin)
+            return
+        for inp in self.inputs:
+            if inp.path is None:
+                yield from self._stdin_head
+                self._stdin_head = []
+                yield from self._stdin_parts(inp)
+            else:
+                yield from read_parts(inp, self.options)
+
+    def _stdin_parts(self, inp: Input) -> Iterator[Part]:
+        if self._stdin_rest is None:
+            self._stdin_rest = read_parts(inp, self.options)
+        return self._stdin_rest
+
+    def sample(self, chars: int) -> Iterator[str]:
+        """About ``chars`` characters of text drawn evenly from the corpus (standard input:
+        its first ``chars``, held to be encoded later). Every input is read through, so a
+        bad file is found before anything is written."""
+        if not self.rereadable:
+            stdin = next(i for i in self.inputs if i.path is None)
+            taken = 0
+            for part in self._stdin_parts(stdin):
+                self._stdin_head.append(part)
+                taken += len(part.text)
+                yield part.text
+                if taken >= chars:
+                    return
+            return
+        # Error diffusion over the parts: a part is taken when the credit its share of the
+        # sample has built up allows, so what is taken spreads evenly over the corpus. The
+        # corpus's size in characters is estimated from what has been read (compressed
+        # inputs hold several characters per byte on disk).
+        total = self.total_bytes or 1
+        credit, seen_bytes, seen_chars = 0.0, 0, 0
+        for part in self.parts():
+            seen_bytes, seen_chars = seen_bytes + part.size, seen_chars + len(part.text)
+            expected = max(chars, total * seen_chars / max(seen_bytes, 1))
+            credit += len(part.text) * chars / expected
+            if part.text and credit > 0:
+                credit -= len(part.text)
+                yield part.text
 
 
-def _text_batches(documents: Iterator[Document]) -> Iterator[tuple[list[str], int]]:
-    """Documents grouped into batches of about ``ENCODE_BATCH_CHARS``, with their source bytes."""
-    batch: list[str] = []
-    chars = size = 0
-    for doc in documents:
-        batch.append(doc.text)
-        chars += len(doc.text)
-        size += doc.size
-        if chars >= ENCODE_BATCH_CHARS:
-            yield batch, size
-            batch, chars, size = [], 0, 0
-    if batch:
-        yield batch, size
+# ---- the run ----------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    """Where the encoding stands: written to ``progress.json`` at every finished shard."""
+
+    fingerprint: str
+    pieces: int = 0
+    documents: int = 0
+    max_token: int = -1
+    forced_cuts: int = 0
+    train_shards: int = 0
+    train_tokens: int = 0
+    val_shards: int = 0
+    val_tokens: int = 0
+
+    def save(self, stage: Path) -> None:
+        write_text_atomic(stage / PROGRESS_FILE, json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, stage: Path) -> _State | None:
+        try:
+            return cls(**json.loads((stage / PROGRESS_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
 
 
 def prepare(config: PrepareConfig) -> PrepareSummary:
-    """Build the token folder ``config.out_dir``; see the module docstring."""
+    """Build the token folder ``config.out_dir`` (or add to it); see the module docstring."""
     started = time.perf_counter()
     out_dir = config.out_dir
-    _clean_leftovers(out_dir)
-    _check_replaceable(out_dir, config.force)  # before any work, so a refusal is immediate
-    corpus = _Corpus(config.data)  # validates every input file before anything is written
-
-    if config.tokenizer:
-        tokenizer = load_tokenizer(config.tokenizer)
-    else:
-        with err_console.status(f"training a {config.vocab_size}-token byte-level BPE..."):
-            tokenizer = train_tokenizer((d.text for d in corpus.documents()), config.vocab_size)
-    vocab_size = tokenizer.get_vocab_size()
-    eot = eot_id(tokenizer)
-    dtype = token_dtype_for(vocab_size)
-
+    existing = _appendable(out_dir, config) if config.append else None
+    if not config.append:
+        _check_replaceable(out_dir, config.force)  # before any work, so a refusal is immediate
+    corpus = _Corpus(config.data, config.read_options)  # every input checked before writing
+    if existing is not None:
+        _refuse_repeats(corpus, existing, out_dir)
+    fingerprint = _fingerprint(config, corpus, existing)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = _sibling(out_dir, "staging", os.getpid())
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir()
+    state = _resume(out_dir, stage, fingerprint) if fingerprint else None
+    _clean_leftovers(out_dir)
+    if state is None:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
+        state = _State(fingerprint or "")
+    keep_stage = False
     try:
-        train = ShardWriter(stage, "train", dtype, config.shard_tokens)
-        val = ShardWriter(stage, "val", dtype, config.shard_tokens)
-        every = max(2, round(1 / config.val_fraction))
-        n_docs = 0
-        max_token = -1
-        progress = progress_bar(TransferSpeedColumn(), counter=DownloadColumn())
-        with progress:
-            task = progress.add_task("tokenizing", total=corpus.total_bytes)
-            for texts, size in _text_batches(corpus.documents()):
-                for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
-                    ids = np.asarray([eot, *encoding.ids], dtype=dtype)
-                    max_token = max(max_token, int(ids.max()))
-                    # Every k-th document is held out, so val text is disjoint from train text.
-                    (val if n_docs % every == every - 1 else train).add(ids)
-                    n_docs += 1
-                progress.advance(task, size)
-        if val.total_tokens == 0:
-            # Too few documents to hold one out (say, a single book): hold out the tail.
-            val.add(train.take_tail(max(1, int(train.total_tokens * config.val_fraction))))
-        train_paths, val_paths = train.close(), val.close()
-        if not train_paths:
+        tokenizer = _tokenizer(config, corpus, stage, existing)
+        summary = _encode(config, corpus, tokenizer, stage, state, existing, started)
+        if existing is not None:
+            _merge_into(stage, out_dir, summary, corpus, existing)
+            summary = replace(summary, appended=True)
+        else:
+            _write_meta(stage, summary, corpus, config, state, tokenizer)
+            _check_replaceable(out_dir, config.force)  # again: the folder may have changed
+            _swap_into_place(stage, out_dir)
+    except KeyboardInterrupt:
+        keep_stage = fingerprint is not None and state.train_shards + state.val_shards > 0
+        if keep_stage:
+            _note(
+                f"interrupted: {state.train_shards + state.val_shards} finished shards are kept "
+                f"in {stage}; run the same command again to continue from them"
+            )
+        raise
+    finally:
+        if not keep_stage:
+            shutil.rmtree(stage, ignore_errors=True)
+    return summary
+
+
+def _tokenizer(
+    config: PrepareConfig, corpus: _Corpus, stage: Path, existing: dict | None
+) -> Tokenizer:
+    """The folder's own (appending), one kept by an interrupted run, the one given, or one
+    trained on a sample of the corpus; saved in the staging folder."""
+    kept = stage / "tokenizer.json"
+    if existing is not None:
+        tokenizer = load_tokenizer(config.out_dir / "tokenizer.json")
+    elif kept.is_file():
+        tokenizer = load_tokenizer(kept)
+    elif config.tokenizer:
+        tokenizer = load_tokenizer(config.tokenizer)
+    else:
+        chars = int(config.sample_mb * 1e6)
+        what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
+            f"a {config.sample_mb:g} MB sample of the corpus"
+        )  # fmt: skip
+        with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
+            tokenizer = train_tokenizer(corpus.sample(chars), config.vocab_size)
+    tokenizer.save(str(kept))
+    return tokenizer
+
+
+def _encode(
+    config: PrepareConfig, corpus: _Corpus, tokenizer: Tokenizer, stage: Path, state: _State,
+    existing: dict | None, started: float,
+) -> PrepareSummary:  # fmt: skip
+    """Encode the corpus into shards in ``stage``, continuing from ``state``."""
+    vocab_size = tokenizer.get_vocab_size()
+    eot = np.array([eot_id(tokenizer)], dtype=token_dtype_for(vocab_size))
+    dtype = eot.dtype
+    base = existing or {"train_shards": 0, "val_shards": 0}
+    writers = {
+        split: ShardWriter(
+            stage,
+            split,
+            dtype,
+            config.shard_tokens,
+            first_index=base[f"{split}_shards"] + getattr(state, f"{split}_shards"),
+            existing=sorted(stage.glob(f"{split}_*.bin")),
+        )
+        for split in ("train", "val")
+    }
+    pieces = Pieces(Cutter(tokenizer), config.val_fraction)
+    stream = pieces(corpus.parts())
+    big = corpus.total_bytes is None or corpus.total_bytes >= POOL_MIN_BYTES
+    workers = config.workers or (usable_cores() if big else 1)
+    tokens = state.train_tokens + state.val_tokens
+    speed = _Speed(tokens)
+    progress = progress_bar(TransferSpeedColumn(), TextColumn("{task.fields[speed]}"),
+                            counter=DownloadColumn())  # fmt: skip
+    try:
+        with progress, ParallelEncoder(tokenizer, dtype, workers) as encoder:
+            task = progress.add_task("tokenizing", total=corpus.total_bytes, speed="")
+            for piece in itertools.islice(stream, state.pieces):  # finished before
+                progress.advance(task, piece.size)
+            pieces.forced_cuts = state.forced_cuts  # those cuts were counted then
+            for piece, ids in encoder.encode(stream):
+                writer = writers["val" if piece.val else "train"]
+                if piece.starts_document:
+                    writer.add(eot)
+                    state.documents += 1
+                writer.add(ids)
+                state.pieces += 1
+                if ids.size:
+                    state.max_token = max(state.max_token, int(ids.max()))
+                tokens += ids.size + piece.starts_document
+                progress.update(task, advance=piece.size, speed=speed(tokens))
+                if writers["train"].full or writers["val"].full:
+                    _checkpoint(writers, state, pieces, stage)
+        state.max_token = max(state.max_token, int(eot[0]) if state.documents else -1)
+        for writer in writers.values():
+            writer.finish()
+        if existing is None:
+            writers = _hold_out_a_tail(writers, stage, config, dtype)
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    train, val = writers["train"].close(), writers["val"].close()
+    train_tokens = sum(Shard.open(p).n_tokens for p in train)
+    val_tokens = sum(Shard.open(p).n_tokens for p in val)
+    if existing is None and (not train_tokens or not val_tokens):
+        raise GpuflowError(
+            "the corpus is too small to split into train and val text; add more text"
+        )
+    return PrepareSummary(
+        out_dir=str(config.out_dir),
+        documents=state.documents,
+        train_tokens=train_tokens,
+        val_tokens=val_tokens,
+        train_shards=len(train),
+        val_shards=len(val),
+        vocab_size=vocab_size,
+        seconds=time.perf_counter() - started,
+        forced_cuts=pieces.forced_cuts,
+    )
+
+
+class _Speed:
+    """Tokens per second since the run started, for the progress line."""
+
+    def __init__(self, tokens: int) -> None:
+        self.start, self.tokens = time.perf_counter(), tokens
+
+    def __call__(self, tokens: int) -> str:
+        elapsed = time.perf_counter() - self.start
+        return f"{(tokens - self.tokens) / elapsed / 1e6:.2f}M tok/s" if elapsed > 1 else ""
+
+
+def _checkpoint(
+    writers: dict[str, ShardWriter], state: _State, pieces: Pieces, stage: Path
+) -> None:
+    """Finish both open shards (at a piece boundary) and record where the run stands."""
+    for split, writer in writers.items():
+        if writer.finish() is not None:
+            setattr(state, f"{split}_shards", getattr(state, f"{split}_shards") + 1)
+        setattr(state, f"{split}_tokens", getattr(state, f"{split}_tokens") + writer.total_tokens)
+        writer.total_tokens = 0
+    state.forced_cuts = pieces.forced_cuts
+    state.save(stage)
+
+
+def _hold_out_a_tail(
+    writers: dict[str, ShardWriter], stage: Path, config: PrepareConfig, dtype: np.dtype
+) -> dict[str, ShardWriter]:
+    """Too few documents for the hash to hold one out (a single book): hold out the tail of
+    the train text instead. Every document hashed to val: that text becomes the train text
+    first. Returns the writers (new ones where the splits were swapped)."""
+    tokens = {k: sum(Shard.open(p).n_tokens for p in w.paths) for k, w in writers.items()}
+    if not tokens["train"] and tokens["val"]:
+        renamed = []
+        for path in writers["val"].paths:
+            renamed.append(path.with_name("train" + path.name.removeprefix("val")))
+            os.replace(path, renamed[-1])
+        writers = {
+            "train": ShardWriter(stage, "train", dtype, config.shard_tokens,
+                                 first_index=len(renamed), existing=renamed),
+            "val": ShardWriter(stage, "val", dtype, config.shard_tokens),
+        }  # fmt: skip
+        tokens = {"train": tokens["val"], "val": 0}
+    if not tokens["val"] and tokens["train"] > 1:
+        writers["val"].add(
+            writers["train"].take_tail(max(1, int(tokens["train"] * config.val_fraction)))
+        )
+    return writers
+
+
+# ---- resuming an interrupted run ----------------------------------------------------------
+
+
+def _fingerprint(config: PrepareConfig, corpus: _Corpus, existing: dict | None) -> str | None:
+    """What the output depends on; None where the corpus cannot be read again (stdin)."""
+    if not corpus.rereadable:
+        return None
+    given = config.tokenizer
+    if given and Path(given).exists():
+        path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
+        given = hashlib.sha256(path.read_bytes()).hexdigest()
+    record = {
+        "inputs": corpus.identity(),
+        "tokenizer": given,
+        "appending_to": existing,
+        "piece_chars": PIECE_CHARS,
+        **{k: v for k, v in asdict(config).items() if k not in ("force", "workers", "tokenizer")},
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _resume(out_dir: Path, stage: Path, fingerprint: str) -> _State | None:
+    """Take over the staging folder of an interrupted run of the same command, if any."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.staging-(\d+)")
+    if not out_dir.parent.is_dir():
+        return None
+    for entry in sorted(out_dir.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink() or _pid_is_running(int(match[1])):
+            continue
+        state = _State.load(entry)
+        if state is None or state.fingerprint != fingerprint:
+            continue
+        os.replace(entry, stage)
+        for temporary in stage.glob(".*.tmp-*"):  # the shards that were open when it stopped
+            temporary.unlink()
+        _note(
+            f"continuing the interrupted prepare of {out_dir} after its "
+            f"{state.train_shards + state.val_shards} finished shards"
+        )
+        return state
+    return None
+
+
+# ---- appending ----------------------------------------------------------------------------
+
+
+def _appendable(out_dir: Path, config: PrepareConfig) -> dict:
+    """The meta.json of the token folder ``--append`` adds to."""
+    if not is_token_folder(out_dir):
+        raise GpuflowError(
+            f"{out_dir} is not a token folder that gpuflow prepare wrote; --append adds to one"
+        )
+    if config.tokenizer:
+        raise GpuflowError(
+            "--append encodes with the folder's own tokenizer: leave --tokenizer out"
+        )
+    meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    meta["train_shards"] = _next_index(out_dir, "train")
+    meta["val_shards"] = _next_index(out_dir, "val")
+    return meta
+
+
+def _next_index(folder: Path, split: str) -> int:
+    indices = [int(p.stem.split("_")[-1]) for p in folder.glob(f"{split}_*.bin")]
+    return max(indices) + 1 if indices else 0
+
+
+def _refuse_repeats(corpus: _Corpus, meta: dict, out_dir: Path) -> None:
+    known = {json.dumps(i, sort_keys=True) for i in meta.get("inputs", []) if i}
+    for inp, identity in zip(corpus.inputs, corpus.identity(), strict=True):
+        if identity is not None and json.dumps(identity, sort_keys=True) in known:
             raise GpuflowError(
-                "the corpus is too small to split into train and val text; add more text"
+                f"{inp.name} is already in {out_dir} (the same file, unchanged); leave it out"
             )
 
-        tokenizer.save(str(stage / "tokenizer.json"))
-        summary = PrepareSummary(
-            out_dir=str(out_dir),
-            documents=n_docs,
-            train_tokens=train.total_tokens,
-            val_tokens=val.total_tokens,
-            train_shards=len(train_paths),
-            val_shards=len(val_paths),
-            vocab_size=vocab_size,
-            seconds=time.perf_counter() - started,
-        )
-        meta = {
-            "format": META_FORMAT,
-            "source": corpus.description,
-            "token_dtype": dtype.name,
-            "max_token": max_token,
-            **asdict(summary),
-        }
-        write_text_atomic(stage / "meta.json", json.dumps(meta, indent=2) + "\n")
-        _check_replaceable(out_dir, config.force)  # again: the folder may have changed meanwhile
-        _swap_into_place(stage, out_dir)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return summary
+
+def _merge_into(
+    stage: Path, out_dir: Path, summary: PrepareSummary, corpus: _Corpus, meta: dict
+) -> None:
+    """Move the new shards into the folder, then write its meta.json with them counted."""
+    for shard in sorted(stage.glob("*_*.bin")):
+        os.replace(shard, out_dir / shard.name)
+    fsync_dir(out_dir)
+    folder = [Shard.open(p) for p in sorted(out_dir.glob("*.bin"))]
+    train = [s for s in folder if s.path.name.startswith("train_")]
+    val = [s for s in folder if s.path.name.startswith("val_")]
+    meta.update(
+        documents=meta.get("documents", 0) + summary.documents,
+        train_tokens=sum(s.n_tokens for s in train),
+        val_tokens=sum(s.n_tokens for s in val),
+        train_shards=len(train),
+        val_shards=len(val),
+        max_token=max(s.max_token() for s in folder),
+        inputs=[*meta.get("inputs", []), *corpus.identity()],
+        source=f"{meta.get('source', '')}; {corpus.description}".strip("; "),
+    )
+    write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
+
+
+def _write_meta(
+    stage: Path, summary: PrepareSummary, corpus: _Corpus, config: PrepareConfig, state: _State,
+    tokenizer: Tokenizer,
+) -> None:  # fmt: skip
+    (stage / PROGRESS_FILE).unlink(missing_ok=True)
+    meta = {
+        "format": META_FORMAT,
+        "source": corpus.description,
+        "inputs": corpus.identity(),
+        "token_dtype": token_dtype_for(tokenizer.get_vocab_size()).name,
+        "max_token": state.max_token,
+        "separator": config.separator,
+        "text_field": config.text_field,
+        "val_fraction": config.val_fraction,
+        **{k: v for k, v in asdict(summary).items() if k != "appended"},
+    }
+    write_text_atomic(stage / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 def _swap_into_place(stage: Path, out_dir: Path) -> None:
@@ -218,7 +576,8 @@ def _swap_into_place(stage: Path, out_dir: Path) -> None:
 # The files prepare writes into a token folder; anything else in one belongs to someone else.
 _OWN_NAME = r"meta\.json|tokenizer\.json|(?:train|val)_\d{6,}\.bin"
 _OWN_FILE = re.compile(_OWN_NAME)
-_OWN_FILE_OR_TEMP = re.compile(rf"{_OWN_NAME}|\.(?:{_OWN_NAME})\.tmp-\d+")  # see atomic.py
+# ... and what its staging folders hold besides: temporaries (atomic.py, shards.py) and progress
+_OWN_FILE_OR_TEMP = re.compile(rf"{_OWN_NAME}|\.(?:{_OWN_NAME})\.tmp-\d+|progress\.json")
 
 
 def is_token_folder(path: Path) -> bool:
@@ -262,7 +621,8 @@ def _check_replaceable(out_dir: Path, force: bool) -> None:
         )
     if not force:
         raise GpuflowError(
-            f"{out_dir} already exists; pass --force to rebuild it or --out to write elsewhere"
+            f"{out_dir} already exists; pass --force to rebuild it, --append to add to it or "
+            "--out to write elsewhere"
         )
 
 
@@ -310,7 +670,8 @@ def _clean_leftovers(out_dir: Path) -> None:
     """Remove the work folders that runs killed while writing ``out_dir`` left beside it.
 
     Only ``.NAME.staging-PID`` and ``.NAME.old-PID`` folders whose process is gone are
-    touched, and only prepare's own files in them. A run killed between its two renames
+    touched, and only prepare's own files in them (a staging folder the current run can
+    continue from has been taken over before this). A run killed between its two renames
     leaves no ``out_dir`` and the previous one in ``.NAME.old-PID``: that one is put back.
     """
     if not out_dir.parent.is_dir():

@@ -12,12 +12,14 @@ Shards written by llm.c (``dev/data/data_common.py``) and modded-nanogpt load un
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from gpuflow.common.atomic import write_atomic
+from gpuflow.common.atomic import fsync_dir, write_atomic
 from gpuflow.common.errors import GpuflowError
 
 HEADER_INTS = 256
@@ -105,46 +107,102 @@ class Shard:
 
 
 class ShardWriter:
-    """Accumulates tokens and writes ``{prefix}_{index:06d}.bin`` shards of a fixed size."""
+    """Streams ``{prefix}_{index:06d}.bin`` shards into ``folder``: tokens go to the open
+    shard's file as they come, so no shard is ever held in memory, and ``finish`` makes it
+    whole (header, fsync, then renamed into place: a reader never sees a partial shard).
+    The caller finishes a shard once it is ``full``, at a boundary of its choosing."""
 
-    def __init__(self, folder: Path, prefix: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(
+        self, folder: Path, prefix: str, dtype: np.dtype, shard_tokens: int, first_index: int = 0,
+        existing: list[Path] | None = None,
+    ) -> None:  # fmt: skip
         if shard_tokens <= 0:
             raise GpuflowError(f"shard size must be positive, got {shard_tokens} tokens")
         self.folder = Path(folder)
         self.prefix = prefix
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
         self.shard_tokens = shard_tokens
-        self._buffer = np.empty(shard_tokens, dtype=self.dtype)
-        self._filled = 0
-        self.paths: list[Path] = []
-        self.total_tokens = 0
+        self.index = first_index  # of the open shard
+        self.paths: list[Path] = list(existing or [])  # finished (``existing``: earlier)
+        self.open_tokens = 0
+        self.total_tokens = 0  # added through this writer
+        self._file: BinaryIO | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.open_tokens >= self.shard_tokens
+
+    def _path(self, index: int) -> Path:
+        return self.folder / f"{self.prefix}_{index:06d}.bin"
+
+    def _temporary(self) -> Path:
+        final = self._path(self.index)
+        return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
     def add(self, tokens: np.ndarray) -> None:
-        tokens = np.asarray(tokens)
-        while tokens.size:
-            take = min(tokens.size, self.shard_tokens - self._filled)
-            self._buffer[self._filled : self._filled + take] = tokens[:take]
-            self._filled += take
-            self.total_tokens += take
-            tokens = tokens[take:]
-            if self._filled == self.shard_tokens:
-                self._flush()
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
+        if not tokens.size:
+            return
+        if self._file is None:
+            self._file = open(self._temporary(), "wb")  # noqa: SIM115 - closed by finish
+            self._file.write(bytes(HEADER_BYTES))  # the real header once the count is known
+        self._file.write(memoryview(tokens).cast("B"))
+        self.open_tokens += tokens.size
+        self.total_tokens += tokens.size
+
+    def finish(self) -> Path | None:
+        """Close the open shard, if it holds tokens; its path."""
+        if self._file is None:
+            return None
+        f, self._file = self._file, None
+        try:
+            f.seek(0)
+            f.write(_header_for(self.dtype, self.open_tokens).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        path = self._path(self.index)
+        os.replace(self._temporary(), path)
+        fsync_dir(self.folder)
+        self.paths.append(path)
+        self.index += 1
+        self.open_tokens = 0
+        return path
 
     def take_tail(self, n: int) -> np.ndarray:
-        """Remove and return up to ``n`` of the most recent tokens not yet written."""
-        n = min(n, self._filled)
-        tail = self._buffer[self._filled - n : self._filled].copy()
-        self._filled -= n
+        """Remove and return the last ``n`` tokens added (at most those of the open shard, or
+        of the last finished one when none is open)."""
+        if self._file is None:
+            if not self.paths:
+                return np.zeros(0, dtype=self.dtype)
+            last = self.paths.pop()  # finished: written again without its tail
+            self.index -= 1
+            tokens = np.array(Shard.open(last).tokens)
+            last.unlink()
+            self.total_tokens -= tokens.size
+            self.add(tokens)
+        n = min(n, self.open_tokens)
+        self._file.flush()
+        end = HEADER_BYTES + self.open_tokens * self.dtype.itemsize
+        start = end - n * self.dtype.itemsize
+        tail = np.fromfile(self._temporary(), dtype=self.dtype, count=n, offset=start)
+        self._file.seek(start)
+        self._file.truncate()
+        self.open_tokens -= n
         self.total_tokens -= n
+        if not self.open_tokens:
+            self.abandon()
         return tail
 
     def close(self) -> list[Path]:
-        if self._filled:
-            self._flush()
+        self.finish()
         return self.paths
 
-    def _flush(self) -> None:
-        path = self.folder / f"{self.prefix}_{len(self.paths):06d}.bin"
-        write_shard(path, self._buffer[: self._filled])
-        self.paths.append(path)
-        self._filled = 0
+    def abandon(self) -> None:
+        """Drop the open shard's partial file (after a failure)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._temporary().unlink(missing_ok=True)
+        self.open_tokens = 0

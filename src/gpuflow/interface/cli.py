@@ -23,6 +23,23 @@ from gpuflow.interface.commands import (
 )
 
 
+def add_corpus_arguments(p: argparse.ArgumentParser, data_help: str) -> None:
+    """--data and how its files hold documents: for prepare, and train on a raw corpus."""
+    p.add_argument("--data", nargs="+", metavar="PATH", help=data_help)
+    p.add_argument(
+        "--separator",
+        metavar="TEXT",
+        help="text files hold many documents, between these (\\n is a newline: '\\n\\n' "
+        "splits at blank lines; '<|endoftext|>'); default: one document per file",
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the field or column with the text in .jsonl, .parquet and datasets (default: text)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gpuflow.train.datapath import DataPath  # light: no torch
 
@@ -39,13 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token shards")
-    p.add_argument(
-        "--data",
-        nargs="+",
-        metavar="PATH",
-        help=".txt/.md/.jsonl files or folders of them (default: the built-in corpus "
-        "of Python's own documentation)",
-    )
+    add_corpus_arguments(p, data_help=(
+        ".txt/.md/.jsonl/.parquet files (maybe .gz/.bz2/.xz/.zst), folders, globs, datasets "
+        "saved with save_to_disk, or - for standard input (default: the built-in corpus of "
+        "Python's own documentation)"
+    ))  # fmt: skip
     p.add_argument("--out", help="output folder (default: data/<corpus>-v<vocab>)")
     p.add_argument(
         "--vocab-size",
@@ -54,19 +69,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="BPE vocabulary size to train (default: 16000)",
     )
     p.add_argument(
-        "--tokenizer", metavar="FILE", help="reuse this tokenizer.json instead of training one"
+        "--tokenizer",
+        metavar="FILE|DIR|NAME",
+        help="reuse a tokenizer instead of training one: a tokenizer.json, a folder holding "
+        "one, or a Hugging Face hub name such as gpt2 (fetched; needs a network)",
+    )
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=200,
+        metavar="MB",
+        help="MB of text, drawn evenly from the corpus, that the tokenizer is trained on "
+        "(default: 200; from standard input: the first that many MB)",
     )
     p.add_argument(
         "--val-fraction",
         type=float,
         default=0.05,
-        help="share of documents held out for validation (default: 0.05)",
+        help="share of documents held out for validation, by a hash of each (default: 0.05)",
     )
     p.add_argument(
         "--shard-tokens",
         type=int,
         default=100_000_000,
-        help="tokens per shard file (default: 100000000)",
+        help="tokens per shard file, at least (default: 100000000)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes that encode (default 0: every core; the output is the same bytes "
+        "whatever the number)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add the documents of --data to the token folder --out, with its tokenizer",
     )
     p.add_argument(
         "--force",

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
@@ -141,11 +142,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,
         force=args.force,
+        append=args.append,
+        separator=unescape(args.separator) if args.separator is not None else None,
+        text_field=args.text_field,
+        sample_mb=args.tokenizer_sample_mb,
+        workers=args.workers,
     )
     summary = prepare(config)
     out_console.print(summary.describe())
     out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
     return 0
+
+
+def unescape(text: str) -> str:
+    """``\\n``, ``\\r``, ``\\t`` and ``\\\\`` in a command-line argument, as a shell user
+    means them; everything else as it is (non-ASCII text included)."""
+    escapes = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\"}
+    return re.sub(r"\\([nrt\\])", lambda m: escapes[m[1]], text)
 
 
 # ---- train ----------------------------------------------------------------------------------

@@ -1,0 +1,493 @@
+"""Corpora as a stream of text parts, read in bounded blocks whatever their format.
+
+Inputs (``resolve_inputs``):
+- text (``.txt``, ``.md``): a file is one document, or, with a separator (``<|endoftext|>``,
+  a blank line...), the stretches of text between separators, stripped of the whitespace
+  around them, are. Read 1 MiB at a time: a document of any length streams through;
+- JSON lines (``.jsonl``): one document per line, in a chosen string field;
+- Parquet (``.parquet``, the ``parquet`` extra): one document per row of a string column,
+  read a batch of rows at a time;
+- each of the above compressed: ``.gz``, ``.bz2``, ``.xz``, ``.zst`` (the ``zstd`` extra),
+  the format named by the suffix before (``books.jsonl.zst``);
+- a dataset written by ``datasets``' ``save_to_disk`` (the ``datasets`` extra): a folder
+  holding ``dataset_info.json`` or ``dataset_dict.json``, its ``train`` split if it has splits;
+- folders (searched recursively, hidden entries skipped), globs (``'shards/*.jsonl.gz'``),
+  and ``-``: standard input, as text.
+
+``read_parts`` yields ``Part`` s: the text of one document comes in one or more consecutive
+parts, the first marked ``starts_document``; each part carries the source bytes read for it
+(compressed bytes for compressed files), so progress over a corpus ends at its size on disk.
+Bad input is a ``GpuflowError`` naming the file and, where it helps, the byte offset, line or
+row.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import glob
+import gzip
+import io
+import json
+import lzma
+import os
+import sys
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuflow.common.errors import GpuflowError
+
+READ_BYTES = 1 << 20  # one read of a text file: what a part of a long document holds at most
+KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+# What a dataset folder written by ``datasets``' save_to_disk holds.
+DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
+
+
+@dataclass(frozen=True)
+class Part:
+    text: str
+    starts_document: bool
+    size: int  # source bytes read for this part
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    separator: str | None = None  # text files: documents between these (None: one per file)
+    text_field: str = "text"  # JSON lines, Parquet and datasets: the column with the text
+
+    def __post_init__(self) -> None:
+        if self.separator is not None and not self.separator:
+            raise GpuflowError("--separator must not be empty; leave it out for one per file")
+        if not self.text_field:
+            raise GpuflowError("--text-field must name a field")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One corpus input: a file, a dataset folder, or standard input (``path`` None)."""
+
+    path: Path | None
+    kind: str  # text, jsonl, parquet, dataset
+    compression: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "-" if self.path is None else str(self.path)
+
+    def size(self) -> int | None:
+        """Bytes on disk (a dataset: its files'); None for standard input."""
+        if self.path is None:
+            return None
+        if self.kind == "dataset":
+            return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return self.path.stat().st_size
+
+    def identity(self) -> dict[str, Any] | None:
+        """What says the input has not changed (path, size, modification time); None for
+        standard input, which cannot be read again."""
+        if self.path is None:
+            return None
+        stat = self.path.stat()
+        return {"path": str(self.path.resolve()), "size": self.size(), "mtime_ns": stat.st_mtime_ns}
+
+
+# ---- finding the inputs -------------------------------------------------------------------
+
+
+def kind_of(path: Path) -> tuple[str | None, str | None]:
+    """(format, compression) from a file's suffixes; format None: not a corpus file."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    if compression:
+        suffixes = suffixes[:-1]
+    return (KINDS.get(suffixes[-1]) if suffixes else None), compression
+
+
+def is_dataset_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in DATASET_MARKERS)
+
+
+def _supported() -> str:
+    kinds = ", ".join(KINDS)
+    return f"{kinds} files (maybe {', '.join(COMPRESSIONS)}), dataset folders or -"
+
+
+def resolve_inputs(paths: Sequence[str | Path]) -> list[Input]:
+    """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
+    exist and be readable as its kind before anything is read or written."""
+    if not paths:
+        raise GpuflowError(
+            "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
+        )
+    inputs: list[Input] = []
+    for raw in paths:
+        if str(raw) == "-":
+            inputs.append(Input(None, "text"))
+            continue
+        path = Path(raw)
+        if not path.exists() and any(ch in str(raw) for ch in "*?["):
+            matched = sorted(Path(p) for p in glob.glob(str(raw), recursive=True))
+            if not matched:
+                raise GpuflowError(f"no file matches {raw}; check the --data pattern")
+            inputs.extend(_input_for(p, str(raw)) for p in matched if p.is_file())
+            continue
+        if not path.exists():
+            raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
+        if path.is_dir() and not is_dataset_folder(path):
+            inputs.extend(_folder_inputs(path))
+        else:
+            inputs.append(_input_for(path, str(raw)))
+    if sum(i.path is None for i in inputs) > 1:
+        raise GpuflowError("- (standard input) can be read once: name it once in --data")
+    for inp in inputs:
+        if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
+            raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
+    return inputs
+
+
+def _folder_inputs(folder: Path) -> list[Input]:
+    found: list[Input] = []
+    for entry in sorted(folder.rglob("*")):
+        relative = entry.relative_to(folder).parts
+        if any(part.startswith(".") for part in relative):
+            continue  # .git and the like
+        if is_dataset_folder(entry):
+            found.append(Input(entry, "dataset"))
+        elif entry.is_file() and kind_of(entry)[0] and not _inside_dataset(entry, folder):
+            found.append(_input_for(entry, str(entry)))
+    if not found:
+        raise GpuflowError(f"folder {folder} holds no {_supported()}; point --data at the text")
+    return found
+
+
+def _inside_dataset(entry: Path, root: Path) -> bool:
+    return any(is_dataset_folder(parent) for parent in entry.parents if parent.is_relative_to(root))
+
+
+def _input_for(path: Path, given: str) -> Input:
+    if is_dataset_folder(path):
+        return Input(path, "dataset")
+    kind, compression = kind_of(path)
+    if kind is None:
+        raise GpuflowError(
+            f"corpus file {given} has an unsupported type {''.join(path.suffixes) or '(none)'}; "
+            f"use {_supported()}"
+        )
+    if compression == "zstd":
+        _require("zstandard", "zstd", f"{given} is zstd-compressed")
+    if kind == "parquet":
+        _require("pyarrow", "parquet", f"{given} is a Parquet file")
+    if not os.access(path, os.R_OK):
+        raise GpuflowError(f"corpus file {given} is not readable; check its permissions")
+    return Input(path, kind, compression)
+
+
+def _require(module: str, extra: str, why: str) -> Any:
+    try:
+        return __import__(module)
+    except ImportError:
+        raise GpuflowError(f"{why}, which needs {module}: pip install 'gpuflow[{extra}]'") from None
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+
+def read_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
+    """``inp``'s documents as parts (see the module docstring)."""
+    if inp.kind == "parquet":
+        yield from _parquet_parts(inp, options)
+    elif inp.kind == "dataset":
+        yield from _dataset_parts(inp, options)
+    else:
+        with _opened(inp) as (stream, position):
+            if inp.kind == "jsonl":
+                yield from _jsonl_parts(inp, stream, position, options)
+            else:
+                yield from _text_parts(inp, stream, position, options)
+
+
+class _opened:
+    """The input's bytes, decompressed, and a function giving the raw (compressed) position;
+    decompression errors become one line naming the file."""
+
+    def __init__(self, inp: Input) -> None:
+        self.inp = inp
+
+    def __enter__(self) -> tuple[BinaryIO, Any]:
+        inp = self.inp
+        if inp.path is None:
+            raw = sys.stdin.buffer
+            counted = _Counting(raw)
+            return counted, lambda: counted.count
+        self.raw = raw = open(inp.path, "rb")  # closed in __exit__
+        stream: BinaryIO
+        if inp.compression == "gzip":
+            stream = gzip.GzipFile(fileobj=raw)
+        elif inp.compression == "bz2":
+            stream = bz2.BZ2File(raw)
+        elif inp.compression == "xz":
+            stream = lzma.LZMAFile(raw)
+        elif inp.compression == "zstd":
+            import zstandard
+
+            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+        else:
+            stream = raw
+        return _Checked(stream, inp), raw.tell
+
+    def __exit__(self, *exc: object) -> None:
+        if self.inp.path is not None:
+            self.raw.close()
+
+
+class _Counting(io.RawIOBase):
+    """Standard input, counting the bytes read from it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.count = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.count += len(data)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        data = self.raw.readline(limit)
+        self.count += len(data)
+        return data
+
+
+_DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+class _Checked:
+    """A decompressing stream whose errors say which file is damaged."""
+
+    def __init__(self, stream: BinaryIO, inp: Input) -> None:
+        self.stream, self.inp, self.offset = stream, inp, 0
+        try:
+            import zstandard
+
+            self._errors: tuple[type[BaseException], ...] = (
+                *_DECOMPRESSION_ERRORS,
+                zstandard.ZstdError,
+            )
+        except ImportError:
+            self._errors = _DECOMPRESSION_ERRORS
+
+    def _guard(self, read: Any, *args: Any) -> bytes:
+        try:
+            data = read(*args)
+        except self._errors as exc:
+            what = f"{self.inp.compression} data" if self.inp.compression else "data"
+            raise GpuflowError(
+                f"corpus file {self.inp.name} is not valid {what} past byte {self.offset} of its "
+                f"contents ({exc}); it is damaged or truncated: fetch it again or leave it out"
+            ) from None
+        self.offset += len(data)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        return self._guard(self.stream.read, n)
+
+    def readline(self) -> bytes:
+        return self._guard(self.stream.readline)
+
+
+def _decoded_blocks(inp: Input, stream: Any, position: Any) -> Iterator[tuple[str, int]]:
+    """(text, raw bytes read for it) of each block, strict UTF-8, a leading BOM dropped."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset, raw_seen, first = 0, 0, True
+    while True:
+        block = stream.read(READ_BYTES)
+        final = not block
+        pending = len(decoder.getstate()[0])
+        try:
+            text = decoder.decode(block, final=final)
+        except UnicodeDecodeError as exc:
+            at = offset - pending + exc.start
+            raise GpuflowError(
+                f"corpus file {inp.name} is not UTF-8 text (bad byte at offset {at}); convert "
+                "it to UTF-8 or leave it out"
+            ) from None
+        if first and text:
+            text, first = text.removeprefix("\ufeff"), False
+        if "\x00" in text:
+            raise GpuflowError(
+                f"corpus file {inp.name} is binary (it contains NUL bytes); pass only text files"
+            )
+        offset += len(block)
+        raw = position()
+        yield text, raw - raw_seen
+        raw_seen = raw
+        if final:
+            return
+
+
+def _text_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -> Iterator[Part]:
+    documents = _separated if options.separator is not None else _whole
+    found = False
+    for part in documents(_decoded_blocks(inp, stream, position), options.separator or ""):
+        found = found or part.starts_document
+        yield part
+    if not found:
+        raise GpuflowError(f"corpus file {inp.name} holds only whitespace; remove it or add text")
+
+
+def _whole(blocks: Iterator[tuple[str, int]], separator: str) -> Iterator[Part]:
+    """The file is one document, as it is; nothing until its first non-whitespace character
+    (a file of whitespace is no document)."""
+    held, size, started = "", 0, False
+    for text, read in blocks:
+        held, size = held + text, size + read
+        if not started and not held.strip() and len(held) <= READ_BYTES:
+            continue
+        if held or size:
+            yield Part(held, not started, size)
+            started = True
+            held, size = "", 0
+
+
+def _separated(blocks: Iterator[tuple[str, int]], separator: str) -> Iterator[Part]:
+    """Documents between separators, without the whitespace around them; empty ones skipped.
+    A document longer than a block streams through in parts; a separator cut by a block
+    boundary is found all the same."""
+    carry, size = "", 0
+    in_document = False  # a part of the current document has been given out
+    for text, read in blocks:
+        carry, size = carry + text, size + read
+        pieces = carry.split(separator)
+        for finished in pieces[:-1]:
+            body = finished.rstrip() if in_document else finished.strip()
+            if body:
+                yield Part(body, not in_document, size)
+                size = 0
+            in_document = False
+        carry = pieces[-1]
+        # What may still be the start of a separator, or whitespace that may end the
+        # document, stays; the rest of a long document goes now.
+        keep = len(carry[: max(0, len(carry) - (len(separator) - 1))].rstrip())
+        if keep > READ_BYTES // 2 or (keep and len(carry) > READ_BYTES):
+            body = carry[:keep] if in_document else carry[:keep].lstrip()
+            if body:
+                yield Part(body, not in_document, size)
+                size, in_document = 0, True
+            carry = carry[keep:]
+    body = carry.rstrip() if in_document else carry.strip()
+    if body:
+        yield Part(body, not in_document, size)
+    elif size:
+        yield Part("", False, size)  # no text, but its bytes are accounted for
+
+
+def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -> Iterator[Part]:
+    field, found, line_no, raw_seen = options.text_field, False, 0, 0
+    while True:
+        line = stream.readline()
+        if not line:
+            break
+        line_no += 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except UnicodeDecodeError as exc:
+            raise GpuflowError(
+                f"{inp.name}:{line_no} is not UTF-8 text (bad byte at column {exc.start + 1}); "
+                "convert the file to UTF-8"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise GpuflowError(
+                f"{inp.name}:{line_no} is not valid JSON ({exc.msg}); each line must be one object"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise GpuflowError(
+                f"{inp.name}:{line_no} has no string field {field!r}; each line must look like "
+                f'{{"{field}": "..."}}' + ("" if field != "text" else ", or pass --text-field")
+            )
+        if "\x00" in record[field]:
+            raise GpuflowError(f"{inp.name}:{line_no} holds a NUL character; pass only text")
+        if record[field].strip():
+            raw = position()
+            yield Part(record[field], True, raw - raw_seen)
+            raw_seen, found = raw, True
+    if not found:
+        raise GpuflowError(f"corpus file {inp.name} has no non-empty {field!r} field on any line")
+    end = position()
+    if end > raw_seen:
+        yield Part("", False, end - raw_seen)  # trailing lines: their bytes are accounted for
+
+
+def _string_rows(
+    inp: Input, batches: Iterator[Any], field: str, total_size: int, total_rows: int, where: str
+) -> Iterator[Part]:
+    """Parts of string rows from Arrow record batches of one column."""
+    import pyarrow as pa
+
+    row, given, found = 0, 0, False
+    for batch in batches:
+        column = batch.column(0)
+        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            raise GpuflowError(
+                f"{inp.name}: {where} {field!r} holds {column.type}, not text; pass "
+                "--text-field with a string column"
+            )
+        for value in column.to_pylist():
+            row += 1
+            if value and value.strip():
+                if "\x00" in value:
+                    raise GpuflowError(f"{inp.name}: row {row} holds a NUL character")
+                due = total_size * row // max(total_rows, 1)
+                yield Part(value, True, due - given)
+                given, found = due, True
+    if not found:
+        raise GpuflowError(f"{inp.name} has no non-empty text in {where} {field!r}")
+    if total_size > given:
+        yield Part("", False, total_size - given)
+
+
+def _parquet_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
+    import pyarrow.parquet as pq
+
+    field = options.text_field
+    try:
+        parquet = pq.ParquetFile(inp.path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and others
+        raise GpuflowError(f"corpus file {inp.name} is not a Parquet file ({exc})") from None
+    names = parquet.schema_arrow.names
+    if field not in names:
+        raise GpuflowError(
+            f"{inp.name} has no column {field!r} (it has {', '.join(names[:8])}); pass "
+            "--text-field with the text column"
+        )
+    batches = parquet.iter_batches(batch_size=1024, columns=[field])
+    total = parquet.metadata.num_rows
+    yield from _string_rows(inp, batches, field, inp.size() or 0, total, "column")
+
+
+def _dataset_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
+    datasets = _require("datasets", "datasets", f"{inp.name} is a dataset folder")
+    field = options.text_field
+    try:
+        loaded = datasets.load_from_disk(str(inp.path))
+    except Exception as exc:  # datasets raises FileNotFoundError and its own errors
+        raise GpuflowError(f"{inp.name} is not a readable saved dataset ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise GpuflowError(
+                f"{inp.name} holds splits {', '.join(loaded)} but no 'train'; save the split "
+                "to read with save_to_disk and point --data at it"
+            )
+        loaded = loaded["train"]
+    if field not in loaded.column_names:
+        raise GpuflowError(
+            f"{inp.name} has no column {field!r} (it has {', '.join(loaded.column_names[:8])}); "
+            "pass --text-field with the text column"
+        )
+    table = loaded.select_columns([field]).with_format("arrow")
+    batches = (batch for batch in table.iter(batch_size=1024))
+    yield from _string_rows(inp, batches, field, inp.size() or 0, loaded.num_rows, "column")

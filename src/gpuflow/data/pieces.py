@@ -1,0 +1,144 @@
+"""Documents cut into bounded pieces where their tokens cannot change, each tagged train or val.
+
+A BPE tokenizer first splits text into pre-tokens and merges only inside them, so text cut at
+a pre-token boundary encodes to the same tokens as the whole. With the byte-level
+pre-tokenizer (GPT-2's, and gpuflow's own) such a boundary is any position ``i`` where
+``text[i]`` is a space or a newline and ``text[i - 1]`` is not whitespace: of its patterns,
+only a whitespace run can hold a whitespace character other than its first, and only its
+first can be a space, so no pre-token holds both ``text[i - 1]`` and ``text[i]``; the text
+after ``i`` is matched as from a string of its own (the patterns look ahead, never back),
+and the pre-token ending at ``i - 1`` ends there with or without what follows (none of those
+that can end on a non-whitespace character looks ahead). ``tests/test_pieces.py`` checks the
+claim against encoding whole documents. For any other tokenizer a candidate is accepted only
+if encoding the text around it whole and in two gives the same tokens.
+
+A stretch of ``PIECE_CHARS`` with no such place (one character repeated, a base64 blob) is cut
+at its end anyway, which may change a token or two there; ``Pieces.forced_cuts`` counts them.
+
+Each document's first piece decides whether the document is held out for validation, by a
+hash of its text: the choice does not depend on the other documents, their order or the
+number of workers, so appending files to a corpus moves no document between train and val.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from gpuflow.data.formats import Part
+
+PIECE_CHARS = 1 << 20  # a piece's most characters: bounds what one encoding holds
+# How far back from a piece's end a cut is looked for before it is forced.
+SEARCH_CHARS = PIECE_CHARS // 2
+CHECK_CHARS = 2048  # each side of a candidate that a tokenizer of another kind encodes
+CHECK_TRIES = 16  # candidates checked that way before a cut is forced
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    starts_document: bool
+    val: bool  # its document is held out for validation
+    size: int  # source bytes it accounts for (progress)
+
+
+def held_out(first_piece: str, val_fraction: float) -> bool:
+    """Whether a document whose first piece is ``first_piece`` goes to validation."""
+    digest = hashlib.blake2b(first_piece.encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") < val_fraction * 2**64
+
+
+class Cutter:
+    """Where a long document may be cut without changing its tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.proven = byte_level_gpt2(tokenizer)
+
+    def cut(self, text: str) -> int | None:
+        """The largest safe cut ``0 < i < len(text)`` at most ``SEARCH_CHARS`` from the end:
+        ``text[:i]`` and ``text[i:]`` encode to the tokens of ``text``. None: there is none."""
+        end, lowest, tries = len(text) - 1, max(1, len(text) - SEARCH_CHARS), 0
+        while end >= lowest:
+            i = max(text.rfind(" ", lowest, end + 1), text.rfind("\n", lowest, end + 1))
+            if i < lowest:
+                return None
+            if not text[i - 1].isspace():
+                if self.proven or self._same_tokens(text, i):
+                    return i
+                tries += 1
+                if tries >= CHECK_TRIES:
+                    return None
+            end = i - 1
+        return None
+
+    def _same_tokens(self, text: str, i: int) -> bool:
+        left, right = text[max(0, i - CHECK_CHARS) : i], text[i : i + CHECK_CHARS]
+        encode = self.tokenizer.encode_batch([left + right, left, right], add_special_tokens=False)
+        return encode[0].ids == encode[1].ids + encode[2].ids
+
+
+def byte_level_gpt2(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` pre-tokenizes as GPT-2 does (byte-level, its regex, no prefix
+    space, no normalizer): the kind whose safe cuts are proven, not checked."""
+    spec = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    # Added tokens are found before pre-tokenizing: one holding whitespace, or taking in the
+    # whitespace beside it, could span a cut.
+    added = spec.get("added_tokens") or []
+    plain_added = all(
+        not any(ch.isspace() for ch in t.get("content", "")) and not t.get("lstrip")
+        and not t.get("rstrip")
+        for t in added
+    )  # fmt: skip
+    return (
+        spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+        and plain_added
+    )
+
+
+class Pieces:
+    """The pieces of a stream of parts: documents up to ``PIECE_CHARS`` whole, longer ones
+    cut where their tokens cannot change."""
+
+    def __init__(self, cutter: Cutter, val_fraction: float, piece_chars: int = PIECE_CHARS) -> None:
+        self.cutter, self.val_fraction, self.piece_chars = cutter, val_fraction, piece_chars
+        self.forced_cuts = 0
+        self._val = False  # the current document's
+
+    def __call__(self, parts: Iterator[Part]) -> Iterator[Piece]:
+        held, size = "", 0  # the current document's text not given out yet, unattributed bytes
+        first = True  # the next piece is its document's first
+        for part in parts:
+            if part.starts_document:
+                if held:
+                    yield self._piece(held, first, size)
+                    size = 0
+                held, first = "", True
+            held, size = held + part.text, size + part.size
+            while len(held) > self.piece_chars:
+                head, held = self._cut(held)
+                yield self._piece(head, first, size)
+                first, size = False, 0
+        if held or size:
+            yield self._piece(held, first and bool(held), size)
+
+    def _piece(self, text: str, first: bool, size: int) -> Piece:
+        if first:
+            self._val = held_out(text, self.val_fraction)
+        return Piece(text, first, self._val, size)
+
+    def _cut(self, text: str) -> tuple[str, str]:
+        window = text[: self.piece_chars + 1]  # a cut at piece_chars keeps the head that long
+        at = self.cutter.cut(window)
+        if at is None:
+            at = self.piece_chars
+            self.forced_cuts += 1
+        return text[:at], text[at:]

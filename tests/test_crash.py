@@ -38,6 +38,7 @@ RUN_SETS = (
     "train.log_interval=1",
     f"train.checkpoint_interval={CHECKPOINT_INTERVAL}",
     "train.eval_interval=10",  # some writes also replace checkpoints/best
+    "train.lr=0.002",  # validation loss still falling at the last step: it is the best one
 )
 # One thread per process. With a fixed thread count (1 or 2 were tried) the cpu kernels give
 # the same bits in every process, resumed or not, so the weights are compared exactly (1 and 2

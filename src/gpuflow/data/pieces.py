@@ -108,8 +108,9 @@ class Pieces:
     """The pieces of a stream of parts: documents up to ``PIECE_CHARS`` whole, longer ones
     cut where their tokens cannot change."""
 
-    def __init__(self, cutter: Cutter, val_fraction: float, piece_chars: int = PIECE_CHARS) -> None:
-        self.cutter, self.val_fraction, self.piece_chars = cutter, val_fraction, piece_chars
+    def __init__(self, cutter: Cutter, val_fraction: float, piece_chars: int | None = None) -> None:
+        self.cutter, self.val_fraction = cutter, val_fraction
+        self.piece_chars = piece_chars or PIECE_CHARS
         self.forced_cuts = 0
         self._val = False  # the current document's
 

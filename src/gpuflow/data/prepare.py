@@ -32,6 +32,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -210,15 +211,19 @@ class _Corpus:
         # sample has built up allows, so what is taken spreads evenly over the corpus. The
         # corpus's size in characters is estimated from what has been read (compressed
         # inputs hold several characters per byte on disk).
-        total = self.total_bytes or 1
+        # Long parts are drawn from a slice at a time, so a sample far smaller than one
+        # document still spreads over it.
+        total, step = self.total_bytes or 1, max(4096, chars // 256)
         credit, seen_bytes, seen_chars = 0.0, 0, 0
         for part in self.parts():
             seen_bytes, seen_chars = seen_bytes + part.size, seen_chars + len(part.text)
             expected = max(chars, total * seen_chars / max(seen_bytes, 1))
-            credit += len(part.text) * chars / expected
-            if part.text and credit > 0:
-                credit -= len(part.text)
-                yield part.text
+            for start in range(0, len(part.text), step):
+                piece = part.text[start : start + step]
+                credit += len(piece) * chars / expected
+                if credit > 0:
+                    credit -= len(piece)
+                    yield piece
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -260,6 +265,7 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     if existing is not None:
         _refuse_repeats(corpus, existing, out_dir)
     fingerprint = _fingerprint(config, corpus, existing)
+    made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = _sibling(out_dir, "staging", os.getpid())
     state = _resume(out_dir, stage, fingerprint) if fingerprint else None
@@ -290,6 +296,9 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     finally:
         if not keep_stage:
             shutil.rmtree(stage, ignore_errors=True)
+        for folder in made:  # what this run created for the output, if it ends without one
+            with suppress(OSError):
+                folder.rmdir()  # only if empty
     return summary
 
 
@@ -439,6 +448,38 @@ def _hold_out_a_tail(
             writers["train"].take_tail(max(1, int(tokens["train"] * config.val_fraction)))
         )
     return writers
+
+
+# ---- a raw corpus for training ------------------------------------------------------------
+
+CACHE_DIR = Path("data") / "cache"
+
+
+def prepared_for_training(
+    data: tuple[str, ...], vocab_size: int, separator: str | None, text_field: str
+) -> Path:
+    """The token folder of ``data`` with a ``vocab_size`` BPE: prepared into ``data/cache/``
+    on first use, named by what it depends on (the inputs' paths, sizes and modification
+    times, and the settings), so that the same files give the same folder and a changed file
+    another."""
+    if "-" in data:
+        raise GpuflowError(
+            "train --data cannot cache standard input: prepare it first (gpuflow prepare "
+            "--data - --out FOLDER) and train with --set data.dir=FOLDER"
+        )
+    config = PrepareConfig(data=data, vocab_size=vocab_size, separator=separator,
+                           text_field=text_field)  # fmt: skip
+    inputs = resolve_inputs(list(data))
+    settings = {k: v for k, v in asdict(config).items() if k not in ("force", "workers")}
+    record = {"inputs": [i.identity() for i in inputs], "piece_chars": PIECE_CHARS, **settings}
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
+    folder = CACHE_DIR / f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{vocab_size}-{key}"
+    if is_token_folder(folder):
+        _note(f"training on {folder}, prepared from the same files before")
+        return folder
+    _note(f"preparing {', '.join(data)} for training into {folder} (once)")
+    prepare(replace(config, out=str(folder)))
+    return folder
 
 
 # ---- resuming an interrupted run ----------------------------------------------------------

@@ -24,6 +24,7 @@ from gpuflow.common.errors import GpuflowError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+COPY_TOKENS = 1 << 22  # tokens a shard rewritten in place is copied by at a time
 # (magic, version) -> token dtype
 FORMATS: dict[tuple[int, int], np.dtype] = {
     (20240520, 1): np.dtype("<u2"),
@@ -176,12 +177,15 @@ class ShardWriter:
         if self._file is None:
             if not self.paths:
                 return np.zeros(0, dtype=self.dtype)
-            last = self.paths.pop()  # finished: written again without its tail
+            # The last finished shard is opened again: its tokens are streamed into a new
+            # open shard of the same name (which replaces it when finished), then cut below.
+            last = Shard.open(self.paths.pop())
             self.index -= 1
-            tokens = np.array(Shard.open(last).tokens)
-            last.unlink()
-            self.total_tokens -= tokens.size
-            self.add(tokens)
+            self.total_tokens -= last.n_tokens
+            tokens = last.tokens  # (n_tokens,) a memory map: read a chunk at a time
+            for start in range(0, last.n_tokens, COPY_TOKENS):
+                self.add(tokens[start : start + COPY_TOKENS])
+            del tokens
         n = min(n, self.open_tokens)
         self._file.flush()
         end = HEADER_BYTES + self.open_tokens * self.dtype.itemsize

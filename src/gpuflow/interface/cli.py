@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="always show the bus figures (bytes each way, host syncs, cudaMalloc per step); "
         "by default they show once one is not zero",
     )
+    add_corpus_arguments(p, data_help=(
+        "train on this raw corpus (the files prepare takes): it is prepared once, with a BPE of "
+        "model.vocab_size, into data/cache/, and reused while the files are unchanged"
+    ))  # fmt: skip
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -211,6 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--mib", type=int, default=2048, help="MiB of generated shards (default 2048)")
     p.add_argument("--repeats", type=int, default=3, help="timed reads per path (default 3)")
+    p = bench_parser(
+        "prepare",
+        "gpuflow prepare beside the script a user would write with the same tokenizers "
+        "library, on one corpus: wall time, MB/s, tokens/s, peak memory",
+        overrides=False,
+    )
+    p.add_argument("--mib", type=int, default=100, help="MiB of generated corpus (default 100)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders to use instead")
+    p.add_argument("--separator", metavar="TEXT", help="with --data: the documents' separator")
+    p.add_argument("--vocab-size", type=int, default=16000, help="BPE vocabulary (default 16000)")
+    p.add_argument("--workers", type=int, default=0, help="gpuflow's (default 0: every core)")
     p = bench_parser(
         "scale",
         "the same training run as a plain process, under torchrun with 1 process and with N "

@@ -221,6 +221,8 @@ def _train(
     from gpuflow.train.trainer import Trainer
 
     chosen = None
+    if args.data:  # a raw corpus: prepared once per host (its first rank), then its folder
+        resolved = (resolved[0], _with_prepared_data(args, resolved[1], ranks))
     if ranks.is_main:  # rank 0 names the run folder, for every rank, with its config
         run_dir, config = resolved
         if run_dir is None:
@@ -255,6 +257,25 @@ def _train(
         f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
     )
     return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Ranks) -> RunConfig:
+    from gpuflow.data.prepare import prepared_for_training
+    from gpuflow.train.config import apply_overrides
+    from gpuflow.train.distributed import each_host_first
+
+    if args.resume:
+        raise GpuflowError("--resume trains on the run's own data; leave --data out")
+    if config.data.dir:
+        raise GpuflowError(
+            f"--data and data.dir ({config.data.dir}) both name the training data; keep one"
+        )
+    separator = unescape(args.separator) if args.separator is not None else None
+    with each_host_first(ranks):
+        folder = prepared_for_training(
+            tuple(args.data), config.model.vocab_size, separator, args.text_field
+        )
+    return apply_overrides(config, {"data": {"dir": str(folder)}}, "--data")
 
 
 # ---- profile --------------------------------------------------------------------------------
@@ -419,6 +440,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             io = dataclasses.replace(io, scratch=args.out)
         results = run_io_bench(device, io)
         print_io_table(results)
+    elif args.bench == "prepare":
+        from gpuflow.bench.prepare import (
+            PrepareBenchConfig,
+            print_prepare_table,
+            run_prepare_bench,
+        )
+
+        bench = PrepareBenchConfig(
+            mib=args.mib,
+            data=tuple(args.data or ()),
+            separator=unescape(args.separator) if args.separator else None,
+            vocab_size=args.vocab_size,
+            workers=args.workers,
+        )
+        results = run_prepare_bench(bench)
+        print_prepare_table(results)
     elif args.bench == "scale":
         from gpuflow.bench.scale import ScaleConfig, print_scale_table, run_scale_bench
 
@@ -452,6 +489,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         preset = "quick" if args.quick else "full"
     elif args.bench == "io":
         preset = os.path.basename(os.path.normpath(args.data)) if args.data else "generated"
+    elif args.bench == "prepare":
+        first = os.path.basename(args.data[0].rstrip("/")).split(".")[0] if args.data else ""
+        preset = first or f"{args.mib}mib"
     else:
         preset = args.preset
     gpus = results.get("nproc", 1) if args.bench == "scale" else 1

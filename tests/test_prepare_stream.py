@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -255,3 +256,40 @@ def test_train_on_a_raw_corpus_prepares_it_once(workdir, small_corpus):
     assert len(list((workdir / "data" / "cache").iterdir())) == 2
     clash = gpuflow_cli("train", "--data", "notes", "--set", "data.dir=x", cwd=workdir)
     assert clash.returncode == 2 and "--data and data.dir (x) both name" in clash.stderr
+
+
+def _anon_peak(command: list[str], cwd) -> tuple[int, int]:
+    """(exit status, the peak of the process's anonymous resident memory in bytes)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            break
+        for line in status.splitlines():
+            if line.startswith("RssAnon:"):
+                peak = max(peak, int(line.split()[1]) * 1024)
+        time.sleep(0.02)
+    proc.wait()
+    return proc.returncode, peak
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_the_streamed_path_trains_on_a_corpus_in_the_memory_of_a_small_one(workdir):
+    """A token folder ten times larger (400 MB against 40 MB) costs the streamed path no more
+    anonymous memory: batches are read from memory-mapped shards."""
+    from .conftest import random_shards
+
+    peaks = {}
+    for name, tokens in (("small", 20_000_000), ("large", 200_000_000)):
+        folder = workdir / name
+        folder.mkdir()
+        random_shards(folder, [tokens // 4] * 4, np.uint16, 512)
+        (folder / "train_000000.bin").rename(folder / "val_000000.bin")
+        sets = [*FAST, f"data.dir={folder}", "train.data_path=streamed", "train.eval_batches=1"]
+        args = ["train", "--name", name, "--steps", "30", "--device", "cpu"]
+        command = [sys.executable, "-m", "gpuflow", *args, *(a for s in sets for a in ("--set", s))]
+        code, peaks[name] = _anon_peak(command, workdir)
+        assert code == 0
+    assert peaks["large"] < peaks["small"] + 40e6, peaks

@@ -132,7 +132,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.data.prepare import PrepareConfig, prepare
-    from gpuflow.train.config import train_command
 
     config = PrepareConfig(
         data=tuple(args.data or ()),
@@ -150,6 +149,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     )
     summary = prepare(config)
     out_console.print(summary.describe())
+    from gpuflow.train.config import train_command  # loads torch: not while preparing
+
     out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
     return 0
 

@@ -4,6 +4,7 @@ trained on a sample drawn from the whole corpus, and bad input refused with noth
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import shutil
@@ -293,3 +294,61 @@ def test_the_streamed_path_trains_on_a_corpus_in_the_memory_of_a_small_one(workd
         code, peaks[name] = _anon_peak(command, workdir)
         assert code == 0
     assert peaks["large"] < peaks["small"] + 40e6, peaks
+
+
+def test_an_unwritable_output_place_is_refused_before_any_work(tmp_path, small_corpus, monkeypatch):
+    (tmp_path / "afile").write_text("not a folder")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("worked before refusing")
+
+    monkeypatch.setattr(prepare_module, "train_tokenizer", fail)
+    with pytest.raises(GpuflowError, match=r"cannot write beside .*afile/out"):
+        prepare(PrepareConfig(data=(str(small_corpus),), out=str(tmp_path / "afile" / "out")))
+
+
+def test_a_full_disk_keeps_the_finished_shards_and_says_so(tmp_path, stdlib_documents, monkeypatch):
+    books = corpus_of_books(tmp_path / "books", stdlib_documents)
+    config = PrepareConfig(data=(str(books),), out=str(tmp_path / "out"), vocab_size=600,
+                           separator="<|endoftext|>", shard_tokens=20000)  # fmt: skip
+    real_add, added = prepare_module.ShardWriter.add, {"n": 0}
+
+    def filling(self, tokens):
+        added["n"] += 1
+        if added["n"] == 400:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.folder))
+        real_add(self, tokens)
+
+    monkeypatch.setattr(prepare_module.ShardWriter, "add", filling)
+    with pytest.raises(GpuflowError, match=r"No space left on device .* finished shards are kept"):
+        prepare(config)
+    (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.staging-")]
+    assert not (tmp_path / "out").exists() and list(kept.glob("train_*.bin"))
+    assert not list(kept.glob(".*.tmp-*"))  # the open shard's partial file is gone
+
+
+def test_a_gpt2_shaped_tokenizer_with_its_end_of_text_last(
+    tmp_path, small_corpus, stdlib_documents
+):
+    """GPT-2's layout (byte-level, <|endoftext|> added after the merges, the last id): each
+    document starts with that id, and the shards are uint16 as for GPT-2's 50,257 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=900, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator((d.text for d in stdlib_documents[:200]), trainer)
+    tok.add_special_tokens([EOT])
+    tok.save(str(tmp_path / "gpt2-like.json"))
+    out = tmp_path / "o"
+    prepare(PrepareConfig(data=(str(small_corpus),), out=str(out),
+                          tokenizer=str(tmp_path / "gpt2-like.json")))  # fmt: skip
+    eot = tok.get_vocab_size() - 1
+    assert tok.token_to_id(EOT) == eot
+    train = stream(out, "train")
+    assert train.dtype == np.uint16 and train[0] == eot and train.max() == eot
+    assert json.loads((out / "meta.json").read_text())["documents"] == int(
+        (train == eot).sum() + (stream(out, "val") == eot).sum()
+    )

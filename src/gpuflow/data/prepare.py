@@ -266,14 +266,20 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
         _refuse_repeats(corpus, existing, out_dir)
     fingerprint = _fingerprint(config, corpus, existing)
     made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     stage = _sibling(out_dir, "staging", os.getpid())
-    state = _resume(out_dir, stage, fingerprint) if fingerprint else None
-    _clean_leftovers(out_dir)
-    if state is None:
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir()
-        state = _State(fingerprint or "")
+    try:  # the output's place, checked before any long work
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        state = _resume(out_dir, stage, fingerprint) if fingerprint else None
+        _clean_leftovers(out_dir)
+        if state is None:
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir()
+            state = _State(fingerprint or "")
+    except OSError as exc:
+        raise GpuflowError(
+            f"cannot write beside {out_dir} ({exc.strerror}: {exc.filename}); choose another "
+            "--out or fix its folder's permissions"
+        ) from None
     keep_stage = False
     try:
         tokenizer = _tokenizer(config, corpus, stage, existing)
@@ -293,6 +299,17 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
                 f"in {stage}; run the same command again to continue from them"
             )
         raise
+    except OSError as exc:  # a fault of the machine: a full disk, a file gone read-only
+        keep_stage = fingerprint is not None and state.train_shards + state.val_shards > 0
+        kept = (
+            f"its {state.train_shards + state.val_shards} finished shards are kept in {stage}: "
+            "run the same command again to continue from them"
+            if keep_stage
+            else "nothing was written"
+        )
+        raise GpuflowError(
+            f"prepare stopped: {exc.strerror or exc} ({exc.filename or out_dir}); {kept}"
+        ) from None
     finally:
         if not keep_stage:
             shutil.rmtree(stage, ignore_errors=True)

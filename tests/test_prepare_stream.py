@@ -352,3 +352,12 @@ def test_a_gpt2_shaped_tokenizer_with_its_end_of_text_last(
     assert json.loads((out / "meta.json").read_text())["documents"] == int(
         (train == eot).sum() + (stream(out, "val") == eot).sum()
     )
+
+
+@pytest.mark.parametrize(
+    ("data", "folder"),
+    [("books/", "books"), ("x.jsonl.zst", "x"), ("my data.txt", "my-data"),
+     ("crawl/*.jsonl.gz", "corpus"), ("-", "stdin")],
+)  # fmt: skip
+def test_the_default_output_is_named_after_the_first_input(data, folder):
+    assert PrepareConfig(data=(data,)).out_dir == Path("data") / f"{folder}-v16000"

@@ -98,8 +98,9 @@ class PrepareConfig:
             return Path(self.out)
         name = "stdlib"
         if self.data:
-            first = Path(self.data[0])
-            name = "stdin" if self.data[0] == "-" else first.name.split(".")[0] or "corpus"
+            # The first input's name, less suffixes and anything a glob or a shell would read
+            stem = re.sub(r"[^\w-]+", "-", Path(self.data[0]).name.split(".")[0]).strip("-")
+            name = "stdin" if self.data[0] == "-" else stem or "corpus"
         return default_data_dir(self.vocab_size, name)
 
     @property

@@ -124,10 +124,14 @@ class PrepareSummary:
     seconds: float
     forced_cuts: int = 0
     appended: bool = False
+    encoded_tokens: int | None = None  # by this run (None: all), when it continued another
 
     @property
     def tokens_per_s(self) -> float:
-        return (self.train_tokens + self.val_tokens) / max(self.seconds, 1e-9)
+        done = self.train_tokens + self.val_tokens
+        return (done if self.encoded_tokens is None else self.encoded_tokens) / max(
+            self.seconds, 1e-9
+        )
 
     def describe(self) -> str:
         """One line for the terminal: what was written, how much, how fast."""
@@ -416,6 +420,7 @@ def _encode(
         vocab_size=vocab_size,
         seconds=time.perf_counter() - started,
         forced_cuts=pieces.forced_cuts,
+        encoded_tokens=tokens - speed.tokens if state.pieces and speed.tokens else None,
     )
 
 
@@ -614,7 +619,7 @@ def _write_meta(
         "separator": config.separator,
         "text_field": config.text_field,
         "val_fraction": config.val_fraction,
-        **{k: v for k, v in asdict(summary).items() if k != "appended"},
+        **{k: v for k, v in asdict(summary).items() if k not in ("appended", "encoded_tokens")},
     }
     write_text_atomic(stage / "meta.json", json.dumps(meta, indent=2) + "\n")
 

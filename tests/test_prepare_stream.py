@@ -61,7 +61,7 @@ def test_the_output_is_the_same_bytes_on_one_worker_and_on_three(tmp_path, stdli
 def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
     tmp_path, prepared, stdlib_documents, monkeypatch
 ):
-    """One document of 2 MB and one of 8 MB: the same peak of Python memory, held to a few
+    """One document of 1 MB and one of 4 MB: the same peak of Python memory, held to a few
     reads, pieces and tasks (made small here so that both documents span many), and the
     tokens of encoding the whole document at once."""
     import gpuflow.data.encode as encode_module
@@ -72,7 +72,7 @@ def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
     monkeypatch.setattr(pieces_module, "PIECE_CHARS", 64 << 10)
     monkeypatch.setattr(encode_module, "TASK_CHARS", 128 << 10)
     tokenizer = load_tokenizer(prepared / "tokenizer.json")
-    text = "\n\n".join(d.text for d in stdlib_documents)  # about 2 MB of real prose
+    text = "\n\n".join(d.text for d in stdlib_documents[::2])  # about 1 MB of real prose
     peaks = {}
     for copies in (1, 4):
         book = tmp_path / f"book{copies}.md"
@@ -84,7 +84,7 @@ def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
         peaks[copies] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert summary.documents == 1 and summary.forced_cuts == 0
-    assert peaks[4] < 1.3 * peaks[1] and peaks[4] < 8e6, peaks
+    assert peaks[4] < 1.3 * peaks[1] and peaks[4] < 4e6, peaks
     whole = tokenizer.encode((text + "\n\n") * 4, add_special_tokens=False).ids
     out = tmp_path / "o4"
     # One document: the hash put it in one split and its tail was held out in the other.
@@ -234,29 +234,31 @@ def test_bad_input_midway_is_one_line_and_writes_nothing(tmp_path, small_corpus)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed"]
 
 
-def test_train_on_a_raw_corpus_prepares_it_once(workdir, small_corpus):
+def test_train_on_a_raw_corpus_prepares_it_once(workdir, small_corpus, capsys):
     notes = shutil.copytree(small_corpus / "notes", workdir / "notes")
     sets = [a for s in (*FAST, "train.log_interval=2") for a in ("--set", s)]
-    first = gpuflow_cli("train", "--data", "notes", "--steps", "4", "--name", "a", *sets,
+    first = gpuflow_cli("train", "--data", "notes", "--steps", "2", "--name", "a", *sets,
                         cwd=workdir)  # fmt: skip
     assert first.returncode == 0, first.stderr
     assert "preparing notes for training into data/cache/notes-v512-" in first.stderr
     (cached,) = (workdir / "data" / "cache").iterdir()
     config = (workdir / "runs" / "a" / "config.toml").read_text()
     assert f'dir = "{(Path("data") / "cache" / cached.name).as_posix()}"' in config
-    again = gpuflow_cli("train", "--data", "notes", "--steps", "4", "--name", "b", *sets,
+    again = gpuflow_cli("train", "--data", "notes", "--steps", "2", "--name", "b", *sets,
                         cwd=workdir)  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert f"training on data/cache/{cached.name}, prepared from the same files before" in (
         again.stderr
     )
     (notes / "note000.md").write_text("a changed note " * 50)
-    changed = gpuflow_cli("train", "--data", "notes", "--steps", "4", "--name", "c", *sets,
+    changed = gpuflow_cli("train", "--data", "notes", "--steps", "2", "--name", "c", *sets,
                           cwd=workdir)  # fmt: skip
     assert changed.returncode == 0, changed.stderr
     assert len(list((workdir / "data" / "cache").iterdir())) == 2
-    clash = gpuflow_cli("train", "--data", "notes", "--set", "data.dir=x", cwd=workdir)
-    assert clash.returncode == 2 and "--data and data.dir (x) both name" in clash.stderr
+    from gpuflow.interface.cli import main
+
+    assert main(["train", "--data", "notes", "--set", "data.dir=x"]) == 2
+    assert "--data and data.dir (x) both name" in capsys.readouterr().err
 
 
 def _anon_peak(command: list[str], cwd) -> tuple[int, int]:
@@ -278,12 +280,12 @@ def _anon_peak(command: list[str], cwd) -> tuple[int, int]:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 def test_the_streamed_path_trains_on_a_corpus_in_the_memory_of_a_small_one(workdir):
-    """A token folder ten times larger (400 MB against 40 MB) costs the streamed path no more
+    """A token folder ten times larger (200 MB against 20 MB) costs the streamed path no more
     anonymous memory: batches are read from memory-mapped shards."""
     from .conftest import random_shards
 
     peaks = {}
-    for name, tokens in (("small", 20_000_000), ("large", 200_000_000)):
+    for name, tokens in (("small", 10_000_000), ("large", 100_000_000)):
         folder = workdir / name
         folder.mkdir()
         random_shards(folder, [tokens // 4] * 4, np.uint16, 512)

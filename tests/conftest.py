@@ -40,6 +40,24 @@ def stdlib_documents():
 
 
 @pytest.fixture(scope="session")
+def gpt2_shaped(stdlib_documents):
+    """GPT-2's tokenizer layout (its vocabulary needs a network): a byte-level BPE whose
+    end-of-text token is added after the merges, so that it has the last id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from gpuflow.data.tokenizer import EOT
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator((d.text for d in stdlib_documents[:200]), trainer)
+    tok.add_special_tokens([EOT])
+    return tok
+
+
+@pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory, stdlib_documents) -> Path:
     """A folder of real text in every supported format: .txt, .md and .jsonl."""
     root = tmp_path_factory.mktemp("corpus")

@@ -26,19 +26,6 @@ def tokenizer(stdlib_documents) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def gpt2_shaped(stdlib_documents) -> Tokenizer:
-    """GPT-2's layout: a byte-level BPE with the end-of-text token added last."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator((d.text for d in stdlib_documents[:200]), trainer)
-    tok.add_special_tokens([EOT])
-    return tok
-
-
-@pytest.fixture(scope="module")
 def other_kind(stdlib_documents) -> Tokenizer:
     """Not byte-level: a normalizer and a whitespace-and-punctuation pre-tokenizer."""
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))

@@ -329,20 +329,10 @@ def test_a_full_disk_keeps_the_finished_shards_and_says_so(tmp_path, stdlib_docu
     assert not list(kept.glob(".*.tmp-*"))  # the open shard's partial file is gone
 
 
-def test_a_gpt2_shaped_tokenizer_with_its_end_of_text_last(
-    tmp_path, small_corpus, stdlib_documents
-):
+def test_a_gpt2_shaped_tokenizer_with_its_end_of_text_last(tmp_path, small_corpus, gpt2_shaped):
     """GPT-2's layout (byte-level, <|endoftext|> added after the merges, the last id): each
     document starts with that id, and the shards are uint16 as for GPT-2's 50,257 ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=900, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator((d.text for d in stdlib_documents[:200]), trainer)
-    tok.add_special_tokens([EOT])
+    tok = gpt2_shaped
     tok.save(str(tmp_path / "gpt2-like.json"))
     out = tmp_path / "o"
     prepare(PrepareConfig(data=(str(small_corpus),), out=str(out),

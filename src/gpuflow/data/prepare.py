@@ -47,11 +47,20 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.corpus import default_corpus
 from gpuflow.data.encode import ParallelEncoder, usable_cores
 from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.outfolder import (
+    META_FORMAT,
+    check_replaceable,
+    clean_leftovers,
+    is_token_folder,
+    note,
+    pid_is_running,
+    sibling,
+    swap_into_place,
+)
 from gpuflow.data.pieces import PIECE_CHARS, Cutter, Pieces
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
 
-META_FORMAT = "gpuflow-tokens-1"
 DEFAULT_VOCAB = 16000
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
 DEFAULT_SAMPLE_MB = 200  # text a tokenizer is trained on, drawn evenly from the corpus
@@ -265,17 +274,17 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     out_dir = config.out_dir
     existing = _appendable(out_dir, config) if config.append else None
     if not config.append:
-        _check_replaceable(out_dir, config.force)  # before any work, so a refusal is immediate
+        check_replaceable(out_dir, config.force)  # before any work, so a refusal is immediate
     corpus = _Corpus(config.data, config.read_options)  # every input checked before writing
     if existing is not None:
         _refuse_repeats(corpus, existing, out_dir)
     fingerprint = _fingerprint(config, corpus, existing)
     made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
-    stage = _sibling(out_dir, "staging", os.getpid())
+    stage = sibling(out_dir, "staging", os.getpid())
     try:  # the output's place, checked before any long work
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         state = _resume(out_dir, stage, fingerprint) if fingerprint else None
-        _clean_leftovers(out_dir)
+        clean_leftovers(out_dir)
         if state is None:
             shutil.rmtree(stage, ignore_errors=True)
             stage.mkdir()
@@ -294,12 +303,12 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
             summary = replace(summary, appended=True)
         else:
             _write_meta(stage, summary, corpus, config, state, tokenizer)
-            _check_replaceable(out_dir, config.force)  # again: the folder may have changed
-            _swap_into_place(stage, out_dir)
+            check_replaceable(out_dir, config.force)  # again: the folder may have changed
+            swap_into_place(stage, out_dir)
     except KeyboardInterrupt:
         keep_stage = fingerprint is not None and state.train_shards + state.val_shards > 0
         if keep_stage:
-            _note(
+            note(
                 f"interrupted: {state.train_shards + state.val_shards} finished shards are kept "
                 f"in {stage}; run the same command again to continue from them"
             )
@@ -498,9 +507,9 @@ def prepared_for_training(
     key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
     folder = CACHE_DIR / f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{vocab_size}-{key}"
     if is_token_folder(folder):
-        _note(f"training on {folder}, prepared from the same files before")
+        note(f"training on {folder}, prepared from the same files before")
         return folder
-    _note(f"preparing {', '.join(data)} for training into {folder} (once)")
+    note(f"preparing {', '.join(data)} for training into {folder} (once)")
     prepare(replace(config, out=str(folder)))
     return folder
 
@@ -533,7 +542,7 @@ def _resume(out_dir: Path, stage: Path, fingerprint: str) -> _State | None:
         return None
     for entry in sorted(out_dir.parent.iterdir()):
         match = pattern.fullmatch(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink() or _pid_is_running(int(match[1])):
+        if not match or not entry.is_dir() or entry.is_symlink() or pid_is_running(int(match[1])):
             continue
         state = _State.load(entry)
         if state is None or state.fingerprint != fingerprint:
@@ -541,7 +550,7 @@ def _resume(out_dir: Path, stage: Path, fingerprint: str) -> _State | None:
         os.replace(entry, stage)
         for temporary in stage.glob(".*.tmp-*"):  # the shards that were open when it stopped
             temporary.unlink()
-        _note(
+        note(
             f"continuing the interrupted prepare of {out_dir} after its "
             f"{state.train_shards + state.val_shards} finished shards"
         )
@@ -622,136 +631,3 @@ def _write_meta(
         **{k: v for k, v in asdict(summary).items() if k not in ("appended", "encoded_tokens")},
     }
     write_text_atomic(stage / "meta.json", json.dumps(meta, indent=2) + "\n")
-
-
-def _swap_into_place(stage: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` with ``stage``; the old folder stays until the new one is there."""
-    retired = _sibling(out_dir, "old", os.getpid())
-    if out_dir.exists():
-        os.replace(out_dir, retired)
-    os.replace(stage, out_dir)
-    fsync_dir(out_dir.parent)
-    if os.path.lexists(retired):
-        _remove_own_files(retired)
-
-
-# ---- what --force may replace ----------------------------------------------------------------
-
-# The files prepare writes into a token folder; anything else in one belongs to someone else.
-_OWN_NAME = r"meta\.json|tokenizer\.json|(?:train|val)_\d{6,}\.bin"
-_OWN_FILE = re.compile(_OWN_NAME)
-# ... and what its staging folders hold besides: temporaries (atomic.py, shards.py) and progress
-_OWN_FILE_OR_TEMP = re.compile(rf"{_OWN_NAME}|\.(?:{_OWN_NAME})\.tmp-\d+|progress\.json")
-
-
-def is_token_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder written by ``prepare``: its meta.json carries our format."""
-    try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == META_FORMAT
-
-
-def _is_own(entry: Path, pattern: re.Pattern[str] = _OWN_FILE) -> bool:
-    return bool(pattern.fullmatch(entry.name)) and entry.is_file() and not entry.is_symlink()
-
-
-def _foreign_entries(folder: Path) -> list[str]:
-    """Names in ``folder`` that prepare did not write, sorted; folders end with ``/``."""
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not _is_own(p))
-
-
-def _check_replaceable(out_dir: Path, force: bool) -> None:
-    """Refuse to write ``out_dir`` unless replacing it loses nothing that prepare did not write."""
-    if not os.path.lexists(out_dir) or (out_dir.is_dir() and not any(out_dir.iterdir())):
-        return  # nothing there, or an empty folder: nothing to lose
-    if Path.cwd().is_relative_to(out_dir.resolve()):
-        raise GpuflowError(f"{out_dir} is the current folder or holds it; choose another --out")
-    if not out_dir.is_dir() or not is_token_folder(out_dir):
-        what = f"a gpuflow token folder (it has no meta.json with format {META_FORMAT})"
-        if force:
-            raise GpuflowError(
-                f"{out_dir} is not {what} and --force replaces only those; choose another --out"
-            )
-        raise GpuflowError(f"{out_dir} already exists and is not {what}; choose another --out")
-    foreign = _foreign_entries(out_dir)
-    if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        raise GpuflowError(
-            f"{out_dir} is a gpuflow token folder but also holds files gpuflow did not write "
-            f"({', '.join(foreign[:5])}{more}); move them out before rebuilding it with "
-            "--force, or choose another --out"
-        )
-    if not force:
-        raise GpuflowError(
-            f"{out_dir} already exists; pass --force to rebuild it, --append to add to it or "
-            "--out to write elsewhere"
-        )
-
-
-def _remove_own_files(folder: Path) -> bool:
-    """Delete what prepare wrote in ``folder``, then the folder if that emptied it.
-
-    Returns whether the folder is gone; one holding anything else is kept, with a warning.
-    """
-    if folder.is_symlink():
-        folder.unlink()  # the folder it points at is not ours to empty
-        return True
-    for entry in folder.iterdir():
-        if _is_own(entry, _OWN_FILE_OR_TEMP):
-            entry.unlink()
-    try:
-        folder.rmdir()
-    except OSError:
-        foreign = ", ".join(_foreign_entries(folder))
-        _note(f"kept {folder}: it holds files gpuflow did not write ({foreign})")
-        return False
-    return True
-
-
-# ---- leftovers of interrupted runs ------------------------------------------------------------
-
-
-def _sibling(out_dir: Path, kind: str, pid: int) -> Path:
-    """A hidden work folder beside ``out_dir``, named after it and the process that owns it."""
-    return out_dir.with_name(f".{out_dir.name}.{kind}-{pid}")
-
-
-def _pid_is_running(pid: int) -> bool:
-    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill would end the process
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: checks that the process exists, sends nothing
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    return True
-
-
-def _clean_leftovers(out_dir: Path) -> None:
-    """Remove the work folders that runs killed while writing ``out_dir`` left beside it.
-
-    Only ``.NAME.staging-PID`` and ``.NAME.old-PID`` folders whose process is gone are
-    touched, and only prepare's own files in them (a staging folder the current run can
-    continue from has been taken over before this). A run killed between its two renames
-    leaves no ``out_dir`` and the previous one in ``.NAME.old-PID``: that one is put back.
-    """
-    if not out_dir.parent.is_dir():
-        return
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(staging|old)-(\d+)")
-    for entry in sorted(out_dir.parent.iterdir()):
-        match = pattern.fullmatch(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink() or _pid_is_running(int(match[2])):
-            continue
-        if match[1] == "old" and not os.path.lexists(out_dir) and is_token_folder(entry):
-            os.replace(entry, out_dir)
-            _note(f"restored {out_dir} from {entry}, left by an interrupted run")
-        elif _remove_own_files(entry):
-            _note(f"removed {entry}, left by an interrupted run")
-
-
-def _note(text: str) -> None:
-    # Paths are printed as they are: no rich markup in them, no line breaks inside them.
-    err_console.print(text, markup=False, soft_wrap=True)

@@ -77,8 +77,8 @@ def test_scale_runs_plain_torchrun_1_and_2_and_reports_their_scaling(prepared, w
         )
     # The job of 2 trains both ranks' batches; only the torchrun rows all-reduce.
     assert rows[2]["tokens_per_step"] == 2 * rows[0]["tokens_per_step"]
-    assert rows[0]["allreduce_bytes_per_step_per_rank"] is None
-    assert rows[1]["allreduce_bytes_per_step_per_rank"] > 0
+    assert rows[0]["collective_bytes_per_step_per_rank"] is None
+    assert rows[1]["collective_bytes_per_step_per_rank"] > 0
     assert record["torchrun_1_vs_plain"] == pytest.approx(rows[1]["tokens_per_s"] / plain - 1)
     assert record["env_defaults"] == {"NCCL_NVLS_ENABLE": "0"}
     # Nothing left behind: the scratch folder (torchrun's logs in it) is gone, and no runs/

@@ -113,6 +113,89 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
     assert ranks[0]["weights"].keys() == whole["weights"].keys()
 
 
+SPLIT_SHAPES = [(40, 24), (24,), (7, 9), (70, 64)]  # one not a multiple of 8, one over a block
+
+
+def _split_gradients(step: int, rank: int) -> list[torch.Tensor]:
+    """Multiples of 1/64 below 1/8: a mean of two is exact in bf16, whatever the order."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [(torch.randint(-8, 8, s, generator=g) / 64).bfloat16() for s in SPLIT_SHAPES]
+
+
+def _split_update(clip: float, shard: tuple[int, int], gradients) -> dict:
+    """Three clipped MasterAdamW steps over SPLIT_SHAPES parameters, split as ``shard``;
+    ``gradients(step)`` gives each step's gradients (and the loss)."""
+    from gpuflow.train.master_adamw import MasterAdamW
+    from gpuflow.train.optim import decay_groups
+    from gpuflow.train.sharded import ShardedAverager
+
+    torch.manual_seed(0)
+    module = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in SPLIT_SHAPES)
+    adamw = torch.optim.AdamW(decay_groups(list(module), 0.1), lr=1e-2)
+    opt = MasterAdamW(adamw, shard)
+    averager = ShardedAverager(opt) if shard[1] > 1 else None
+    update = Update(module, opt, clip, fused_clip=True, averager=averager)
+    losses, norms = [], []
+    for step in range(3):
+        grads, loss = gradients(step)
+        for p, grad in zip(module, grads, strict=True):
+            p.grad = grad.clone()
+        loss = loss.clone()
+        norms.append(float(update(loss)))
+        losses.append(float(loss))
+    opt.gather_shards()
+    return {
+        "weights": [p.detach().clone() for p in module],
+        "state": [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq)],
+        "losses": losses,
+        "norms": norms,
+        "bytes_per_step": averager.bytes_per_step if averager else 0,
+    }
+
+
+def _rank_split_update(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+
+        def gradients(step):
+            return _split_gradients(step, rank), torch.tensor(float(rank + 1))
+
+        results = {clip: _split_update(clip, (rank, 2), gradients) for clip in (0.0, 0.05)}
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_update_split_over_two_ranks_is_the_whole_update_on_each(tmp_path):
+    mp.spawn(_rank_split_update, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+
+    def mean_gradients(step):
+        pairs = zip(_split_gradients(step, 0), _split_gradients(step, 1), strict=True)
+        return [(a.float() + b.float()).div(2).bfloat16() for a, b in pairs], torch.tensor(1.5)
+
+    for clip in (0.0, 0.05):
+        whole = _split_update(clip, (0, 1), mean_gradients)
+        for result in (r[clip] for r in ranks):
+            assert result["losses"] == [1.5] * 3  # the mean of the ranks' losses
+            if clip:  # the norm is summed over the parts: the same up to rounding
+                assert result["norms"] == pytest.approx(whole["norms"], rel=1e-5)
+                assert min(whole["norms"]) > clip  # the clip acted
+            # each rank updated its half of every tensor and gathered the other's
+            for ours, theirs in zip(result["weights"], whole["weights"], strict=True):
+                if clip:
+                    torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)
+                else:
+                    assert torch.equal(ours, theirs)
+            n = whole["state"][0].numel()
+            for ours, theirs in zip(result["state"], whole["state"], strict=True):
+                rtol, atol = (1e-5, 1e-7) if clip else (0, 0)
+                torch.testing.assert_close(ours[:n], theirs, rtol=rtol, atol=atol)
+    numel = sum(torch.Size(s).numel() for s in SPLIT_SHAPES)
+    # the padded gradients out, half of the padded bf16 weights, the norm and the loss
+    assert 3 * numel <= ranks[0][0.0]["bytes_per_step"] <= 3 * (numel + 8 * 16) + 8
+
+
 class _Graph:
     """A graph owner as ``CapturedStep`` is one: what ``release`` did, in order."""
 
@@ -263,4 +346,4 @@ def test_host_sampled_batches_train_data_parallel_under_ddp(prepared, workdir):
     report = json.loads((workdir / "runs" / "std" / "report.json").read_text())
     assert report["world_size"] == 2 and report["steps_done"] == 4
     # DDP all-reduces the fp32 gradients; the loss is averaged on its own.
-    assert report["allreduce_bytes_per_step_per_rank"] == 4 * (report["parameters"] + 1)
+    assert report["collective_bytes_per_step_per_rank"] == 4 * (report["parameters"] + 1)

@@ -20,7 +20,7 @@ from gpuflow.train import distributed
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
 from gpuflow.train.config import resolve_config
 from gpuflow.train.distributed import Ranks
-from gpuflow.train.run import read_metrics
+from gpuflow.train.run import read_metrics, resumed_config
 from gpuflow.train.step import GraphStep
 from gpuflow.train.trainer import Trainer
 
@@ -140,7 +140,7 @@ def _logged_steps(run) -> list[int]:
     [("resident-graph", True), ("resident-graph", False), ("standard", False)],
 )
 def test_a_two_gpu_job_exits_within_seconds_of_finishing(
-    two_gpus, prepared, workdir, path, compiled
+    accel, two_gpus, prepared, workdir, path, compiled
 ):
     """Every rank leaves the process group and the job ends: the captured all-reduce's graph
     no longer keeps NCCL's communicator, and so the job, from ending."""
@@ -153,12 +153,19 @@ def test_a_two_gpu_job_exits_within_seconds_of_finishing(
     run = workdir / "runs" / "done"
     assert _logged_steps(run) == list(range(2, 41, 2))
     report = json.loads((run / "report.json").read_text())
-    assert report["world_size"] == 2 and report["allreduce_bytes_per_step_per_rank"] > 0
+    assert report["world_size"] == 2 and report["collective_bytes_per_step_per_rank"] > 0
     if path == "resident-graph":  # the largest over both ranks, every sampled step
         bus = [r for r in read_metrics(run) if "h2d_bytes_per_step" in r]
         assert bus, out
         for field in ("h2d_bytes_per_step", "syncs_per_step", "device_allocs_per_step"):
             assert max(r[field] for r in bus) == 0, (field, bus)
+        # Each rank updated half the weights; the last checkpoint holds both halves: on
+        # this one GPU its weights give the validation loss rank 0 measured at the end.
+        trainer = Trainer(resumed_config(run, steps=41), run, accel)
+        trainer.build(resume=True)
+        assert trainer.start_step == 40
+        final_val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r][-1]
+        assert trainer.evaluate() == pytest.approx(final_val, rel=1e-5)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -326,6 +326,42 @@ def test_the_master_adamw_kernel_matches_its_reference(accel, monkeypatch):
         assert torch.equal(kernel.weights, kernel.master.bfloat16())
 
 
+def test_the_master_adamw_kernel_split_in_three_updates_what_it_updates_whole(accel):
+    """Parts cut across tensors and across 4096-element blocks: each part's kernel updates
+    exactly its elements, as the whole kernel does."""
+    from gpuflow.train.master_adamw import MasterAdamW
+    from gpuflow.train.optim import decay_groups
+
+    if not MasterAdamW.runs_on(accel.torch):
+        pytest.skip("the one-kernel update runs on CUDA with triton")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(300, 64), (64,), (5000,), (7, 9), (8200,)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g).bfloat16() for s in shapes] for _ in range(3)]
+    opts = []
+    for shard in [(0, 1), (0, 3), (1, 3), (2, 3)]:
+        params = [torch.nn.Parameter(x.to(accel.torch)) for x in start]
+        opt = MasterAdamW(torch.optim.AdamW(decay_groups(params, 0.1), lr=1e-2), shard)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.to(accel.torch)
+            opt.grad_scale = torch.tensor(1.7, device=accel.torch)
+            opt.step()
+        opts.append(opt)
+    whole, parts = opts[0], opts[1:]
+    n = whole.master.numel()
+    for name in ("master", "exp_avg", "exp_avg_sq", "weights"):
+        joined = torch.cat([getattr(p, name)[slice(*p.shard_range)] for p in parts])[:n]
+        assert torch.equal(joined, getattr(whole, name)), name
+    params = [torch.nn.Parameter(x.to(accel.torch)) for x in start]
+    initial = MasterAdamW(torch.optim.AdamW(decay_groups(params, 0.1), lr=1e-2)).master
+    for part in parts:  # outside its part, nothing moved
+        lo, hi = part.shard_range
+        outside = torch.ones(n, dtype=torch.bool, device=accel.torch)
+        outside[lo:hi] = False
+        assert torch.equal(part.master[:n][outside], initial[outside])
+
+
 # ---- checkpoints ------------------------------------------------------------------------------
 
 

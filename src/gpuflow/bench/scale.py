@@ -367,7 +367,7 @@ def _run_row(
         f"{tag} {row.label}: {report['tokens_per_s']:,.0f} tokens/s ({outcome.seconds:.1f} s)"
     )
     keys = ("world_size", "tokens_per_s", "tokens_per_s_per_rank", "tokens_per_step", "mfu",
-            "allreduce_bytes_per_step_per_rank", "final_train_loss", "steps_done")  # fmt: skip
+            "collective_bytes_per_step_per_rank", "final_train_loss", "steps_done")  # fmt: skip
     return {
         "row": row.label,
         "processes": row.processes,
@@ -392,14 +392,14 @@ def print_scale_table(result: dict[str, Any]) -> None:
     per = "per GPU" if result["gpus"] else "per rank"
     out = table(
         "row", "processes", "tokens/s", f"tokens/s {per}", "speedup", "efficiency", "MFU",
-        "all-reduce per step per rank", "final train loss",
+        "to NCCL per step per rank", "final train loss",
         title=(
             f"{result['preset']} (B {result['batch_size_per_rank']} per rank, "
             f"T {result['seq_len']}), {result['steps']} steps: plain vs torchrun"
         ),
     )  # fmt: skip
     for row in result["rows"]:
-        reduced = row["allreduce_bytes_per_step_per_rank"]
+        reduced = row["collective_bytes_per_step_per_rank"]
         loss = row["final_train_loss"]
         out.add_row(
             row["row"],

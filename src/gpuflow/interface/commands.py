@@ -242,9 +242,9 @@ def _train(
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     if ranks.distributed and report["tokens_per_s"]:
         rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"
-    reduced = report["allreduce_bytes_per_step_per_rank"]
+    reduced = report["collective_bytes_per_step_per_rank"]
     if reduced:  # NCCL's traffic, which the transfer ledger cannot see
-        rate += f", all-reduce {reduced / 2**20:,.1f} MiB per step per rank"
+        rate += f", {reduced / 2**20:,.1f} MiB per step per rank to NCCL"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
     val = (
         f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"

@@ -35,7 +35,7 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         "tokens_per_s_per_rank": (
             result.tokens_per_s / result.world_size if result.tokens_per_s else None
         ),
-        "allreduce_bytes_per_step_per_rank": result.allreduce_bytes_per_step,
+        "collective_bytes_per_step_per_rank": result.collective_bytes_per_step,
         "data_io": dataclasses.asdict(result.data_io) if result.data_io else None,
         "mfu": result.mfu,
         "first_train_loss": train[0]["loss"] if train else None,

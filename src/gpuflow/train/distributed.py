@@ -10,11 +10,13 @@ Plain ``gpuflow train`` is world size 1 and touches none of this.
 
 What a rank does differently from a single process:
 - it trains on its own contiguous slice of the corpus (``ResidentTokens(rank=...)``);
-- ``GradientAverager`` averages the gradients and the loss over ranks after the backward,
-  one all-reduce per dtype over a flat buffer the gradients are gathered into, queued like
-  any device work, so it sits inside the captured step's CUDA graph and costs no host sync
-  (the grad norm, the clip and the update then see the global gradient, the same on every
-  rank);
+- the captured step with MasterAdamW splits the update over the ranks
+  (``train/sharded.py``: a reduce-scatter of the gradients, each rank's part updated, an
+  all-gather of the weights); otherwise ``GradientAverager`` averages the gradients and the
+  loss over ranks after the backward, one all-reduce per dtype over a flat buffer the
+  gradients are gathered into. Either is queued like any device work, so it sits inside the
+  captured step's CUDA graph and costs no host sync (the grad norm, the clip and the update
+  then see the global gradient, the same on every rank);
 - only rank 0 writes: the run folder, metrics, checkpoints, the display;
 - a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
   every rank stops after the same step.
@@ -32,8 +34,8 @@ The eager data paths (host-sampled batches, or a resident corpus without the cap
 wrap the model in ``DistributedDataParallel`` instead, which all-reduces gradient buckets
 during the backward; ``GradientAverager`` then averages the loss alone.
 
-NCCL's traffic is invisible to the transfer ledger (it is not a copy torch dispatches):
-``GradientAverager.bytes_per_step`` is computed from the buffers it reduces.
+NCCL's traffic is invisible to the transfer ledger (it is not a copy torch dispatches): an
+averager's ``bytes_per_step`` is computed from the buffers it hands the collectives.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
+from gpuflow.train.optim import global_grad_norm
 
 # How long a collective may wait for the other ranks before the process group gives up with
 # an error naming it (a rank that died, or one that stopped calling collectives).
@@ -268,6 +271,21 @@ def broadcast_from_main(value: object, ranks: Ranks) -> object:
     return box[0]
 
 
+class Averager(Protocol):
+    """What the step's update asks of data parallelism: average the gradients (and the loss)
+    before the clip, give the clip the averaged gradient's norm, finish after the update."""
+
+    bytes_per_step: int
+
+    def __call__(
+        self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
+    ) -> list[torch.Tensor]: ...
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor: ...
+
+    def after_step(self) -> None: ...
+
+
 class GradientAverager:
     """Averages gradients (and the loss) over the ranks, device work only, so it can be
     captured with the step.
@@ -305,6 +323,12 @@ class GradientAverager:
             sent = sum(g.numel() * g.element_size() for g in grads)
             self.bytes_per_step = sent + (loss.element_size() if loss is not None else 0)
         return grads
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return global_grad_norm(grads)
+
+    def after_step(self) -> None:
+        """Nothing: every rank updated every weight."""
 
     def _reduce(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per dtype: the gradients into the flat buffer, one all-reduce, ``.grad`` views."""

@@ -145,6 +145,8 @@ class TrainLoop:
                 checkpoint_now = when.checkpoints(step, stopping)
                 if when.logs(step) or checkpoint_now:  # metrics are whole up to a checkpoint
                     self.close_interval(step)
+                if ranks.distributed and (checkpoint_now or when.evaluates(step)):
+                    trainer.gather_state()  # any checkpoint below holds every rank's part
                 evaluate_now = main and when.evaluates(step)
                 with self.throughput.paused(evaluate_now or checkpoint_now):
                     names = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
@@ -52,8 +53,8 @@ if triton is not None:
         grad_addrs,  # (n_tensors,) int64: where each bf16 gradient lies
         block_tensor,  # (n_blocks,) int32: the tensor a program updates
         block_start,  # (n_blocks,) int64: its first element within that tensor
+        block_end,  # (n_blocks,) int64: one past its last (a block may stop short of BLOCK)
         tensor_offset,  # (n_tensors,) int64: the tensor's place in the flat buffers
-        tensor_numel,  # (n_tensors,) int64
         tensor_decay,  # (n_tensors,) fp32: weight decay
         master,  # (N,) fp32
         exp_avg,  # (N,) fp32
@@ -74,16 +75,18 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
-        numel = tl.load(tensor_numel + t)
+        end = tl.load(block_end + pid)
         offset = tl.multiple_of(tl.load(tensor_offset + t), 8)
         grad_addr = tl.load(grad_addrs + t)
+        # Every block starts at a multiple of 8 elements (a shard's edge, too).
+        start = tl.multiple_of(tl.load(block_start + pid), 8)
         if ALIGNED:
             # Without these Triton cannot prove a program's elements contiguous and aligned,
-            # and loads them one at a time instead of in 16-byte vectors (2.9x slower).
-            numel = tl.multiple_of(numel, 8)
+            # and loads them one at a time instead of in 16-byte vectors.
+            end = tl.multiple_of(end, 8)
             grad_addr = tl.multiple_of(grad_addr, 16)
-        idx = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
-        mask = idx < numel
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < end
         flat = offset + idx
         grad = grad_addr.to(tl.pointer_type(tl.bfloat16))
         g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32)
@@ -108,9 +111,18 @@ if triton is not None:
 class MasterAdamW(torch.optim.Optimizer):
     """Takes over ``adamw``'s parameters, hyper-parameters and moments; from then on the
     parameters are bf16 and this optimizer holds their fp32 values. Like fused AdamW it
-    divides the gradients by ``grad_scale`` (the clip's factor) as it reads them."""
+    divides the gradients by ``grad_scale`` (the clip's factor) as it reads them.
 
-    def __init__(self, adamw: torch.optim.Optimizer) -> None:
+    ``shard=(rank, world_size)``: the flat buffers are padded to ``world_size`` equal parts
+    and ``step`` updates part ``rank`` alone (``shard_range``), reading only that part of
+    each gradient; the caller averages that part over the ranks first and gathers every
+    rank's updated weights after (``train/sharded.py``). The moments and masters outside the
+    part go stale until ``gather_shards``."""
+
+    def __init__(self, adamw: torch.optim.Optimizer, shard: tuple[int, int] = (0, 1)) -> None:
+        rank, world_size = shard
+        if not 0 <= rank < world_size:
+            raise ValueError(f"shard {shard}: want 0 <= rank < world_size")
         groups = [dict(g) for g in adamw.param_groups]
         for group in groups:
             group["fused"] = True
@@ -121,6 +133,10 @@ class MasterAdamW(torch.optim.Optimizer):
         for n in numels:
             offsets.append(end)
             end += round_up(n, ALIGN)
+        end = round_up(end, ALIGN * world_size)  # equal parts, each 16-byte aligned
+        part = end // world_size
+        self.shard_range = (rank * part, (rank + 1) * part)
+        self.world_size = world_size
         device = self._params[0].device
         self.master = torch.zeros(end, device=device)  # (N,) fp32
         self.exp_avg = torch.zeros_like(self.master)
@@ -147,17 +163,31 @@ class MasterAdamW(torch.optim.Optimizer):
         self._one = torch.ones((), device=device)
         self._lr = torch.zeros((), device=device)
 
-        blocks = [(t, s) for t, n in enumerate(numels) for s in range(0, n, BLOCK)]
-        self._block_tensor = upload_values([t for t, _ in blocks], torch.int32, device)
-        self._block_start = upload_values([s for _, s in blocks], torch.int64, device)
+        # Each tensor's part of the shard, in its own element numbers: [first, end).
+        lo, hi = self.shard_range
+        self._ranges = [
+            (max(0, lo - o), min(n, hi - o)) for o, n in zip(offsets, numels, strict=True)
+        ]
+        blocks = [
+            (t, s, min(s + BLOCK, last))
+            for t, (first, last) in enumerate(self._ranges)
+            for s in range(first, last, BLOCK)
+        ]
+        self._block_tensor = upload_values([t for t, _, _ in blocks], torch.int32, device)
+        self._block_start = upload_values([s for _, s, _ in blocks], torch.int64, device)
+        self._block_end = upload_values([e for _, _, e in blocks], torch.int64, device)
         self._offset = upload_values(offsets, torch.int64, device)
-        self._numel = upload_values(numels, torch.int64, device)
         decay = [float(g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
         self._decay = upload_values(decay, torch.float32, device)
         # Rewritten only when the gradients move: each eager step, and once after a capture.
         self._grad_addrs = DeviceTable(len(numels), device)
         self._captured: list[int] | None = None
         self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters in ``param_groups`` order (the flat buffers' order)."""
+        return self._params
 
     @staticmethod
     def runs_on(device: torch.device) -> bool:
@@ -181,6 +211,22 @@ class MasterAdamW(torch.optim.Optimizer):
             for name, t in model.state_dict(keep_vars=True).items()
         }
 
+    def gradient_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A zeroed flat bf16 buffer laid out as the weights (so a rank's part of it holds
+        the gradients of its part of the weights), and each parameter's view of it."""
+        flat = torch.zeros_like(self.weights)  # (N,) bf16; the padding stays 0
+        return flat, [self._view(flat, i) for i in range(len(self._params))]
+
+    @torch.no_grad()
+    def gather_shards(self) -> None:
+        """Every rank's part of the masters and moments onto every rank, so that any rank
+        holds the whole state (before a checkpoint). Collective: all ranks call it."""
+        if self.world_size == 1:
+            return
+        lo, hi = self.shard_range
+        for flat in (self.master, self.exp_avg, self.exp_avg_sq):
+            dist.all_gather_into_tensor(flat, flat[lo:hi])
+
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         grads = [p.grad for p in self._params]
@@ -202,14 +248,16 @@ class MasterAdamW(torch.optim.Optimizer):
             self._captured = addrs  # a copy from the host cannot be captured: done after
         else:
             self._grad_addrs.write(addrs)
+        if not len(self._block_tensor):  # a shard of padding only
+            return
         beta1, beta2 = self.defaults["betas"]
         aligned = self._sizes_aligned and all(a % 16 == 0 for a in addrs)
         _master_adamw_kernel[(len(self._block_tensor),)](
             self._grad_addrs.tensor,
             self._block_tensor,
             self._block_start,
+            self._block_end,
             self._offset,
-            self._numel,
             self._decay,
             self.master,
             self.exp_avg,
@@ -244,13 +292,20 @@ class MasterAdamW(torch.optim.Optimizer):
         bias1 = (1 - beta1**step).float()
         bias2_sqrt = (1 - beta2**step).sqrt().float()
         for i, grad in enumerate(grads):
-            g = grad.float() / scale
-            w, m, v = (self._view(buf, i) for buf in (self.master, self.exp_avg, self.exp_avg_sq))
+            first, last = self._ranges[i]
+            if first >= last:
+                continue
+            g = grad.flatten()[first:last].float() / scale
+            w, m, v = (
+                self._view(buf, i).flatten()[first:last]
+                for buf in (self.master, self.exp_avg, self.exp_avg_sq)
+            )
             w.mul_(1 - lr * self._decay[i])
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             w.sub_(lr / bias1 * m / (v.sqrt() / bias2_sqrt + self.defaults["eps"]))
-        self.weights.copy_(self.master)
+        lo, hi = self.shard_range
+        self.weights[lo:hi].copy_(self.master[lo:hi])
 
     def state_dict(self) -> dict:
         """AdamW's layout: per-parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (fp32)."""
@@ -275,11 +330,13 @@ class MasterAdamW(torch.optim.Optimizer):
         )
 
 
-def with_fp32_masters(optimizer: torch.optim.Optimizer, device: Device) -> torch.optim.Optimizer:
-    """``optimizer`` handed over to a MasterAdamW where its kernel runs and the step autocasts
-    to bf16; otherwise, or if it already is one, ``optimizer`` itself."""
+def with_fp32_masters(
+    optimizer: torch.optim.Optimizer, device: Device, shard: tuple[int, int] = (0, 1)
+) -> torch.optim.Optimizer:
+    """``optimizer`` handed over to a MasterAdamW (updating part ``shard``) where its kernel
+    runs and the step autocasts to bf16; otherwise, or if it already is one, ``optimizer``."""
     if isinstance(optimizer, MasterAdamW):
         return optimizer
     if MasterAdamW.runs_on(device.torch) and device.supports_bf16_autocast:
-        return MasterAdamW(optimizer)
+        return MasterAdamW(optimizer, shard)
     return optimizer

@@ -29,7 +29,7 @@ from gpuflow.model.gpt import GPT
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.datapath import DataPath
-from gpuflow.train.distributed import GradientAverager, holds_collectives
+from gpuflow.train.distributed import Averager, holds_collectives
 from gpuflow.train.master_adamw import with_fp32_masters
 from gpuflow.train.optim import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
@@ -78,12 +78,14 @@ class StepOptions:
 
 
 def optimizer_for(
-    path: DataPath, adamw: torch.optim.Optimizer, device: Device, options: StepOptions
-) -> torch.optim.Optimizer:
+    path: DataPath, adamw: torch.optim.Optimizer, device: Device, options: StepOptions,
+    shard: tuple[int, int] = (0, 1),
+) -> torch.optim.Optimizer:  # fmt: skip
     """The optimizer ``path``'s step runs: the captured step hands ``adamw`` (restored from
-    a checkpoint, if any) to a MasterAdamW where its kernel runs; the others keep it."""
+    a checkpoint, if any) to a MasterAdamW where its kernel runs, updating part ``rank`` of
+    ``shard=(rank, world_size)``; the others keep it."""
     if path is DataPath.RESIDENT_GRAPH and options.master_weights:
-        return with_fp32_masters(adamw, device)
+        return with_fp32_masters(adamw, device, shard)
     return adamw
 
 
@@ -106,7 +108,7 @@ class Update:
 
     def __init__(
         self, model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float, fused_clip: bool,
-        averager: GradientAverager | None = None,
+        averager: Averager | None = None,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.fused_clip = fused_clip and bool(optimizer.defaults.get("fused"))
@@ -127,13 +129,15 @@ class Update:
             # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
             # max_norm / (norm + 1e-6) capped at 1, inverted). Averaged gradients are read
             # through their flat buffers: the norm is the same.
-            grad_norm = global_grad_norm(grads)
+            grad_norm = self.averager.grad_norm(grads) if self.averager else global_grad_norm(grads)
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
         elif self.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         else:
             grad_norm = self._no_clip
         self.optimizer.step()
+        if self.averager is not None:
+            self.averager.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
@@ -148,7 +152,7 @@ class StepParts:
     config: TrainConfig
     device: Device
     options: StepOptions
-    averager: GradientAverager | None = None  # data-parallel: gradients averaged over ranks
+    averager: Averager | None = None  # data-parallel: gradients averaged over ranks
 
 
 class TrainStep:
@@ -236,7 +240,7 @@ class GraphStep(TrainStep):
         self._draw, self._schedule = draw, schedule
         rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
         self.captured = CapturedStep(self._body, after_capture=rebind, graphs=parts.options.graphs)
-        if parts.averager is not None:  # the graph will hold the job's all-reduce
+        if parts.averager is not None:  # the graph will hold the job's collectives
             holds_collectives(self.captured)
 
     def _body(self) -> None:

@@ -35,11 +35,19 @@ from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.distributed import GradientAverager, Ranks, each_host_first, least
+from gpuflow.train.distributed import (
+    Averager,
+    GradientAverager,
+    Ranks,
+    each_host_first,
+    least,
+)
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
+from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.train.optim import build_optimizer
 from gpuflow.train.run import TOKENIZER_FILE, RunFolder, truncate_metrics
+from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import (
     StepOptions,
     StepParts,
@@ -72,7 +80,7 @@ class TrainResult:
     tokens_per_step: int = 0  # the job's: every rank's batch
     # What each rank handed NCCL per step (the gradients' all-reduce): computed from the
     # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
-    allreduce_bytes_per_step: int | None = None
+    collective_bytes_per_step: int | None = None
     data_io: IoChoice | None = None  # how the resident corpus was read; None: no such corpus
 
 
@@ -109,7 +117,7 @@ class Trainer:
         self.tokens_per_step = (
             config.train.batch_size * config.model.max_len * self.ranks.world_size
         )
-        self.averager: GradientAverager | None = None  # chosen with the data path, in build
+        self.averager: Averager | None = None  # chosen with the data path, in build
         self._flops_per_token = flops_per_token(config.model)
         self._peak_flops = device.peak_bf16_flops()
 
@@ -206,8 +214,13 @@ class Trainer:
                 f"{self.run_dir} already finished {self.start_step} of {cfg.train.steps} steps; "
                 f"pass --steps N with N > {self.start_step} to train further"
             )
-        # Chosen once, for the data path: the step never swaps it.
-        self.optimizer = optimizer_for(self.path, adamw, device, self.options)
+        # Chosen once, for the data path: the step never swaps it. The captured step on
+        # several ranks splits the update over them (train/sharded.py).
+        split = ranks.distributed and not ddp and self.options.fused_clip
+        shard = (ranks.rank, ranks.world_size) if split else (0, 1)
+        self.optimizer = optimizer_for(self.path, adamw, device, self.options, shard)
+        if isinstance(self.optimizer, MasterAdamW) and self.optimizer.world_size > 1:
+            self.averager = ShardedAverager(self.optimizer)
         self._warn_about_repeats(say)
         return checkpoint.path if checkpoint is not None else None
 
@@ -269,6 +282,12 @@ class Trainer:
                 yield train_step
             finally:
                 train_step.close()
+
+    def gather_state(self) -> None:
+        """Make this rank's optimizer state whole where the update is split over the ranks
+        (before a checkpoint). Collective: every rank calls it at the same step."""
+        if isinstance(self.optimizer, MasterAdamW):
+            self.optimizer.gather_shards()
 
     def evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read); kept as
@@ -372,6 +391,6 @@ class Trainer:
             mfu=self.mfu(median_rate),
             world_size=self.ranks.world_size,
             tokens_per_step=self.tokens_per_step,
-            allreduce_bytes_per_step=self.averager.bytes_per_step if self.averager else None,
+            collective_bytes_per_step=self.averager.bytes_per_step if self.averager else None,
             data_io=self.io,
         )

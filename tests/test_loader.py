@@ -116,7 +116,7 @@ def test_reading_ahead_is_bounded_and_closing_frees_the_staging_memory():
     loader.close()
     assert closed.is_set()  # the generator's finally ran
     assert loader.pool_stats.bytes_reserved == 0
-    with pytest.raises(StopIteration):
+    with pytest.raises(GpuflowError, match="closed"):  # not an end that looks normal
         next(loader)
 
 
@@ -355,3 +355,124 @@ def test_coalesced_batches_of_changing_layouts_arrive_intact():
     for sent, received in zip(batches, got, strict=True):
         assert torch.equal(received["x"], sent["x"])
         assert received["ids"].dtype == torch.int64 and torch.equal(received["ids"], sent["ids"])
+
+
+# ---- sources that write their batches again ----------------------------------------------------
+
+
+def _refilled(values, make):
+    """A hand-written loader's way: one buffer, refilled and yielded for every batch."""
+    buffer = make()
+    for value in values:
+        buffer[...] = torch.as_tensor(value) if isinstance(buffer, torch.Tensor) else value
+        yield buffer
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.empty(8, dtype=torch.int64), lambda: np.empty(8, dtype=np.int64),
+     lambda: torch.empty(8, dtype=torch.float32)],
+    ids=["tensor", "array", "floats"],
+)  # fmt: skip
+def test_a_source_that_refills_one_buffer_gets_every_batch_as_it_was_yielded(make, depth):
+    loader = DeviceLoader(_refilled(range(10), make), "cpu", depth=depth)
+    assert [batch.tolist() for batch in loader] == [[i] * 8 for i in range(10)]
+
+
+def test_a_ring_of_views_into_one_tensor_arrives_as_yielded():
+    ring = torch.zeros(4, 1000, dtype=torch.int64)
+
+    def source():
+        for i in range(40):
+            slot = ring[i % 4]  # a view: the source writes it again four batches later
+            slot.fill_(i)
+            yield {"ids": slot, "step": i}
+
+    got = [(batch["step"], batch["ids"].unique().tolist()) for batch in DeviceLoader(source())]
+    assert got == [(i, [i]) for i in range(40)]
+
+
+def test_values_that_narrow_differently_in_a_refilled_buffer_arrive_exact():
+    rows = [[5, 70000, -3, 2**40], [1, 2, 3, 4], [70000, 1, 2, 3], [-(2**40), 0, 0, 0]] * 5
+    loader = DeviceLoader(_refilled(rows, lambda: torch.empty(4, dtype=torch.int64)), "cpu")
+    assert [batch.tolist() for batch in loader] == rows
+
+
+def test_a_large_refilled_buffer_written_by_the_writer_threads_arrives_as_yielded():
+    # 4 MiB of int64 that narrow to uint16: staged on the writer threads
+    source = _refilled(range(6), lambda: torch.empty(1 << 19, dtype=torch.int64))
+    got = [(batch.dtype, batch.unique().tolist()) for batch in DeviceLoader(source, "cpu")]
+    assert got == [(torch.int64, [i]) for i in range(6)]
+
+
+# ---- epochs, as a DataLoader's ----------------------------------------------------------------
+
+
+def test_each_iter_is_an_epoch_of_its_own():
+    loader = DeviceLoader([torch.tensor([i]) for i in range(3)], "cpu")
+    assert [(a.item(), b.item()) for a, b in zip(loader, loader, strict=True)] == [
+        (0, 0), (1, 1), (2, 2)
+    ]  # fmt: skip
+    pairs = [(a.item(), b.item()) for a in loader for b in loader]
+    assert pairs == [(a, b) for a in range(3) for b in range(3)]
+    first = iter(loader)
+    assert next(first).item() == 0
+    second = iter(loader)  # does not restart the first
+    assert [b.item() for b in second] == [0, 1, 2]
+    assert [b.item() for b in first] == [1, 2]
+    with pytest.raises(StopIteration):
+        next(first)
+
+
+def test_an_epoch_left_early_lets_go_of_what_it_read_ahead():
+    closed = threading.Event()
+
+    def source():
+        try:
+            yield from (np.full(4, i) for i in range(100))
+        finally:
+            closed.set()
+
+    class Source:
+        def __iter__(self):
+            return source()
+
+    loader = DeviceLoader(Source(), "cpu")
+    for batch in loader:
+        if batch[0] == 2:
+            break
+    assert closed.is_set()  # the abandoned epoch's generator was closed
+    assert [b[0].item() for b in loader][:3] == [0, 1, 2]  # and the next epoch starts over
+
+
+# ---- what arrives is what .to() would give -------------------------------------------------
+
+
+def test_layouts_and_container_types_arrive_as_to_keeps_them():
+    from collections import defaultdict
+
+    images = torch.randn(4, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    matrix = torch.randn(6, 5).t()  # a transpose: strides (1, 5)
+    batch = defaultdict(list, {"images": images, "matrix": matrix})
+    for got in DeviceLoader([batch, batch], "cpu"):
+        assert isinstance(got, defaultdict) and got.default_factory is list
+        assert got["images"].is_contiguous(memory_format=torch.channels_last)
+        assert got["images"].stride() == images.to("cpu", copy=True).stride()
+        assert got["matrix"].stride() == matrix.stride()
+        assert torch.equal(got["images"], images) and torch.equal(got["matrix"], matrix)
+
+
+def test_finite_floats_beyond_the_lossy_codecs_range_are_refused_not_sent_as_inf():
+    big = torch.tensor([1.0, 1e300], dtype=torch.float64)
+    with pytest.raises(GpuflowError, match="beyond bf16's range"):
+        next(DeviceLoader([big], "cpu", lossy_float="bf16"))
+    inf = torch.tensor([1.0, float("inf"), float("nan")], dtype=torch.float64)
+    got = next(DeviceLoader([inf], "cpu", lossy_float="bf16"))  # already not finite: as is
+    assert got[1].isinf() and got[2].isnan()
+
+
+def test_a_device_given_as_an_int_is_an_accelerator_index_as_in_torch():
+    with pytest.raises(GpuflowError, match="no accelerator"):
+        DeviceLoader([torch.zeros(2)], 0)
+    assert Device.resolve("cpu").type == "cpu"

@@ -1,10 +1,12 @@
 """``DeviceLoader`` against the PyTorch idioms it replaces, in one process.
 
 - sweep: batches of 8 KiB to 64 MiB, from pageable and from pinned memory, each with a
-  little compute (one reduction into an accumulator), through four paths:
+  little compute (one reduction into an accumulator), through five paths:
   ``DataLoader(pin_memory=True)`` + ``.to(non_blocking=True)``; per-batch
-  ``.pin_memory().to(non_blocking=True)``; plain ``.to()``; and ``DeviceLoader``. Also the
-  loader's own host time per batch with no compute at all.
+  ``.pin_memory().to(non_blocking=True)``; plain ``.to()``; ``DeviceLoader`` as it comes
+  (copying each batch as it reads it); and ``DeviceLoader(fresh_batches=True)``, told that
+  the source never writes its batches again. Also the loader's own host time per batch with
+  no compute at all.
 - images: an image-classification loop (a ``DataLoader`` with workers yielding dicts of uint8
   images and int64 labels, a small CNN trained under bf16 autocast) fed by
   ``DataLoader(pin_memory=True)`` + ``.to()`` and by ``DeviceLoader`` over the same
@@ -32,7 +34,7 @@ from gpuflow.transfer.loader import DeviceLoader
 
 KB, MB = 1 << 10, 1 << 20
 IDIOMS = ("dataloader", "pin_to", "to")
-PATHS = (*IDIOMS, "deviceloader")
+PATHS = (*IDIOMS, "deviceloader", "deviceloader_fresh")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,14 @@ def _paths(device: Device) -> dict[str, Callable[[list[torch.Tensor]], Iterable[
     def deviceloader(batches: list[torch.Tensor]) -> DeviceLoader:
         return DeviceLoader(batches, device)
 
-    return {"dataloader": dataloader, "pin_to": pin_to, "to": to, "deviceloader": deviceloader}
+    def deviceloader_fresh(batches: list[torch.Tensor]) -> DeviceLoader:
+        # the sweep's batches are never written again: pinned ones may be read in place
+        return DeviceLoader(batches, device, fresh_batches=True)
+
+    return {
+        "dataloader": dataloader, "pin_to": pin_to, "to": to, "deviceloader": deviceloader,
+        "deviceloader_fresh": deviceloader_fresh,
+    }  # fmt: skip
 
 
 def _consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
@@ -133,6 +142,9 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             row["fastest_idiom"] = fastest
             row["vs_fastest_idiom"] = row["deviceloader_gb_s"] / row[f"{fastest}_gb_s"]
             row["vs_dataloader"] = row["deviceloader_gb_s"] / row["dataloader_gb_s"]
+            row["fresh_vs_fastest_idiom"] = (
+                row["deviceloader_fresh_gb_s"] / row[f"{fastest}_gb_s"]
+            )
             no_compute = [_consume(device, DeviceLoader(batches, device), compute=False)]
             row["deviceloader_host_us_per_batch"] = min(no_compute) / n * 1e6
             rows.append(row)

@@ -517,6 +517,7 @@ def _print_loader_tables(r: dict[str, Any], of_peak: Callable[[float], str]) -> 
         ".to()",
         "DeviceLoader",
         "vs fastest idiom",
+        "fresh_batches",
         "loader host us/batch",
         title="GB/s per path, a little compute per batch (fraction of the pinned h2d peak)",
     )
@@ -527,6 +528,7 @@ def _print_loader_tables(r: dict[str, Any], of_peak: Callable[[float], str]) -> 
             *(of_peak(row[f"{name}_gb_s"]) for name in ("dataloader", "pin_to", "to")),
             of_peak(row["deviceloader_gb_s"]),
             f"{row['vs_fastest_idiom']:.2f}x",
+            f"{row['fresh_vs_fastest_idiom']:.2f}x",
             f"{row['deviceloader_host_us_per_batch']:.1f}",
         )
     out_console.print(grid)

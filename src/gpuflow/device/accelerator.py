@@ -120,11 +120,20 @@ class Device:
             )
 
     @classmethod
-    def resolve(cls, spec: str | torch.device | Device | None = "auto") -> Device:
-        """Parse ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ... (or take a ``torch.device``)
-        and check that it exists."""
+    def resolve(cls, spec: str | int | torch.device | Device | None = "auto") -> Device:
+        """Parse ``auto``, ``cpu``, ``cuda``, ``cuda:1``, ... (or take a ``torch.device``, or
+        an int: as PyTorch reads it, that index of the machine's accelerator) and check that
+        it exists."""
         if isinstance(spec, Device):
             return spec
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            kinds = [t for t in ACCELERATOR_TYPES if _backend_available(t)]
+            if not kinds:
+                raise GpuflowError(
+                    f"device {spec} is an accelerator's index, and this machine has no "
+                    "accelerator; pass 'cpu'"
+                )
+            spec = f"{kinds[0]}:{spec}"
         if isinstance(spec, torch.device):
             spec = str(spec)  # "cuda" without an index is taken as cuda:0, as the string is
         spec = (spec or "auto").strip().lower()

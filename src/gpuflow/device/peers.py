@@ -22,7 +22,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device, available_devices
 from gpuflow.device.linkprobe import PROBE_BYTES
 
-DeviceSpec = Device | torch.device | str
+DeviceSpec = Device | torch.device | str | int
 
 
 def cuda_devices() -> list[Device]:

@@ -101,10 +101,20 @@ from gpuflow.transfer.tally import housekeeping, report_copy
 COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
 _COALESCE_MAX_BATCH = COALESCE_BYTES // 4  # larger batches cross on their own
 _COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source is read ahead
+# A shared staging buffer is taken before its first batch is read, at this size (a pool size
+# class): each batch is written into it as soon as it is read.
+_COALESCE_CAPACITY = COALESCE_BYTES
 SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
 _WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs copied slower: benchmarks/NOTES.md)
 _WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the pinned ``tensor`` in pinned memory of the loader's own (torch's pinned
+    cache), for a source that may write its own again once it has yielded it."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return copy.copy_(tensor)
 
 
 def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:
@@ -180,6 +190,7 @@ class _Crossing:
         self.copy_times: tuple[Any, Any] | None = None
         self.batches: deque[Any] | None = None  # rebuilt on the device at the first take
         self.handed_out = 0
+        self.shared = False  # small batches share its staging buffer (taken at its start)
 
     def release_unused(self) -> None:
         """Let go of a crossing whose batches will never be handed out (no host wait)."""
@@ -197,10 +208,30 @@ class _BatchTiming:
     released: Any = None
 
 
+class _Epoch:
+    """One pass over the source: what it has read ahead and not yet handed out.
+
+    ``owned``: whether what the source yields is the loader's as soon as it is read (batches
+    made fresh for each read, which nothing else writes). Otherwise every batch is copied when
+    it is read (into staging memory, or pinned memory of the loader's own), before the
+    source is asked for the next one, so a source that refills one buffer, or a pinned
+    buffer it reuses, is read as it was when it yielded."""
+
+    def __init__(self, source: Iterator[Any], owned: bool) -> None:
+        self.source: Iterator[Any] | None = source  # None once it is used up
+        self.owned = owned
+        self.carried: _Crossing | None = None  # started by a batch that did not fit the last
+        self.failure: Exception | None = None  # the source's error, raised in its turn
+        self.pulled: deque[_Crossing] = deque()  # staged, copies not queued yet
+        self.issued: deque[_Crossing] = deque()  # copies queued, batches still to hand out
+        self.held: _BatchTiming | None = None  # the timing of the batch in use
+        self.ended = False
+
+
 class _Pipeline:
-    """The loader's state: staging pool, copy stream, the crossings of the current epoch. It
-    holds no reference to its ``DeviceLoader``, so a loader dropped without
-    ``close()`` is collected and its finalizer frees what is here."""
+    """The loader's state: staging pool, copy stream, the epochs under way. It holds no
+    reference to its ``DeviceLoader``, so a loader dropped without ``close()`` is collected
+    and its finalizer frees what is here."""
 
     def __init__(
         self, device: Device, depth: int, planner: Planner, pool_bytes: int | None,
@@ -219,95 +250,138 @@ class _Pipeline:
         self.sources_in_flight: deque[tuple[Any, list[torch.Tensor]]] = deque()
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
         self.streams: dict[Any, Any] = {}  # stream objects by key: building one costs 5-8 us
-        self.source: Iterator[Any] | None = None  # the epoch's, None once it is used up
-        self.carried: PackPlan | None = None  # planned; did not fit the last crossing
-        self.failure: Exception | None = None  # the source's error, raised in its turn
-        self.pulled: deque[_Crossing] = deque()  # staged, copies not queued yet
-        self.issued: deque[_Crossing] = deque()  # copies queued, batches still to hand out
+        self.epochs: list[_Epoch] = []  # those under way: each iter() starts one
         self.counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
         self.times = {"source_s": 0.0, "stall_s": 0.0}
         self.released = False
 
     # ---- reading ahead --------------------------------------------------------------------
 
-    def top_up(self) -> None:
+    def top_up(self, ep: _Epoch) -> None:
         """Read and stage batches until ``depth + 1`` crossings are on their way."""
-        while self.source is not None and len(self.pulled) + len(self.issued) <= self.depth:
-            crossing = self._gather()
+        while ep.source is not None and len(ep.pulled) + len(ep.issued) <= self.depth:
+            crossing = self._gather(ep)
             if crossing is None:
                 break
-            self._stage(crossing)
-            self.pulled.append(crossing)
+            ep.pulled.append(crossing)
 
-    def _next_plan(self) -> PackPlan | None:
-        """The next batch, planned; None at the end of the source or after an error in it."""
-        if self.carried is not None:
-            plan, self.carried = self.carried, None
-            return plan
-        if self.source is None:
+    def _next_plan(self, ep: _Epoch) -> PackPlan | None:
+        """The source's next batch, planned; None at its end or after an error in it."""
+        if ep.source is None:
             return None
+        if not ep.owned:
+            self._settle_writes(ep)  # the source may refill what they read from
         started = time.perf_counter()
         try:
-            batch = next(self.source)
+            batch = next(ep.source)
             return self.planner.plan_pack(batch)
         except StopIteration:
-            self.end_source()
+            self.end_source(ep)
         except Exception as exc:  # raised to the consumer after the batches before it
-            self.failure = exc
-            self.end_source()
+            ep.failure = exc
+            self.end_source(ep)
         finally:
             self.times["source_s"] += time.perf_counter() - started
         return None
 
-    def _gather(self) -> _Crossing | None:
-        """The next crossing: one batch, or several small ones in a row."""
-        first = self._next_plan()
-        if first is None:
-            return None
-        parts, nbytes, wire = [(first, 0)], first.nbytes, first.wire_nbytes
-        if not self.coalesce or wire > _COALESCE_MAX_BATCH:
-            return _Crossing(parts, nbytes, wire)
-        while len(parts) < _COALESCE_MAX_COUNT:
-            plan = self._next_plan()
+    def _gather(self, ep: _Epoch) -> _Crossing | None:
+        """The next crossing: one batch, or several small ones in a row, each staged (copied
+        into staging memory, its direct tensors pinned or copied) as soon as it is read."""
+        crossing, ep.carried = ep.carried, None
+        if crossing is None:
+            plan = self._next_plan(ep)
             if plan is None:
-                break
-            if wire + plan.wire_nbytes > COALESCE_BYTES:
-                self.carried = plan  # starts the next crossing
-                break
-            offset = round_up(nbytes, ALIGN)
-            parts.append((plan, offset))
-            nbytes, wire = offset + plan.nbytes, wire + plan.wire_nbytes
-        return _Crossing(parts, nbytes, wire)
-
-    def _stage(self, crossing: _Crossing) -> None:
-        """Pin the crossing's pageable direct tensors and write its staged ones into pinned
-        memory."""
-        crossing.direct_sources = []
-        for plan, _ in crossing.parts:
-            sources = []
-            for leaf, source in plan.direct_pairs():
-                if leaf.pin:
-                    source = source.pin_memory()
-                sources.append(source)
-            crossing.direct_sources.append(sources)
-        if crossing.nbytes == 0:
-            return
-        crossing.host = self._staging_buffer(crossing.nbytes)
-        staging = crossing.host.bytes
+                return None
+            crossing = self._start(plan, ep)
+        if not self._coalescing(crossing):
+            return crossing
         try:
-            if crossing.nbytes >= BACKGROUND_BYTES:
-                if self.writer is None:
-                    self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
-                for plan, offset in crossing.parts:
-                    jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
-                    crossing.writes += [self.writer.submit(job) for job in jobs]
-                return
-            for plan, offset in crossing.parts:
-                if plan.has_staged:
-                    plan.write_into(staging, offset)
+            while len(crossing.parts) < _COALESCE_MAX_COUNT:
+                plan = self._next_plan(ep)
+                if plan is None:
+                    break
+                offset = round_up(crossing.nbytes, ALIGN)
+                fits = (
+                    self._small(plan)
+                    and crossing.wire + plan.wire_nbytes <= COALESCE_BYTES
+                    and offset + plan.nbytes <= crossing.host.bytes.numel()
+                )
+                if not fits:
+                    ep.carried = self._start(plan, ep)  # the next crossing's first batch
+                    break
+                self._stage_part(crossing, plan, offset, ep.owned)
         except BaseException:
             self._drop_staging(crossing)
             raise
+        return crossing
+
+    def _small(self, plan: PackPlan) -> bool:
+        return (
+            self.coalesce
+            and plan.wire_nbytes <= _COALESCE_MAX_BATCH
+            and plan.nbytes <= _COALESCE_CAPACITY
+        )
+
+    @staticmethod
+    def _coalescing(crossing: _Crossing) -> bool:
+        return crossing.shared
+
+    def _start(self, plan: PackPlan, ep: _Epoch) -> _Crossing:
+        """A crossing whose first batch is ``plan``, staged: a small batch in a staging buffer
+        that later small batches share, any other in one of its own size."""
+        crossing = _Crossing([], 0, 0)
+        crossing.shared = self._small(plan)
+        try:
+            size = _COALESCE_CAPACITY if crossing.shared else plan.nbytes
+            if size:
+                crossing.host = self._staging_buffer(size)
+            self._stage_part(crossing, plan, 0, ep.owned)
+        except BaseException:
+            self._drop_staging(crossing)
+            raise
+        return crossing
+
+    def _stage_part(self, crossing: _Crossing, plan: PackPlan, offset: int, owned: bool) -> None:
+        """Add ``plan`` to ``crossing`` at ``offset`` of its staging buffer: its staged tensors
+        written there (on the writer threads when large), its direct ones pinned by
+        ``pin_memory()`` if pageable, or copied into pinned memory of the loader's own if the
+        source's pinned memory is not the loader's to read later."""
+        sources = []
+        for leaf, source in plan.direct_pairs():
+            if leaf.pin:
+                source = source.pin_memory()
+            elif not owned:
+                source = _pinned_copy(source)
+            sources.append(source)
+        crossing.direct_sources.append(sources)
+        crossing.parts.append((plan, offset))
+        crossing.nbytes = offset + plan.nbytes
+        crossing.wire += plan.wire_nbytes
+        if not plan.has_staged or crossing.host is None:
+            return
+        staging = crossing.host.bytes
+        try:
+            if plan.nbytes >= BACKGROUND_BYTES:
+                if self.writer is None:
+                    self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
+                jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
+                crossing.writes += [self.writer.submit(job) for job in jobs]
+                return
+            plan.write_into(staging, offset)
+        except BaseException:
+            self._drop_staging(crossing)
+            raise
+
+    def _settle_writes(self, ep: _Epoch) -> None:
+        """Wait until the writer threads have read every batch read so far (their errors are
+        raised in their turn, by ``issue_ready``)."""
+        pending = [f for c in (*ep.pulled, ep.carried) if c is not None for f in c.writes]
+        if not pending:
+            return
+        started = time.perf_counter()
+        with housekeeping():
+            wait(pending)
+        self.times["stall_s"] += time.perf_counter() - started
 
     def _drop_staging(self, crossing: _Crossing) -> None:
         """Cancel or wait out the crossing's writes and give its staging buffer back, unused
@@ -326,7 +400,9 @@ class _Pipeline:
         and one whose copy may still run. The cap is the back-pressure: when the device falls
         behind, staging waits for a copy to finish instead of pinning more memory."""
         if self.pool_bytes is None:
-            self.pool.max_bytes = max(self.pool.max_bytes, (self.depth + 2) * size_class(nbytes))
+            # per epoch under way: depth + 1 read ahead, the next one started, one in a copy
+            crossings = (self.depth + 3) * max(1, len(self.epochs))
+            self.pool.max_bytes = max(self.pool.max_bytes, crossings * size_class(nbytes))
         started = time.perf_counter()
         try:
             with housekeeping():  # the loader's own wait, reported in stats.stall_s
@@ -344,24 +420,24 @@ class _Pipeline:
 
     # ---- queueing copies --------------------------------------------------------------------
 
-    def issue_ready(self, key: Any) -> None:
+    def issue_ready(self, ep: _Epoch, key: Any) -> None:
         """Queue the copies of staged crossings, up to ``depth`` ahead of the consumer, whose
         current stream is ``key``. Waits for writes only when the consumer has nothing else
         to take."""
-        while self.pulled and len(self.issued) < max(self.depth, 1):
-            crossing = self.pulled[0]
-            if self.issued and not all(f.done() for f in crossing.writes):
+        while ep.pulled and len(ep.issued) < max(self.depth, 1):
+            crossing = ep.pulled[0]
+            if ep.issued and not all(f.done() for f in crossing.writes):
                 return
-            self.pulled.popleft()
+            ep.pulled.popleft()
             try:
                 self._finish_writes(crossing)
             except Exception as exc:  # raised to the consumer after the batches before it
-                self.failure = exc
-                self.discard(self.pulled)
-                self.end_source()
+                ep.failure = exc
+                self.discard(ep.pulled)
+                self.end_source(ep)
                 return
             self._issue(crossing, key)
-            self.issued.append(crossing)
+            ep.issued.append(crossing)
 
     def _finish_writes(self, crossing: _Crossing) -> None:
         if not crossing.writes:
@@ -471,15 +547,15 @@ class _Pipeline:
 
     # ---- handing out --------------------------------------------------------------------------
 
-    def take(self, key: Any) -> tuple[Any, _BatchTiming | None] | None:
+    def take(self, ep: _Epoch, key: Any) -> tuple[Any, _BatchTiming | None] | None:
         """The next batch, ordered after its copy on the stream ``key`` names (the current
         one), or None at the end of the epoch."""
-        if not self.issued:
-            if self.failure is not None:
-                failure, self.failure = self.failure, None
+        if not ep.issued:
+            if ep.failure is not None:
+                failure, ep.failure = ep.failure, None
                 raise failure
             return None
-        crossing = self.issued[0]
+        crossing = ep.issued[0]
         plan = crossing.parts[crossing.handed_out][0]
         timing = None
         if self.timing:
@@ -498,7 +574,7 @@ class _Pipeline:
         batch = crossing.batches.popleft()
         crossing.handed_out += 1
         if crossing.handed_out == len(crossing.parts):
-            self.issued.popleft()
+            ep.issued.popleft()
         counts = self.counts
         counts["batches"] += 1
         wire = plan.wire_nbytes
@@ -543,8 +619,9 @@ class _Pipeline:
 
     # ---- ending -------------------------------------------------------------------------------
 
-    def end_source(self) -> None:
-        source, self.source, self.carried = self.source, None, None
+    def end_source(self, ep: _Epoch) -> None:
+        """Stop reading the epoch's source (a batch started for the next crossing stays)."""
+        source, ep.source = ep.source, None
         close_source = getattr(source, "close", None)  # a generator's finally blocks run now
         if close_source is not None:
             with suppress(Exception):
@@ -558,11 +635,20 @@ class _Pipeline:
             self._drop_staging(crossing)
             crossing.release_unused()
 
-    def end_epoch(self) -> None:
-        self.end_source()
-        self.failure = None
-        self.discard(self.pulled)
-        self.discard(self.issued)
+    def end_epoch(self, ep: _Epoch) -> None:
+        """Stop the epoch: its source closed, what it read ahead dropped."""
+        if ep.ended:
+            return
+        ep.ended = True
+        self.end_source(ep)
+        ep.failure = None
+        if ep.carried is not None:
+            self.discard(deque([ep.carried]))
+            ep.carried = None
+        self.discard(ep.pulled)
+        self.discard(ep.issued)
+        with suppress(ValueError):
+            self.epochs.remove(ep)
 
     def release(self) -> None:
         """Free staging memory (also what the finalizer of a loader dropped without
@@ -570,7 +656,8 @@ class _Pipeline:
         if self.released:
             return
         self.released = True
-        self.end_epoch()
+        for ep in list(self.epochs):
+            self.end_epoch(ep)
         if self.writer is not None:
             self.writer.shutdown(wait=False)  # idle: end_epoch waited for every write
         with housekeeping():
@@ -587,20 +674,32 @@ class DeviceLoader:
     consumer's results (an actor feeding a learner), which reading ahead would deadlock;
     each copy then runs while the consumer waits on the device. ``narrow`` and
     ``lossy_float`` are ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the
-    pinned staging memory (default: ``depth + 2`` staging buffers). ``timing`` records events
-    for the device times in ``stats`` (off by default: they cost host time per batch).
-    ``coalesce=False`` gives every batch its own copy, so that a ledger or profiler window
-    of N steps sees N copies (``gpuflow train``'s streamed path, whose copies are profiled).
+    pinned staging memory (default: ``depth + 3`` staging buffers per epoch under way).
+    ``timing`` records events for the device times in ``stats`` (off by default: they cost
+    host time per batch). ``coalesce=False`` gives every batch its own copy, so that a ledger
+    or profiler window of N steps sees N copies (``gpuflow train``'s streamed path, whose
+    copies are profiled).
 
-    Like a ``DataLoader``, each ``iter(loader)`` is an epoch over the source; staging memory
-    is reused from one epoch to the next. ``len()`` is the source's. A source that is itself
-    an iterator (a generator) gives one epoch.
+    What the loader reads ahead is its own from the moment it is read: each batch is copied
+    as it is read (into staging memory; a pinned tensor into pinned memory of the loader's),
+    so a source may refill one buffer, or hand out views of a ring buffer, and every batch
+    arrives as it was when yielded. ``fresh_batches=True`` tells the loader that every batch
+    the source yields is memory made for it that nothing writes again (a generator that
+    allocates each batch, say): the loader then reads pinned tensors where they lie, as
+    ``tensor.to(device, non_blocking=True)`` does, saving that copy. A ``DataLoader`` that
+    batches with its default ``collate_fn`` makes fresh batches and is read so by default.
+
+    Like a ``DataLoader``, each ``iter(loader)`` is an epoch iterator of its own over the
+    source (two at once, as ``zip(loader, loader)`` makes, each read their own batches);
+    staging memory is shared and reused from one epoch to the next. ``next(loader)`` reads
+    from an epoch of its own, started by the first ``next``. ``len()`` is the source's. A
+    source that is itself an iterator (a generator) gives one epoch.
     """
 
     def __init__(
         self,
         source: Iterable[Any],
-        device: Device | torch.device | str = "auto",
+        device: Device | torch.device | str | int = "auto",
         depth: int = 2,
         *,
         narrow: bool = True,
@@ -608,19 +707,20 @@ class DeviceLoader:
         pool_bytes: int | None = None,
         timing: bool = False,
         coalesce: bool = True,
+        fresh_batches: bool = False,
     ) -> None:
         if depth < 0:
             raise GpuflowError(f"DeviceLoader depth must be >= 0, got {depth}")
         self.device = Device.resolve(device)
         self.depth = depth
+        self.fresh_batches = fresh_batches
         self._source = source
         planner = Planner(narrow, lossy_float, direct=self.device.supports_pinned_memory)
         self._pipeline = _Pipeline(self.device, depth, planner, pool_bytes, timing, coalesce)
         # Runs on close(), on collection of a loader never closed, and at interpreter exit.
         self._finalizer = weakref.finalize(self, self._pipeline.release)
         self._epochs = 0
-        self._in_epoch = False
-        self._held: _BatchTiming | None = None  # the timing of the batch in use
+        self._own_epoch: _Epoch | None = None  # the one next(loader) reads
         self._unread: deque[_BatchTiming] = deque()  # timings of batches let go of
         self._device_times = {"transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
         self._closed = False
@@ -635,59 +735,71 @@ class DeviceLoader:
     # ---- epochs -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        """Start an epoch (after ending one still running)."""
-        if self._closed:
-            raise GpuflowError("this DeviceLoader is closed; make a new one to iterate again")
-        self._end_epoch()
+        """A new epoch over the source, as an iterator of its own."""
+        return _EpochIterator(self, self._start_epoch())
+
+    def _start_epoch(self) -> _Epoch:
+        self._check_open()
         batches = iter(self._source)
         if batches is self._source and self._epochs > 0:
             raise GpuflowError(
                 "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
                 "something that can be iterated again (a list, a DataLoader) for more epochs"
             )
+        owned = self.fresh_batches or _makes_fresh_batches(self._source)
         if self.depth > 0 and reads_slowly(self._source):
-            batches = ThreadedSource(batches, ahead=self.depth + 1, pin_for=self.device)
+            batches = ThreadedSource(
+                batches, ahead=self.depth + 1, pin_for=self.device, copy=not owned
+            )
+            owned = True  # copied on the reading thread
         self._epochs += 1
-        self._in_epoch = True
-        self._pipeline.source = batches
-        return self
+        epoch = _Epoch(batches, owned)
+        self._pipeline.epochs.append(epoch)
+        return epoch
 
-    def _end_epoch(self) -> None:
-        """Let go of the held batch and drop batches read ahead. Queues device work only."""
-        self._let_go_of_held()
-        if self._in_epoch:
-            self._pipeline.end_epoch()
-            self._in_epoch = False
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GpuflowError("this DeviceLoader is closed; make a new one to iterate again")
 
     def __next__(self) -> Any:
-        if not self._in_epoch:
-            if self._epochs == 0 and not self._closed:
-                iter(self)  # next() on a fresh loader starts its first epoch
-            else:
-                raise StopIteration
-        self._let_go_of_held()
+        """The next batch of the loader's own epoch (started by the first call)."""
+        self._check_open()
+        if self._own_epoch is None:
+            self._own_epoch = self._start_epoch()
+        return self._next_of(self._own_epoch)
+
+    def _next_of(self, epoch: _Epoch) -> Any:
+        self._check_open()
+        if epoch.ended:
+            raise StopIteration
+        self._let_go_of_held(epoch)
         key = self.device.current_stream_key()
         pipeline = self._pipeline
-        pipeline.top_up()
-        pipeline.issue_ready(key)
         try:
-            taken = pipeline.take(key)
+            pipeline.top_up(epoch)
+            pipeline.issue_ready(epoch, key)
+            taken = pipeline.take(epoch, key)
         except BaseException:
-            self._end_epoch()
+            self._end(epoch)
             raise
         if taken is None:
-            self._end_epoch()
+            self._end(epoch)
             raise StopIteration
-        batch, self._held = taken
+        batch, epoch.held = taken
         return batch
 
-    def _let_go_of_held(self) -> None:
-        if self._held is None:
+    def _end(self, epoch: _Epoch) -> None:
+        """Let go of the epoch's batch in use and drop what it read ahead (device work only)."""
+        self._let_go_of_held(epoch)
+        self._pipeline.end_epoch(epoch)
+
+    def _let_go_of_held(self, epoch: _Epoch) -> None:
+        if epoch.held is None:
             return
-        self._held.released = self.device.new_event(timing=True)
-        self._held.released.record(self._pipeline.stream(self.device.current_stream_key()))
-        self._unread.append(self._held)
-        self._held = None
+        epoch.held.released = self.device.new_event(timing=True)
+        epoch.held.released.record(self._pipeline.stream(self.device.current_stream_key()))
+        self._unread.append(epoch.held)
+        epoch.held = None
 
     # ---- timings ----------------------------------------------------------------------------
 
@@ -721,7 +833,8 @@ class DeviceLoader:
         if self._closed:
             return
         self._closed = True
-        self._end_epoch()
+        for epoch in list(self._pipeline.epochs):
+            self._end(epoch)
         with housekeeping():
             self._read_finished_timings(wait=True)
         self._finalizer()  # released now, and not again when collected
@@ -731,3 +844,35 @@ class DeviceLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EpochIterator:
+    """One epoch over a ``DeviceLoader``'s source. It keeps its loader alive; dropped before
+    its end (a ``break``), it drops what it read ahead when collected."""
+
+    def __init__(self, loader: DeviceLoader, epoch: _Epoch) -> None:
+        self._loader, self._epoch = loader, epoch
+        self._finalizer = weakref.finalize(self, loader._pipeline.end_epoch, epoch)
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._loader._next_of(self._epoch)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+def _makes_fresh_batches(source: object) -> bool:
+    """Whether every batch ``source`` yields is fresh memory nothing else writes: a
+    ``DataLoader`` that batches with its default ``collate_fn`` stacks each batch into new
+    tensors (its pin-memory step and its workers' shared memory keep them new)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data._utils.collate import default_collate
+
+    return (
+        isinstance(source, DataLoader)
+        and source._auto_collation
+        and source.collate_fn is default_collate
+    )

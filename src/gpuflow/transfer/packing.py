@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,14 @@ class Leaf:
     # offset is then meaningless and it takes no room in the buffer)
     direct: bool = False
     pin: bool = False  # direct, from pageable memory: pinned (``pin_memory()``) first
+    # Stored in its source's memory order (``shape`` is that order's): the dimensions to
+    # permute back to, so that it arrives with its source's strides (channels_last, a
+    # transpose), as ``.to()`` keeps them. None: stored and delivered contiguous.
+    order: tuple[int, ...] | None = None
+
+    def delivered(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (stored shape) as the source had it: its dimensions permuted back."""
+        return tensor if self.order is None else tensor.permute(self.order)
 
 
 @dataclass(frozen=True)
@@ -288,8 +297,41 @@ def _view(buffer: torch.Tensor, leaf: Leaf, dtype: torch.dtype, offset: int = 0)
     return buffer[begin : begin + leaf.nbytes].view(dtype).view(leaf.shape)
 
 
+def _check_range(tensor: torch.Tensor, codec: torch.dtype) -> None:
+    """Refuse a finite value beyond ``codec``'s range, which would cross as inf (an inf or
+    NaN already there crosses as itself). One pass in the common case."""
+    limit = torch.finfo(codec).max
+    low, high = (float(v) for v in torch.aminmax(tensor))
+    if -limit <= low and high <= limit:
+        return
+    peak = float(torch.where(torch.isfinite(tensor), tensor.abs(), 0).max())
+    if peak > limit:
+        name = "fp16" if codec == torch.float16 else "bf16"
+        other = "use lossy_float='bf16'" if name == "fp16" else "send it as it is (no lossy_float)"
+        raise GpuflowError(
+            f"a float tensor holds {peak:.4g}, beyond {name}'s range ({limit:.4g}); it would "
+            f"cross as inf: {other}"
+        )
+
+
+def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """For a tensor that is dense but not contiguous (channels_last, a transpose): the
+    permutation of its dimensions that is contiguous, so it can be stored as its memory lies
+    and arrive with its strides. None for a contiguous tensor, or one with gaps (stored
+    contiguous)."""
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return None
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
 def _mapping_type(obj: Mapping) -> Callable[[Any], Mapping]:
-    """The mapping's own type when it can be built from key-value pairs, else dict."""
+    """The mapping's own type when it can be built from key-value pairs (a defaultdict with
+    its factory), else dict."""
+    if isinstance(obj, defaultdict):
+        factory = obj.default_factory
+        return lambda pairs: type(obj)(factory, pairs)
     try:
         type(obj)([])
     except TypeError:
@@ -392,8 +434,11 @@ class Planner:
         if kind is torch.Tensor:
             if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
                 return False
+            order = _memory_order(obj)
+            if order is not None:
+                obj = obj.permute(order)  # contiguous: stored in its memory order
             wire = self._wire_dtype(obj)
-            signature.append((obj.dtype, obj.shape, wire, self._direct_kind(obj, wire)))
+            signature.append((obj.dtype, obj.shape, wire, self._direct_kind(obj, wire), order))
             sources.append(obj)
             return True
         if kind is dict:
@@ -509,9 +554,13 @@ class Planner:
         )
 
     def _leaf(self, tensor: torch.Tensor) -> Leaf:
+        order = _memory_order(tensor)
+        if order is not None:
+            tensor = tensor.permute(order)  # contiguous: stored in its memory order
         wire = self._wire_dtype(tensor)
         kind = self._direct_kind(tensor, wire)
-        return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, kind)
+        back = None if order is None else tuple(order.index(d) for d in range(len(order)))
+        return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, kind, back)
 
     def _place(
         self,
@@ -520,12 +569,13 @@ class Planner:
         dtype: torch.dtype,
         source: torch.Tensor | list[torch.Tensor],
         direct_kind: int = 0,
+        order: tuple[int, ...] | None = None,
     ) -> Leaf:
         numel = math.prod(shape)
         if direct_kind:  # takes no room in the buffer
-            leaf = Leaf(0, numel * wire.itemsize, shape, wire, dtype, True, direct_kind == 2)
+            leaf = Leaf(0, numel * wire.itemsize, shape, wire, dtype, True, direct_kind == 2, order)
         else:
-            leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype)
+            leaf = Leaf(self.offset, numel * wire.itemsize, shape, wire, dtype, order=order)
             self.offset = round_up(self.offset + leaf.nbytes, ALIGN)
         self.logical += numel * dtype.itemsize
         self.layout.append((leaf, source))
@@ -540,15 +590,8 @@ class Planner:
             if dtype == torch.int64 and low >= -(2**31) and high < 2**31:
                 return torch.int32
         if self.lossy is not None and dtype in _FLOAT_SOURCES:
-            if self.lossy == torch.float16 and tensor.numel():
-                # The largest finite magnitude: an inf or NaN already there crosses as itself.
-                finite = torch.where(torch.isfinite(tensor), tensor.abs(), 0)
-                peak = float(finite.max())
-                if peak > torch.finfo(torch.float16).max:
-                    raise GpuflowError(
-                        f"a float tensor holds {peak:.4g}, beyond fp16's range (65504); it would "
-                        "cross as inf: use lossy_float='bf16'"
-                    )
+            if tensor.numel():
+                _check_range(tensor, self.lossy)
             return self.lossy
         return dtype
 
@@ -598,9 +641,9 @@ def rebuild(
     """
     if isinstance(spec, Leaf):
         if spec.direct:
-            return next(direct)  # type: ignore[arg-type]
+            return spec.delivered(next(direct))  # type: ignore[arg-type]
         view = _view(buffer, spec, spec.wire)  # type: ignore[arg-type]
-        return view if spec.wire == spec.dtype else view.to(spec.dtype)
+        return spec.delivered(view if spec.wire == spec.dtype else view.to(spec.dtype))
     if isinstance(spec, _StackSpec):
         return spec.kind(rebuild(buffer, spec.leaf).unbind(0))
     if isinstance(spec, _RaggedSpec):
@@ -622,7 +665,7 @@ def rebuild_run(
     taken, in order, from ``direct[i]``."""
     if isinstance(spec, Leaf):
         if spec.direct:
-            return [next(tensors) for tensors in direct]  # type: ignore[union-attr]
+            return [spec.delivered(next(tensors)) for tensors in direct]  # type: ignore[union-attr]
         assert buffer is not None
         size = spec.wire.itemsize
         strides, step = [], 1
@@ -634,6 +677,8 @@ def rebuild_run(
         )  # (n, *shape): batch i's tensor at run[i]
         if spec.wire != spec.dtype:
             run = run.to(spec.dtype)  # one widening kernel for the whole run
+        if spec.order is not None:
+            run = run.permute(0, *(d + 1 for d in spec.order))
         return list(run.unbind(0))
     if isinstance(spec, _StackSpec):
         return [spec.kind(t.unbind(0)) for t in rebuild_run(buffer, spec.leaf, offset, stride, n)]
@@ -647,7 +692,9 @@ def rebuild_run(
     return [spec] * n  # a value that is not data to move
 
 
-def unpack(packed: Packed, device: Device | torch.device | str, non_blocking: bool = True) -> Any:
+def unpack(
+    packed: Packed, device: Device | torch.device | str | int, non_blocking: bool = True
+) -> Any:
     """One copy of ``packed`` to ``device``, then the batch rebuilt there.
 
     ``non_blocking`` only helps when ``packed.buffer`` is pinned; the caller must keep the

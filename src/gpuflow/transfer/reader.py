@@ -17,11 +17,13 @@ and that too is better off the training thread.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpuflow.device.accelerator import Device
@@ -55,30 +57,66 @@ def pin_large(batch: Any) -> Any:
     return batch
 
 
+def copied(batch: Any) -> Any:
+    """``batch`` with every host tensor and array in its dicts, lists and tuples replaced by a
+    copy of its own (large pageable tensors pinned by ``pin_memory()``, pinned ones into
+    pinned memory): what was read, kept as it was when read."""
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    if isinstance(batch, torch.Tensor):
+        if not batch.is_cpu:
+            return batch
+        if batch.is_pinned():
+            out = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+            return out.copy_(batch)
+        if batch.nbytes >= PIN_MIN_BYTES and batch.is_contiguous():
+            return batch.pin_memory()
+        return batch.clone()
+    if isinstance(batch, Mapping):
+        items = {key: copied(value) for key, value in batch.items()}
+        try:
+            rebuilt = copy.copy(batch)  # keeps its type (a defaultdict's factory too)
+            rebuilt.update(items)
+            return rebuilt
+        except Exception:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(copied(item) for item in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(copied(item) for item in batch)
+    return batch
+
+
 class ThreadedSource:
     """``source``'s batches, read up to ``ahead`` batches ahead on a daemon thread; with
-    ``pin_for`` (a device with pinned memory), their large tensors pinned there.
+    ``pin_for`` (a device with pinned memory), their large tensors pinned there; with
+    ``copy``, every tensor copied there as it is read (for a source that may write its
+    batches again).
 
     Errors the source raises come out of ``next`` in their turn. ``close()`` returns at once
     (the thread stops after the batch it is reading, even if that never comes) and the thread
     holds nothing of the consumer's.
     """
 
-    def __init__(self, source: Iterator[Any], ahead: int, pin_for: Device | None = None) -> None:
+    def __init__(
+        self, source: Iterator[Any], ahead: int, pin_for: Device | None = None, copy: bool = False
+    ) -> None:
         self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, ahead))
         self._stop = threading.Event()
         self._done = False
         pin = pin_for is not None and pin_for.supports_pinned_memory
         self._thread = threading.Thread(
-            target=self._run, args=(source, self._queue, self._stop, pin_for if pin else None),
+            target=self._run,
+            args=(source, self._queue, self._stop, pin_for if pin else None, copy),
             daemon=True, name="gpuflow-read",
         )  # fmt: skip
         self._thread.start()
 
     @staticmethod
     def _run(
-        source: Iterator[Any], out: queue.Queue, stop: threading.Event, pin_for: Device | None
-    ) -> None:
+        source: Iterator[Any], out: queue.Queue, stop: threading.Event, pin_for: Device | None,
+        copy: bool,
+    ) -> None:  # fmt: skip
         # A static method: the thread keeps no reference to the ThreadedSource, so that one
         # dropped without close() is still collected.
         if pin_for is not None and pin_for.type == "cuda":
@@ -95,7 +133,11 @@ class ThreadedSource:
 
         try:
             for batch in source:
-                if not put((True, batch if pin_for is None else pin_large(batch))):
+                if copy:
+                    batch = copied(batch)
+                elif pin_for is not None:
+                    batch = pin_large(batch)
+                if not put((True, batch)):
                     return
         except BaseException as exc:  # handed to the consumer, raised there
             put((False, exc))

@@ -514,7 +514,7 @@ class _Pipeline:
         if self.driver is not None and torch.cuda.current_device() == self.device.index:
             handle = stream.cuda_stream
         kept: list[torch.Tensor] = []  # direct sources of driver copies, alive until they ran
-        if crossing.host is not None:
+        if crossing.host is not None and crossing.on_device is not None:  # (bytes staged)
             self._copy_bytes(crossing.on_device, crossing.host.bytes, crossing.nbytes, handle)
         for outs, sources in zip(crossing.direct_out, crossing.direct_sources, strict=True):
             for out, source in zip(outs, sources, strict=True):

@@ -37,7 +37,7 @@ def test_host_snapshot_is_a_detached_copy():
 
 def test_mirror_fetches_once_until_the_tensor_changes():
     weights = torch.arange(12.0).view(3, 4)
-    mirror = HostMirror(weights)
+    mirror = HostMirror(weights, writes="tracked")
     np.testing.assert_array_equal(mirror.numpy(), weights.numpy())
     mirror.numpy()
     assert (mirror.stats.misses, mirror.stats.hits, mirror.stats.bytes_fetched) == (1, 1, 48)
@@ -47,19 +47,20 @@ def test_mirror_fetches_once_until_the_tensor_changes():
     assert mirror.stats.misses == 2
 
 
-def test_mark_dirty_covers_writes_the_version_counter_cannot_see():
+def test_mark_dirty_covers_writes_a_tracked_mirror_was_promised_it_would_be_told_of():
     weights = torch.zeros(4)
-    mirror = HostMirror(weights)
+    mirror = HostMirror(weights, writes="tracked")
     mirror.numpy()
-    weights.data[0] = 7.0  # writes through .data skip the counter, as graph replays do
-    assert mirror.is_fresh() and mirror.numpy()[0] == 0.0  # stale, and the mirror cannot know
-    mirror.mark_dirty()
+    weights.data[0] = 7.0  # skips the version counter, as graph replays do
+    mirror.mark_dirty()  # the part "tracked" leaves to the user
+    assert not mirror.is_fresh()
     assert mirror.numpy()[0] == 7.0
+    assert mirror.is_fresh()
 
 
 def test_reading_a_stale_mirror_fetches_only_the_bytes_asked_for():
     table = torch.randn(1000, 64)
-    mirror = HostMirror(table)
+    mirror = HostMirror(table, writes="tracked")
     row = mirror[17]
     np.testing.assert_array_equal(row, table[17].numpy())
     assert mirror.stats.bytes_fetched == 64 * 4  # one row, not the 256 KB table
@@ -73,7 +74,7 @@ def test_reading_a_stale_mirror_fetches_only_the_bytes_asked_for():
 
 def test_host_views_are_read_only_and_never_touch_the_device_copy():
     weights = torch.ones(8)
-    mirror = HostMirror(weights)
+    mirror = HostMirror(weights, writes="tracked")
     view = mirror.numpy()
     with pytest.raises(ValueError, match="read-only"):
         view[0] = 5.0
@@ -123,3 +124,127 @@ def test_a_host_mirror_of_a_parameter_reads_like_any_tensor():
         weight.add_(1)  # an optimizer step
     assert not mirror.is_fresh()
     assert mirror[1].tolist() == [4, 5, 6]
+
+
+# ---- what users met in their own loops --------------------------------------------------------
+
+
+def _trained_param(fused: bool) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    param = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    param.grad = torch.ones(2, 3)
+    return param, torch.optim.AdamW([param], lr=0.1, fused=fused)
+
+
+@pytest.mark.parametrize("writes", ["unknown", "tracked"])
+def test_a_mirror_is_fresh_after_a_fused_adamw_step(writes):
+    from gpuflow import HostMirror
+
+    param, optimizer = _trained_param(fused=True)
+    mirror = HostMirror(param, writes=writes)
+    mirror.numpy()
+    version = param._version
+    optimizer.step()
+    assert param._version == version  # the fused kernel leaves the counter alone
+    assert not mirror.is_fresh()
+    np.testing.assert_array_equal(mirror.numpy(), param.detach().numpy())
+    np.testing.assert_array_equal(mirror[1], param.detach()[1].numpy())
+
+
+def test_a_tracked_mirror_ignores_steps_of_optimizers_that_do_not_hold_its_tensor():
+    from gpuflow import HostMirror
+
+    table = torch.randn(4, 3)
+    _, optimizer = _trained_param(fused=True)
+    mirror = HostMirror(table, writes="tracked")
+    mirror.numpy()
+    optimizer.step()
+    assert mirror.is_fresh()
+    mirror.numpy()
+    assert (mirror.stats.misses, mirror.stats.hits) == (1, 1)
+
+
+def test_a_default_mirror_sees_writes_through_data():
+    from gpuflow import HostMirror
+
+    param = torch.nn.Parameter(torch.ones(4))
+    mirror = HostMirror(param)
+    mirror.numpy()
+    param.data.mul_(3.0)  # no version bump, no optimizer: nothing PyTorch signals
+    assert not mirror.is_fresh()  # it cannot know, so it does not claim to
+    assert mirror.numpy().tolist() == [3.0] * 4
+    assert mirror[2] == 3.0
+
+
+def test_a_tracked_mirror_follows_storage_swaps():
+    from gpuflow import HostMirror
+
+    param = torch.nn.Parameter(torch.ones(4))
+    mirror = HostMirror(param, writes="tracked")
+    mirror.numpy()
+    param.data = torch.full((2, 3), 5.0)  # a new tensor behind the same Parameter
+    assert not mirror.is_fresh()
+    assert mirror.numpy().tolist() == [[5.0] * 3] * 2
+    with torch.no_grad():
+        param.set_(torch.arange(3.0))
+    assert not mirror.is_fresh()
+    assert mirror.numpy().tolist() == [0.0, 1.0, 2.0]
+    assert mirror[2] == 2.0
+
+
+def test_a_tracked_mirror_follows_resize():
+    from gpuflow import HostMirror
+
+    buffer = torch.ones(4)
+    mirror = HostMirror(buffer, writes="tracked")
+    mirror.numpy()
+    buffer.resize_(2, 4)
+    buffer[1] = 2.0
+    assert not mirror.is_fresh()
+    assert mirror.numpy().tolist() == [[1.0] * 4, [2.0] * 4]
+    param = torch.nn.Parameter(torch.ones(3))
+    mirror = HostMirror(param, writes="tracked")
+    mirror.numpy()
+    param.data.resize_(1000)  # new memory under the same shape and version
+    assert not mirror.is_fresh()
+
+
+def test_mirror_refuses_an_unknown_writes_contract():
+    from gpuflow import HostMirror
+
+    with pytest.raises(ValueError, match="writes"):
+        HostMirror(torch.ones(2), writes="never")
+
+
+def test_async_scalars_take_one_name_as_a_string():
+    from gpuflow import AsyncScalars
+
+    scalars = AsyncScalars("loss", "cpu")
+    assert scalars.names == ("loss",)
+    scalars.add(loss=2.0)
+    assert scalars.drain(1) == [(1, {"loss": 2.0})]
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [(["loss", "loss"], "more than once"), ([], "at least one"), (["loss", ""], "empty")],
+)
+def test_async_scalars_refuse_bad_names(names, message):
+    from gpuflow import AsyncScalars
+
+    with pytest.raises(ValueError, match=message):
+        AsyncScalars(names, "cpu")
+    with pytest.raises(TypeError, match="str"):
+        AsyncScalars(["loss", 3], "cpu")
+
+
+def test_a_tracked_mirror_of_an_inference_tensor_never_claims_fresh():
+    from gpuflow import HostMirror
+
+    with torch.inference_mode():
+        table = torch.zeros(3)
+    mirror = HostMirror(table, writes="tracked")
+    mirror.numpy()
+    with torch.inference_mode():
+        table.add_(1)  # inference tensors keep no version counter
+    assert not mirror.is_fresh()
+    assert mirror.numpy().tolist() == [1.0, 1.0, 1.0]

@@ -184,6 +184,7 @@ def test_public_names_resolve():
         "DeviceLoader",
         "HostMirror",
         "AsyncScalars",
+        "StateSnapshot",
         "Ragged",
         "GpuflowError",
     ):

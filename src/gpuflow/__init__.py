@@ -24,6 +24,7 @@ _EXPORTS = {
     "PinnedPool": "gpuflow.transfer.pinned",
     "Ragged": "gpuflow.transfer.packing",
     "ResidentTokens": "gpuflow.data.resident",
+    "StateSnapshot": "gpuflow.transfer.snapshot",
     "TransferLedger": "gpuflow.accounting.ledger",
     "budget": "gpuflow.accounting.budgets",
     "pack": "gpuflow.transfer.packing",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from gpuflow.transfer.peer import peer_copy as peer_copy
     from gpuflow.transfer.pinned import PinnedPool as PinnedPool
     from gpuflow.transfer.pinned import PoolStats as PoolStats
+    from gpuflow.transfer.snapshot import StateSnapshot as StateSnapshot
 
 
 def __getattr__(name: str) -> Any:

@@ -263,7 +263,7 @@ def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         state.add_(1)
-    mirror = HostMirror(state)
+    mirror = HostMirror(state, writes="tracked")
     before = mirror.numpy()[0]
     graph.replay()
     assert mirror.is_fresh()  # the replay did not bump the version: the mirror cannot know
@@ -344,3 +344,99 @@ def test_closing_a_loader_that_pinned_nothing_of_its_own_keeps_torchs_pinned_cac
             pass
     stats = torch.cuda.host_memory_stats()
     assert stats.get("num_host_free", 0) == frees and stats.get("num_host_alloc", 0) == allocs
+
+
+# ---- mirrors and snapshots as users met them in their own loops ---------------------------
+
+
+@pytest.mark.parametrize("writes", ["unknown", "tracked"])
+def test_host_mirror_of_a_device_parameter_is_fresh_after_a_fused_adamw_step(accel, writes):
+    if not accel.supports_fused_adamw:
+        pytest.skip("fused AdamW")
+    from gpuflow import HostMirror
+
+    param = torch.nn.Parameter(torch.randn(256, 64, device=accel.torch))
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    mirror = HostMirror(param, writes=writes)
+    mirror.numpy()
+    for _ in range(2):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+        assert not mirror.is_fresh()  # the fused kernel left the version counter alone
+        np.testing.assert_array_equal(mirror.numpy(), param.detach().cpu().numpy())
+        assert mirror[3, 5] == param[3, 5].item()
+
+
+def test_a_default_host_mirror_sees_a_graph_replay_without_mark_dirty(accel):
+    if accel.type != "cuda":
+        pytest.skip("CUDA graphs")
+    from gpuflow import HostMirror
+
+    state = torch.zeros(16, device=accel.torch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        state.add_(1)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state.add_(1)
+    mirror = HostMirror(state)
+    before = mirror.numpy()[0]
+    graph.replay()
+    assert not mirror.is_fresh()  # it cannot know, so it does not claim to
+    assert mirror.numpy()[0] == before + 1
+
+
+def test_a_tracked_host_mirror_follows_new_device_memory_behind_a_parameter(accel):
+    from gpuflow import HostMirror
+
+    param = torch.nn.Parameter(torch.zeros(1024, device=accel.torch))
+    mirror = HostMirror(param, writes="tracked")
+    mirror.numpy()
+    param.data = torch.full((4, 8), 3.0, device=accel.torch)  # what `model.to()` paths do
+    assert not mirror.is_fresh()
+    np.testing.assert_array_equal(mirror.numpy(), np.full((4, 8), 3.0, dtype=np.float32))
+    param.data.resize_(4096)  # new device memory under the same (4, 8) view
+    param.data.fill_(5.0)
+    assert mirror.numpy().tolist() == [[5.0] * 8] * 4
+    mirror.numpy()
+    assert mirror.is_fresh() and mirror.stats.hits == 1  # unchanged: served from the copy
+
+
+def test_async_scalars_take_one_name_on_the_device(accel):
+    from gpuflow import AsyncScalars
+
+    scalars = AsyncScalars("loss", accel)
+    for v in (1.0, 3.0):
+        scalars.add(loss=torch.tensor(v, device=accel.torch))
+    assert scalars.drain(1) == [(1, {"loss": 2.0})]
+
+
+def test_a_second_snapshot_capture_before_release_raises_on_the_device(accel):
+    import threading
+
+    from gpuflow import StateSnapshot
+
+    state = {"model": {"w": torch.randn(4096, device=accel.torch)}}
+    outcome: list = []
+
+    def loop() -> None:
+        snapshots = StateSnapshot(accel)
+        first = snapshots.capture(state)
+        try:
+            snapshots.capture(state)
+        except RuntimeError as exc:
+            outcome.append(exc)
+        first.wait()
+        first.release()
+        again = snapshots.capture(state)
+        again.wait()
+        outcome.append(torch.equal(again.tensors("model")["w"], state["model"]["w"].cpu()))
+        again.release()
+
+    thread = threading.Thread(target=loop, daemon=True)  # a hang fails, not stalls, the run
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "capture() hung"
+    assert isinstance(outcome[0], RuntimeError) and outcome[1:] == [True]

@@ -1,23 +1,32 @@
 """Device -> host traffic: cached host views, training scalars and state snapshots.
 
-``HostMirror`` keeps a host copy of a device tensor and fetches again only when the device
-copy has changed (its version counter moved, or ``mark_dirty`` said so); reading it never
-invalidates the device copy, and reading one element of a stale mirror fetches that element,
-not the tensor. ``AsyncScalars`` keeps running sums of training scalars on the device and
-brings them back every few steps through pinned memory without making the host wait.
-``host_snapshot`` takes a host copy of a state dict (for checkpoints) with one wait.
+``HostMirror`` keeps a host copy of a device tensor. It serves reads from that copy only
+while it can vouch that the device copy has not changed: by default it cannot (PyTorch does
+not signal every write), so every whole read fetches again; with ``writes="tracked"`` the
+user vouches that every write is one PyTorch signals, and the mirror fetches only after one.
+Reading never invalidates the device copy, and reading one element of a stale mirror
+fetches that element, not the tensor. ``AsyncScalars`` keeps running sums of training
+scalars on the device and brings them back every few steps through pinned memory without
+making the host wait. ``host_snapshot`` takes a host copy of a state dict (for checkpoints)
+with one wait.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gpuflow.device.accelerator import Device
+
+Writes = Literal["unknown", "tracked"]
+_WRITES = ("unknown", "tracked")
 
 
 @dataclass(frozen=True)
@@ -38,41 +47,153 @@ def _host_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+class _OptimizerSteps:
+    """Every ``torch.optim`` step in the process, seen by one global post-step hook: fused
+    kernels (``AdamW(fused=True)``) write parameters without bumping their version counters,
+    so a step is the only signal that they changed. The hook does O(1) host work per step
+    (no device work, no sync); mirrors scan an optimizer's parameters only when read."""
+
+    def __init__(self) -> None:
+        self.clock = 0  # steps so far, all optimizers
+        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._handle: Any = None
+
+    def watch(self) -> None:
+        if self._handle is None:
+            self._handle = register_optimizer_step_post_hook(self._stepped)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.clock += 1
+        self._last[optimizer] = self.clock
+
+    def touched(self, storage_id: int, since: int) -> bool:
+        """Whether an optimizer holding a tensor on storage ``storage_id`` stepped after
+        ``since``."""
+        for optimizer, tick in list(self._last.items()):
+            if tick > since and any(
+                p.untyped_storage()._cdata == storage_id
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ):
+                return True
+        return False
+
+
+_STEPS = _OptimizerSteps()
+
+
+@dataclass(slots=True)
+class _Stamp:
+    """What PyTorch tells about a tensor at one moment: a later moment with the same stamp
+    has had no write that PyTorch signals."""
+
+    key: tuple | None  # version, storage, place and layout; None: PyTorch tells nothing
+    storage: StorageWeakRef | None  # keeps the storage's address from reuse while compared
+    clock: int  # optimizer steps checked up to
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Stamp:
+        key = _key(tensor)
+        storage = None if key is None else StorageWeakRef(tensor.untyped_storage())
+        return cls(key, storage, _STEPS.clock)
+
+    def holds_for(self, tensor: torch.Tensor) -> bool:
+        """Whether no signalled write reached ``tensor`` since this stamp was taken."""
+        if self.key is None or _key(tensor) != self.key:
+            return False
+        now = _STEPS.clock
+        if now != self.clock:
+            if _STEPS.touched(self.key[1], self.clock):
+                return False
+            self.clock = now  # none of those steps held it: do not scan them again
+        return True
+
+
+def _key(tensor: torch.Tensor) -> tuple | None:
+    """Everything PyTorch tells about a tensor's contents without reading them; None for a
+    tensor with no version counter (inference mode) or no single storage (sparse)."""
+    if tensor.is_inference() or tensor.layout != torch.strided:
+        return None
+    storage = tensor.untyped_storage()
+    return (
+        tensor._version,  # in-place ops through the tensor, its views and .detach()
+        storage._cdata,  # `p.data = t`, `p.set_(t)`: another storage
+        storage.data_ptr(),  # `p.data.resize_(n)`: new memory in the same storage
+        storage.nbytes(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),  # resize_
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+    )
+
+
 class HostMirror:
     """A cached, read-only host copy of a device tensor.
 
         mirror = HostMirror(weights)
-        mirror.numpy()        # fetches once; again only after weights change
-        mirror[3]             # stale: fetches only row 3; fresh: served from the copy
+        mirror.numpy()        # fetches the tensor
+        mirror[3]             # fetches only row 3 (or reads it from a copy known fresh)
         mirror.refresh_async(); ...; mirror.numpy()   # the copy ran while the host worked
 
-    Freshness follows ``tensor._version``, which every in-place op bumps. A CUDA graph
-    replay writes memory without bumping it: call ``mark_dirty()`` after one. Views handed
-    out are read-only numpy arrays, so reading can never stand for writing (the seed's
-    ``data()`` that re-uploaded on every read). An array from ``numpy()`` shares the mirror's
-    buffer: it stays valid until the next ``refresh_async`` or stale read.
+    A mirror claims to be fresh (``is_fresh``) only when it can vouch that the tensor has
+    not changed since its copy. ``writes`` says what it may rely on:
+
+    - ``"unknown"`` (default): nothing. Writes through ``.data`` or other aliases, fused
+      kernels and CUDA graph replays change memory without any signal PyTorch gives, so the
+      mirror never claims to be fresh and every whole read fetches again.
+    - ``"tracked"``: the user vouches that every write to the tensor is one PyTorch signals,
+      or is followed by ``mark_dirty()``. Signalled are in-place ops on the tensor, its views
+      or ``.detach()`` (version counter), the step of any ``torch.optim`` optimizer holding
+      it, fused or not (a step hook), and a new or resized storage behind the same tensor
+      (``p.data = t``, ``p.set_(t)``, ``resize_``). Not signalled, so ``mark_dirty()`` after
+      them: writes through ``p.data`` or another alias, CUDA graph replays, optimizer steps
+      inside a replayed graph, kernels writing through ``data_ptr``.
+
+    ``numpy()`` after ``refresh_async()`` returns the tensor as it was at the refresh
+    (stream order), unless a signalled write came since. Views handed out are read-only
+    numpy arrays, so reading can never stand for writing. An array from ``numpy()`` shares
+    the mirror's buffer: it stays valid until the next ``refresh_async`` or stale read.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        # Read through a detached view: same memory and version counter, so a parameter
-        # (requires_grad) mirrors like any tensor and the copies never enter autograd.
-        self.tensor = tensor.detach()
+    def __init__(self, tensor: torch.Tensor, *, writes: Writes = "unknown") -> None:
+        if writes not in _WRITES:
+            raise ValueError(f"HostMirror(writes=...) takes one of {_WRITES}, got {writes!r}")
+        self.writes = writes
+        # The object itself, not a view of its memory now: `p.data = t` and `p.set_(t)`
+        # change what it holds, and the mirror follows.
+        self._source = tensor
         self.device = Device.of(tensor.device)
         self._host: torch.Tensor | None = None
-        self._host_version: int | None = None  # tensor._version when _host was copied
-        self._staged: tuple[Any, int] | None = None  # (event, version) of a refresh in flight
+        self._copied: _Stamp | None = None  # the tensor as _host holds it
+        self._staged: tuple[Any, _Stamp] | None = None  # (event, stamp) of a refresh in flight
         self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0}
+        if writes == "tracked":
+            _STEPS.watch()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The mirrored tensor as it is now, detached: same memory, outside autograd."""
+        return self._source.detach()
 
     @property
     def stats(self) -> MirrorStats:
         return MirrorStats(**self._counts)
 
     def is_fresh(self) -> bool:
-        return self._host is not None and self._host_version == self.tensor._version
+        """Whether the host copy is known to equal the tensor (never guessed: always False
+        with ``writes="unknown"``)."""
+        return (
+            self.writes == "tracked"
+            and self._copied is not None
+            and self._copied.holds_for(self._source)
+        )
 
     def mark_dirty(self) -> None:
-        """The device copy changed in a way its version counter cannot see."""
-        self._host_version = None
+        """The device copy changed in a way PyTorch does not signal."""
+        self._copied = None
         self._staged = None
 
     def refresh_async(self) -> None:
@@ -83,17 +204,7 @@ class HostMirror:
         """
         if self.is_fresh():
             return
-        if self._host is None:
-            self._host = torch.empty(
-                self.tensor.shape,
-                dtype=self.tensor.dtype,
-                pin_memory=self.device.supports_pinned_memory,
-            )
-        self._host.copy_(self.tensor, non_blocking=self.device.is_accelerator)
-        event = self.device.new_event()
-        event.record()
-        self._staged = (event, self.tensor._version)
-        self._counts["bytes_fetched"] += self.tensor.nbytes
+        self._staged = self._queue_copy()
 
     def numpy(self) -> np.ndarray:
         """The whole tensor on the host, read-only."""
@@ -116,16 +227,33 @@ class HostMirror:
             part = _host_numpy(piece.cpu())
         return part.item() if part.ndim == 0 else _read_only(part)
 
+    def _queue_copy(self) -> tuple[Any, _Stamp]:
+        tensor = self.tensor
+        stamp = _Stamp.of(self._source)  # before the copy: a write after it moves the stamp
+        if tensor.device != self.device.torch:  # `p.data = t` may move it
+            self.device = Device.of(tensor.device)
+        pin = self.device.supports_pinned_memory
+        host = self._host
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        self._copied = None  # the buffer is being overwritten
+        host.copy_(tensor, non_blocking=self.device.is_accelerator)
+        event = self.device.new_event()
+        event.record()
+        self._counts["bytes_fetched"] += tensor.nbytes
+        return event, stamp
+
     def _adopt_staged(self) -> bool:
-        """Make a finished (or finishing) refresh the host copy, if it is still current."""
+        """Make a finished (or finishing) refresh the host copy, if no signalled write came
+        after it was queued."""
         if self._staged is None:
             return False
-        event, version = self._staged
+        event, stamp = self._staged
         self._staged = None
-        if version != self.tensor._version:
+        if not stamp.holds_for(self._source):
             return False  # the tensor changed after the refresh was queued
         event.synchronize()
-        self._host_version = version
+        self._copied = stamp
         return True
 
     def _ensure_whole(self) -> None:
@@ -135,15 +263,34 @@ class HostMirror:
         if self._adopt_staged():
             self._counts["hits"] += 1  # fetched by the refresh, counted there
             return
-        self.refresh_async()
-        self._adopt_staged()
+        event, stamp = self._queue_copy()
+        event.synchronize()
+        self._copied = stamp
         self._counts["misses"] += 1
+
+
+def _scalar_names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """``names`` as a tuple, checked: a lone str is one name (iterating it would give its
+    letters); names are non-empty strings, each once."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not names:
+        raise ValueError("AsyncScalars needs at least one name, e.g. AsyncScalars('loss')")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"AsyncScalars names are str, got {name!r} in {names}")
+        if not name:
+            raise ValueError(f"AsyncScalars names must not be empty, got {names}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"AsyncScalars names must differ: {repeated} given more than once")
+    return names
 
 
 class AsyncScalars:
     """Sums of named scalars accumulated on ``device``, read back without stalling.
 
-    ``add`` queues device-side additions only. ``flush`` starts a non-blocking copy of the
+    ``names`` is one name (``"loss"``) or several, each a distinct non-empty str. ``add``
+    queues device-side additions only. ``flush`` starts a non-blocking copy of the
     sums into a ring of pinned host buffers, resets them, and returns the means of earlier
     flushes whose copies have finished, so on an accelerator the numbers arrive an interval
     late and the host never waits. ``drain`` waits for everything still in flight: for the end
@@ -152,9 +299,12 @@ class AsyncScalars:
     """
 
     def __init__(
-        self, names: Sequence[str], device: Device | torch.device | str = "auto", depth: int = 2
+        self,
+        names: str | Sequence[str],
+        device: Device | torch.device | str | int = "auto",
+        depth: int = 2,
     ) -> None:
-        self.names = tuple(names)
+        self.names = _scalar_names(names)
         self.device = Device.resolve(device)
         self._index = {name: i for i, name in enumerate(self.names)}
         n = len(self.names)

@@ -9,8 +9,9 @@ current stream, so it reads exactly the state between the two steps), and one de
 copy on a side stream moves the whole staging buffer into a pinned host buffer that is kept
 and reused. The host queues this and returns; training goes on while the copy runs. A
 consumer (the checkpoint writer's thread) waits for the copy, reads the host bytes, and
-releases the snapshot; the next ``capture`` waits for that release (the host buffer is
-shared).
+releases the snapshot. One snapshot holds the host buffer at a time: the next ``capture``
+waits for that release while another live thread that took or read the snapshot can still
+make it, and raises otherwise (a capture before releasing on one thread would wait forever).
 
     snapshots = StateSnapshot(device)
     snap = snapshots.capture({"model": weights, "optimizer": moments})   # no host wait
@@ -80,25 +81,35 @@ class Layout:
 class Snapshot:
     """One capture: its layout and host bytes, valid until ``release``."""
 
-    def __init__(self, owner: StateSnapshot, layout: Layout, host: torch.Tensor, done: Any):
+    def __init__(
+        self, owner: StateSnapshot, layout: Layout, host: torch.Tensor, done: Any, turn: int
+    ) -> None:
         self.layout = layout
         self._owner = owner
         self._host = host  # (nbytes,) uint8, pinned where the device has pinned memory
         self._done = done  # event of the device->host copy; None when nothing was on a device
+        self._turn = turn  # which hold of the owner's host buffer this is
+
+    @property
+    def released(self) -> bool:
+        return not self._owner._holds(self._turn)
 
     def wait(self) -> None:
         """Block until the host bytes are complete (call from the thread that reads them)."""
+        self._owner._held_by_this_thread(self._turn)
         if self._done is not None:
             self._done.synchronize()
 
     def group_bytes(self, group: str) -> memoryview:
         """The group's region of the host buffer, as bytes (after ``wait``)."""
+        self._check_held()
         start = self.layout.offsets[group]
         return memoryview(self._host.numpy())[start : start + self.layout.sizes[group]]
 
     def tensors(self, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors as views of the host buffer (after ``wait``; valid until
         ``release``)."""
+        self._check_held()
         base = self.layout.offsets[group]
         return {
             s.name: self._host[base + s.start : base + s.start + s.nbytes]
@@ -108,8 +119,16 @@ class Snapshot:
         }
 
     def release(self) -> None:
-        """The host bytes are no longer needed: the next capture may reuse them."""
-        self._owner._free.set()
+        """The host bytes are no longer needed: the next capture may reuse them. Releasing
+        again does nothing (and never frees a later snapshot's buffer)."""
+        self._owner._release(self._turn)
+
+    def _check_held(self) -> None:
+        if not self._owner._held_by_this_thread(self._turn):
+            raise RuntimeError(
+                "this snapshot was released: its host bytes belong to the next capture(); "
+                "read them before release()"
+            )
 
 
 class StateSnapshot:
@@ -120,16 +139,18 @@ class StateSnapshot:
         self._host: torch.Tensor | None = None  # (capacity,) uint8
         self._staging: torch.Tensor | None = None  # (capacity,) uint8 on the device
         self._copy_stream = self.device.new_stream()
-        self._free = threading.Event()
-        self._free.set()
+        self._hold = threading.Condition()
+        self._turn = 0  # captures so far
+        self._holder: int | None = None  # the turn whose snapshot holds the host buffer
+        self._readers: list[threading.Thread] = []  # threads that took or read it
         self._last_copy: Any = None  # the staging buffer is busy until this event
 
     def capture(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> Snapshot:
         """Queue the copy of ``groups`` ({group: {name: tensor}}) and return at once (after
-        the previous snapshot's release). Host tensors are copied now; device tensors are
-        read in stream order, as they are after the work queued so far."""
-        self._free.wait()
-        self._free.clear()
+        the previous snapshot's release: see the module docstring). Host tensors are copied
+        now; device tensors are read in stream order, as they are after the work queued so
+        far."""
+        turn = self._take_host_buffer()
         try:
             layout = Layout.of(groups)
             host = self._host_buffer(layout.nbytes)
@@ -141,9 +162,47 @@ class StateSnapshot:
                     host[begin : begin + slot.nbytes].view(slot.dtype).copy_(tensor.reshape(-1))
             done = self._copy_device_tensors(layout, on_device, host) if on_device else None
         except BaseException:
-            self._free.set()
+            self._release(turn)
             raise
-        return Snapshot(self, layout, host, done)
+        return Snapshot(self, layout, host, done, turn)
+
+    def _take_host_buffer(self) -> int:
+        """Wait for the outstanding snapshot's release while a live thread other than this
+        one took or read it (it may still release); with none left, waiting would never end."""
+        me = threading.current_thread()
+        with self._hold:
+            while self._holder is not None:
+                if not any(t is not me and t.is_alive() for t in self._readers):
+                    raise RuntimeError(
+                        "capture() before the previous snapshot's release(): it still holds "
+                        "the host buffer and no other live thread that took or read it can "
+                        "release it; call release() on it first, or use a second "
+                        "StateSnapshot to hold two snapshots at once"
+                    )
+                self._hold.wait(timeout=0.05)  # a release notifies; polls see dead readers
+            self._turn += 1
+            self._holder, self._readers = self._turn, [me]
+            return self._turn
+
+    def _holds(self, turn: int) -> bool:
+        with self._hold:
+            return self._holder == turn
+
+    def _held_by_this_thread(self, turn: int) -> bool:
+        """Whether snapshot ``turn`` still holds the buffer; if so, this thread may release it."""
+        with self._hold:
+            if self._holder != turn:
+                return False
+            me = threading.current_thread()
+            if me not in self._readers:
+                self._readers.append(me)
+            return True
+
+    def _release(self, turn: int) -> None:
+        with self._hold:
+            if self._holder == turn:
+                self._holder, self._readers = None, []
+                self._hold.notify_all()
 
     def _copy_device_tensors(self, layout: Layout, items: list, host: torch.Tensor) -> Any:
         """Pack the device tensors into the staging buffer (one ``cat`` per run of one type,

@@ -413,3 +413,156 @@ def test_the_marker_fails_at_the_site_when_asked(pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*BudgetExceeded*", "*syncs: 1 > 0*"])
     result.stdout.no_fnmatch_line("*not reached*")
+
+
+# ---- accounting does not change what it measures ----------------------------------------
+
+
+class _RecordingBackend:
+    """A torch.compile backend that counts the graphs it compiles and each run of one."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> object:
+        self.compiled += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def test_a_compiled_function_stays_compiled_inside_a_ledger_and_after_it():
+    backend = _RecordingBackend()
+
+    @torch.compile(backend=backend)
+    def step(x):
+        return (x.sin() * 2).to("meta", non_blocking=True)  # compiled-copy
+
+    x = torch.ones(4)
+    with TransferLedger("cpu") as ledger:
+        step(x)
+    assert (backend.compiled, backend.runs) == (1, 1)  # it ran compiled, not eagerly
+    [copy] = ledger.events  # and what the compiled graph did was counted
+    assert (copy.kind, copy.nbytes) == ("h2d", 16)
+    step(x)
+    with budget(syncs=0, device="cpu") as limited:
+        step(x)
+    step(x)
+    assert (backend.compiled, backend.runs) == (1, 4)  # no recompiles, no eager fallback
+    assert limited.summary().totals.h2d_bytes == 16
+
+
+def test_a_step_first_compiled_under_the_marker_stays_compiled_after_it(pytester):
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        runs, graphs = [], []
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return lambda *args: runs.append(1) or gm.forward(*args)
+
+        @torch.compile(backend=backend)
+        def step(x):
+            return x.cos() + 1
+
+        @pytest.mark.transfer_budget(syncs=0, device="cpu")
+        def test_budgeted():
+            step(torch.ones(3))  # the first call: compiled here, under the budget
+            assert (len(graphs), len(runs)) == (1, 1)
+
+        def test_after():
+            step(torch.ones(3))
+            assert (len(graphs), len(runs)) == (1, 2)
+        """
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+# ---- on the cpu, the reads that would wait for a GPU count as syncs -----------------------
+
+
+def test_cpu_budget_fails_on_reads_that_would_wait_on_a_gpu():
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+    with pytest.raises(BudgetExceeded) as caught, budget(syncs=0, device="cpu"):
+        for _ in range(3):
+            loss = model(x).square().mean()
+            loss.backward()
+            print(f"loss {loss.item():.3f}")  # would-sync-item
+    assert caught.value.over == {"syncs": (3, 0)}
+    assert f"{HERE}:{_line('# would-sync-item')}" in str(caught.value)
+    assert "would wait on a GPU" in str(caught.value)
+
+
+def test_every_kind_of_host_read_counts_on_the_cpu(capsys):
+    x = torch.arange(6, dtype=torch.float32)
+    with TransferLedger("cpu") as ledger:
+        x.sum().item()  # read-item
+        x.tolist()  # read-tolist
+        bool(x[0] > 0)  # read-bool
+        print(x)  # read-print
+        x.nonzero()  # read-nonzero
+        x[x > 2]  # read-mask
+        x.sum() * 2  # compute: nothing counted
+        x.numpy()  # a view of host memory, as it is on a GPU machine's host tensors
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    markers = ("item", "tolist", "bool", "print", "nonzero", "mask")
+    assert len(syncs) == len(markers), [e.describe() for e in syncs]
+    for event, marker in zip(syncs, markers, strict=True):
+        assert event.location.endswith(f"{HERE}:{_line(f'# read-{marker}')}"), event
+        assert "would wait on a GPU" in event.op
+    assert [e for e in ledger.events if e.kind != "sync"] == []  # nothing crossed a bus
+    assert "tensor([0., 1., 2., 3., 4., 5.])" in capsys.readouterr().out
+
+
+def test_host_reads_that_never_wait_on_a_gpu_are_not_counted_on_the_cpu():
+    """An optimizer's host-side step counters: it reads them on a GPU machine's host too."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    with budget(syncs=0, device="cpu") as ledger:
+        optimizer.step()  # reads its cpu step tensor with .item()
+        optimizer.zero_grad()
+    assert ledger.events == []
+
+
+def test_printing_a_device_tensor_counts_as_a_wait():
+    x = torch.ones(3, device="meta")  # stands in for an accelerator's tensor
+    with TransferLedger("cpu") as ledger:
+        text = repr(x)  # print-device
+    assert "meta" in text
+    [sync] = ledger.events
+    assert sync.kind == "sync" and sync.location.endswith(f"{HERE}:{_line('# print-device')}")
+    assert torch._tensor_str._str.__module__ == "torch._tensor_str"  # unwrapped after
+
+
+# ---- threads that work for the region: autograd's device threads ---------------------------
+
+
+def test_waits_on_a_thread_that_inherits_the_ledger_are_counted_at_their_line():
+    """On CUDA the backward (and any gradient hook) runs on autograd's device thread, which
+    takes over the calling thread's dispatch modes, as this thread does."""
+    x = torch.ones(4, device="meta")
+    with TransferLedger("cpu") as ledger:
+        mode = _get_current_dispatch_mode()
+
+        def hook_body() -> None:
+            torch._C._push_on_torch_dispatch_stack(mode)  # what the autograd engine does
+            try:
+                _meta_raises(lambda: x.sum().item())  # hook-item
+                Device("cpu").synchronize()  # hook-wait
+            finally:
+                torch._C._pop_torch_dispatch_stack()
+
+        worker = threading.Thread(target=hook_body)
+        worker.start()
+        worker.join()
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    assert [s.op for s in syncs] == ["blocking d2h item", "Device.synchronize"]
+    assert syncs[0].location.endswith(f"{HERE}:{_line('# hook-item')}")
+    assert syncs[1].location.endswith(f"{HERE}:{_line('# hook-wait')}")

@@ -123,3 +123,66 @@ def test_every_kind_of_host_wait_is_counted_on_the_device(accel):
     ]
     downloads = [e for e in ledger.events if e.kind == "d2h"]
     assert sum(e.nbytes for e in downloads) >= 2 * 32  # tolist and cpu: 32 bytes each
+
+
+def test_an_item_in_a_gradient_hook_is_counted_at_its_line(accel):
+    """The backward of device tensors runs on autograd's device thread, hooks included."""
+    from gpuflow.accounting.ledger import TransferLedger
+
+    weight = torch.ones(8, device=accel.torch, requires_grad=True)
+    norms: list[float] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        norms.append(grad.norm().item())  # hook-item
+        torch.cuda.synchronize()  # hook-wait
+
+    weight.register_hook(hook)
+    with TransferLedger(accel) as ledger:
+        (weight * 3).sum().backward()
+    lines = Path(__file__).read_text().splitlines()
+    item_line = next(n for n, t in enumerate(lines, 1) if "# hook-item" in t and "next(" not in t)
+    wait_line = next(n for n, t in enumerate(lines, 1) if "# hook-wait" in t and "next(" not in t)
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    assert [e.op for e in syncs] == ["blocking d2h item", "torch.cuda.synchronize"], syncs
+    assert syncs[0].location.endswith(f"test_accounting.py:{item_line}")
+    assert syncs[1].location.endswith(f"test_accounting.py:{wait_line}")
+    assert norms == [pytest.approx(3 * 8**0.5)]
+
+
+def test_printing_a_device_tensor_is_a_counted_wait(accel, capsys):
+    from gpuflow.accounting.ledger import TransferLedger
+
+    x = torch.arange(4, device=accel.torch)
+    with pytest.raises(BudgetExceeded, match="print of a device tensor"), budget(syncs=0):
+        print(x)
+    with TransferLedger(accel) as ledger:
+        print(f"{x}")
+    assert [e.op for e in ledger.events if e.kind == "sync"] == ["print of a device tensor"]
+    assert "tensor([0, 1, 2, 3]" in capsys.readouterr().out
+
+
+def test_a_compiled_step_runs_compiled_under_a_budget_and_after_it(accel):
+    """Inductor, on the device: the compiled step is neither run eagerly nor recompiled by
+    the budget around it, and its upload is still counted."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).to(accel.torch)
+    host = torch.randn(32, 64).pin_memory()
+
+    @torch.compile
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        return model(batch.to(accel.torch, non_blocking=True)).square().mean()
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    with budget(syncs=0, d2h_bytes=0) as limited:
+        step(host)  # the first call compiles, under the budget
+    compiled = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert compiled >= 1
+    assert limited.summary().totals.h2d_bytes == host.numel() * 4
+    for _ in range(3):
+        with budget(syncs=0, d2h_bytes=0):
+            step(host)
+        step(host)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled  # no recompiles
+    assert not dynamo_utils.counters["recompiles"]

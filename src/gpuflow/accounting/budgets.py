@@ -14,9 +14,11 @@ no limit. By default the totals are checked when the region ends, and the error 
 offending operation. ``at_site=True`` raises instead at the operation that goes over a limit
 (before the host waits, for an ``.item()``), so that the traceback points at it, as
 ``jax.transfer_guard("disallow")`` does; ``device_allocs`` comes from the allocator's
-counters and is still checked at the end. For tests, ``gpuflow.accounting.testing`` (a
-pytest plugin, loaded automatically) adds the ``transfer_budget`` marker and the
-``transfer_ledger`` fixture.
+counters and is still checked at the end. On the cpu, ``syncs`` also counts the reads that
+would make the host wait on a GPU (``.item()``, ``.tolist()``, ``print(t)``, ``nonzero``...;
+see ``gpuflow.accounting.ledger``), so a cpu test of ``syncs=0`` fails where a GPU run would.
+For tests, ``gpuflow.accounting.testing`` (a pytest plugin, loaded automatically) adds the
+``transfer_budget`` marker and the ``transfer_ledger`` fixture.
 """
 
 from __future__ import annotations

@@ -10,10 +10,23 @@ What it sees, and how:
 - copies (``.to``, ``.cpu()``, ``copy_``, ``.item()``) and host-waiting operations
   (``.item()``, ``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, blocking
   copies) through a ``TorchDispatchMode``: every aten operation of the ledger's thread passes
-  through it while the ledger is open, including those inside composite torch functions;
+  through it while the ledger is open, including those inside composite torch functions, and
+  those of the threads that take over the thread's dispatch modes: autograd's device
+  threads, where a CUDA backward and its gradient hooks run;
+- ``torch.compile``d code runs compiled under the ledger (the mode steps aside while torch
+  compiles and is back for the compiled code's run), and what that code dispatches is
+  counted: its copies, an ``.item()`` at a graph break, its fallback kernels. A compiled
+  graph itself makes no host waits;
 - explicit waits (``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``,
-  ``torch.accelerator.synchronize`` and ``gpuflow.Device``'s host stand-ins) by wrapping
-  those functions while a ledger is open;
+  ``torch.accelerator.synchronize`` and ``gpuflow.Device``'s host stand-ins), ``tolist`` and a
+  tensor's repr (``print(t)``, f-strings; torch builds it with every dispatch mode set aside)
+  by wrapping those functions while a ledger is open;
+- on the host, the reads that would make the host wait on a GPU: a ledger open for the cpu
+  counts ``.item()``, ``.tolist()``, ``bool(t)``/``float(t)``, ``print(t)``, ``nonzero``,
+  boolean-mask indexing and the like on cpu tensors as syncs ("would wait on a GPU"), so a
+  cpu run of ``budget(syncs=0)`` fails where a GPU run would. Reads made straight from
+  torch's optimizers, DataLoader and compiler, and from gpuflow's transfer layer, are of host
+  data on a GPU machine too and are not counted; nor is ``.numpy()``, a view of host memory;
 - ``DeviceLoader`` batches, whose copies are queued ahead of the batch in use (several batches
   in one copy when they are small): the loader keeps its own copies out of the ledger and
   reports each batch's bytes when the consumer takes it, so they count in the step that
@@ -21,15 +34,18 @@ What it sees, and how:
 - device allocator activity from ``torch.cuda.memory_stats``: cudaMalloc and cudaFree calls,
   allocation retries, reserved bytes, and requests served from the cache.
 
-What it cannot see: copies made by other threads (a DataLoader's pin thread, a user's own
-worker), copies that C++ code makes without going through the dispatcher (inside custom
-kernels or extensions, CUDA-graph replays, NCCL), and waits inside C++. The profiler mode
-(``gpuflow.accounting.crosscheck``) reads the device's real memcpy events and shows any difference.
+What it cannot see: copies and waits of threads that do not work for the ledger's thread (a
+DataLoader's pin thread, a user's own worker), copies that C++ code makes without going
+through the dispatcher (inside custom kernels or extensions, CUDA-graph replays, NCCL, and
+``torch.tensor(data, device=...)``, which torch builds with Python dispatch off), and waits
+inside C++. The profiler mode (``gpuflow.accounting.crosscheck``) reads the device's real
+memcpy events and shows any difference.
 
 Each event carries the source location of the first frame outside torch and gpuflow's
 transfer layer, so a stray ``.item()`` in a training step points at its own line. While a
-ledger is open every aten operation pays a Python call (a few microseconds): use it on the
-steps you measure, not on a whole run.
+ledger is open every eagerly dispatched aten operation pays a Python call (about 6 µs on a
+small op; compiled and captured code dispatches few): use it on the steps you measure, not on a
+whole run.
 
 Longer than most modules: the dispatch mode, the wait wrappers and the ledgers share one
 thread-local state (which ledgers are open, whether a wait is already being counted), and
@@ -251,20 +267,61 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.ledgers: list[TransferLedger] = []
         self.mode: _Dispatch | None = None
-        self.inside_wait = False
+        self.inside_wait = False  # a counted wait or read is running: what it calls is its own
 
 
 _state = _State()
 _patch_lock = threading.Lock()
-_patched: dict[tuple[Any, str], Callable[..., Any]] = {}
+_ABSENT = object()  # an attribute the owner only inherits: deleted again, not set back
+_patched: dict[tuple[Any, str], Any] = {}
 _patch_users = 0
 
+# Frames that only carry a read to its cause (the dispatch machinery and the wrapper that
+# keeps torch.compile out of the dispatch mode, Tensor's Python methods, this module); and
+# frames whose reads are of host data on a GPU machine too: an optimizer's step counters, a
+# DataLoader's batches, compilation, gpuflow's transfer layer and its host buffers. A host
+# read made straight from a frame of the second kind is not one that would wait for a GPU.
+_DISPATCH_FILES = (
+    "utils/_python_dispatch.py", "_ops.py", "_tensor.py", "overrides.py", "_compile.py",
+    "_dynamo/eval_frame.py",
+)  # fmt: skip
+_HOST_SIDE_DIRS = ("optim", "utils/data", "_dynamo", "_inductor", "fx", "_functorch", "_subclasses")
+_PLUMBING = (
+    *(str(Path(_TORCH_DIR, *part.split("/"))) for part in _DISPATCH_FILES),
+    str(Path(__file__).parent) + os.sep,
+    f"{os.sep}contextlib.py",
+    "<frozen ",
+)
+_HOST_SIDE = (
+    *_INTERNAL,
+    *(str(Path(_TORCH_DIR, *part.split("/"))) + os.sep for part in _HOST_SIDE_DIRS),
+)
 
-def _emit(make: Callable[[TransferLedger], TransferEvent]) -> None:
+
+def _ledgers_here() -> list[TransferLedger]:
+    """The ledgers counting this thread's work: those whose dispatch mode is active here.
+    That is the thread that opened them and the threads that take over its dispatch modes
+    (autograd's device threads running a CUDA backward and its hooks), and not while torch
+    has set the modes aside (during compilation, inside a tensor's repr)."""
+    for i in range(torch._C._len_torch_dispatch_stack()):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if isinstance(mode, _Dispatch):
+            return mode.ledgers
+    return []
+
+
+def _emit(
+    make: Callable[[TransferLedger], TransferEvent],
+    ledgers: list[TransferLedger],
+    host_only: bool = False,
+) -> None:
+    """Count one event in ``ledgers`` (``host_only``: in those of them open for the host)."""
     if tally.in_housekeeping():  # the transfer layer's own clean-up: not the region's work
         return
     violation: Exception | None = None
-    for ledger in _state.ledgers:
+    for ledger in list(ledgers):  # another thread (a backward's) may close one meanwhile
+        if host_only and ledger.device.type != "cpu":
+            continue
         event = make(ledger)
         ledger._events.append(event)
         if ledger._watch is not None and violation is None:
@@ -281,13 +338,33 @@ def _record_reported(
     _emit(
         lambda ledger: TransferEvent(
             kind, op, where, ledger._step, nbytes=nbytes, dtype=dtype, pinned=pinned
-        )
+        ),
+        _state.ledgers,
     )
 
 
-def _record_sync(op: str) -> None:
+def _record_sync(op: str, ledgers: list[TransferLedger]) -> None:
     where = caller_location()
-    _emit(lambda ledger: TransferEvent("sync", op, where, ledger._step))
+    _emit(lambda ledger: TransferEvent("sync", op, where, ledger._step), ledgers)
+
+
+def _reads_device_data() -> bool:
+    """Whether a read of host tensor data, made now, stands for a read of device data: the
+    code that makes it is not one that reads host data on a GPU machine too."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PLUMBING):
+        frame = frame.f_back
+    return frame is None or not frame.f_code.co_filename.startswith(_HOST_SIDE)
+
+
+def _record_host_read(op: str, ledgers: list[TransferLedger]) -> None:
+    """On the host, a read of a tensor's data is what would make the host wait on a GPU:
+    ledgers open for the host count it as a sync, so that a cpu run of ``budget(syncs=0)``
+    fails where a GPU run would."""
+    if any(ledger.device.type == "cpu" for ledger in ledgers) and _reads_device_data():
+        where = caller_location()
+        label = f"{op} (would wait on a GPU)"
+        _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step), ledgers, True)
 
 
 def _is_device(t: Any) -> bool:
@@ -304,18 +381,41 @@ def _host_pinned(t: torch.Tensor) -> bool:
 
 
 class _Dispatch(TorchDispatchMode):
-    """Looks at every aten operation of its thread and counts copies and host waits."""
+    """Looks at every aten operation of its thread and counts copies and host waits, for
+    ``ledgers``: the list of the thread that opened them, shared with the threads that take
+    the mode over (autograd's device threads)."""
+
+    def __init__(self, ledgers: list[TransferLedger]) -> None:
+        super().__init__()
+        self.ledgers = ledgers
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile then compiles under the mode (with the mode set aside) and runs the
+        # compiled code under it, instead of running the function eagerly and marking its
+        # frames never to be compiled again. What the compiled code dispatches (a copy, an
+        # .item() at a graph break, a fallback kernel) still passes through here.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func not in _WATCHED:
-            return func(*args, **kwargs)
-        if func is _ITEM and _is_device(args[0]):
-            self._copy("d2h", args[0], args[0].element_size(), "item", True, False)
-        elif func in _DATA_DEPENDENT and any(_is_device(a) for a in args):
-            _record_sync(_DATA_DEPENDENT[func])
-        elif func in _MASK_INDEXING and _is_device(args[0]) and _has_mask(args[1]):
-            _record_sync("boolean-mask indexing")
+            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is _ITEM:
+            if _is_device(args[0]):
+                self._copy("d2h", args[0], args[0].element_size(), "item", True, False)
+            else:
+                _record_host_read("item", self.ledgers)
+        elif func in _DATA_DEPENDENT:
+            if any(_is_device(a) for a in args):
+                _record_sync(_DATA_DEPENDENT[func], self.ledgers)
+            else:
+                _record_host_read(_DATA_DEPENDENT[func], self.ledgers)
+        elif func in _MASK_INDEXING and _has_mask(args[1]):
+            if _is_device(args[0]):
+                _record_sync("boolean-mask indexing", self.ledgers)
+            else:
+                _record_host_read("boolean-mask indexing", self.ledgers)
         out = func(*args, **kwargs)
         if func is _TO_COPY:
             self._transfer(args[0], out, kwargs.get("non_blocking", False), "to")
@@ -338,8 +438,8 @@ class _Dispatch(TorchDispatchMode):
         blocking = kind != "d2d" and not non_blocking
         self._copy(kind, dst, dst.numel() * dst.element_size(), op, blocking, pinned)
 
-    @staticmethod
     def _copy(
+        self,
         kind: str,
         t: torch.Tensor,
         nbytes: int,
@@ -352,11 +452,12 @@ class _Dispatch(TorchDispatchMode):
         _emit(
             lambda ledger: TransferEvent(
                 kind, op, where, ledger._step, nbytes, dtype, pinned, blocking
-            )
+            ),
+            self.ledgers,
         )
         if blocking:
             label = f"blocking {kind} {op}"
-            _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step))
+            _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step), self.ledgers)
 
 
 def _has_mask(indices: Any) -> bool:
@@ -387,8 +488,9 @@ def _wait_targets() -> list[tuple[Any, str, str]]:
 
 def _counted_wait(original: Callable[..., Any], label: str) -> Callable[..., Any]:
     def wait(*args: Any, **kwargs: Any) -> Any:
-        if _state.ledgers and not _state.inside_wait:
-            _record_sync(label)
+        ledgers = _ledgers_here()
+        if ledgers and not _state.inside_wait:
+            _record_sync(label, ledgers)
             _state.inside_wait = True  # one wait that calls another counts once
             try:
                 return original(*args, **kwargs)
@@ -400,16 +502,53 @@ def _counted_wait(original: Callable[..., Any], label: str) -> Callable[..., Any
     return wait
 
 
+def _counted_read(original: Callable[..., Any], op: str) -> Callable[..., Any]:
+    """Reads of tensor data that the dispatch mode cannot see: ``tolist`` of a host tensor
+    (a device tensor's is seen as its copy to the host), and a tensor's repr (``print``,
+    f-strings), which torch computes with every dispatch mode set aside."""
+
+    def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        ledgers = _ledgers_here()
+        if ledgers and not _state.inside_wait and isinstance(tensor, torch.Tensor):
+            if not _is_device(tensor):
+                _record_host_read(op, ledgers)
+            elif op == "print":
+                _record_sync("print of a device tensor", ledgers)
+            _state.inside_wait = True  # the repr's own reads are part of this one
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                _state.inside_wait = False
+        return original(tensor, *args, **kwargs)
+
+    read.__wrapped__ = original  # type: ignore[attr-defined]
+    return read
+
+
+def _patch_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
+    """(owner, attribute, wrapper maker) of every function a ledger wraps while open. Only
+    functions that torch.compile does not guard on: wrapping ``torch.tensor`` itself, say,
+    would make every compiled function that calls it recompile as a ledger opens."""
+    waits = [
+        (owner, attr, lambda f, label=label: _counted_wait(f, label))
+        for owner, attr, label in _wait_targets()
+    ]
+    return [
+        *waits,
+        (torch.Tensor, "tolist", lambda f: _counted_read(f, "tolist")),
+        (torch._tensor_str, "_str", lambda f: _counted_read(f, "print")),
+    ]
+
+
 def _install_waits() -> None:
     global _patch_users
     with _patch_lock:
         _patch_users += 1
         if _patch_users > 1:
             return
-        for owner, attr, label in _wait_targets():
-            original = getattr(owner, attr)
-            _patched[(owner, attr)] = original
-            setattr(owner, attr, _counted_wait(original, label))
+        for owner, attr, wrap in _patch_targets():
+            _patched[(owner, attr)] = vars(owner).get(attr, _ABSENT)
+            setattr(owner, attr, wrap(getattr(owner, attr)))
 
 
 def _remove_waits() -> None:
@@ -419,7 +558,10 @@ def _remove_waits() -> None:
         if _patch_users > 0:
             return
         for (owner, attr), original in _patched.items():
-            setattr(owner, attr, original)
+            if original is _ABSENT:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
         _patched.clear()
 
 
@@ -455,7 +597,7 @@ class TransferLedger:
         _install_waits()
         _state.ledgers.append(self)
         if _state.mode is None:
-            _state.mode = _Dispatch()
+            _state.mode = _Dispatch(_state.ledgers)
             _state.mode.__enter__()
             tally.listen(_record_reported)
         return self

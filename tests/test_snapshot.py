@@ -12,6 +12,15 @@ def _state() -> dict[str, dict[str, torch.Tensor]]:
     return {"model": {"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.bfloat16)}}
 
 
+def _capture_error(snapshots) -> RuntimeError | None:
+    """The error a capture raises while an earlier snapshot holds the buffer, or None."""
+    try:
+        snapshots.capture(_state())
+    except RuntimeError as exc:
+        return exc
+    return None
+
+
 def _on_a_thread(job, timeout: float = 5.0) -> list:
     """Run ``job`` on a daemon thread: a hang fails the test instead of stalling the suite."""
     outcome: list = []
@@ -42,12 +51,7 @@ def test_a_second_capture_before_release_is_an_error_not_a_hang():
     def loop() -> tuple:
         snapshots = StateSnapshot("cpu")
         first = snapshots.capture(_state())
-        try:
-            snapshots.capture(_state())
-        except RuntimeError as exc:
-            error = exc
-        else:
-            error = None
+        error = _capture_error(snapshots)
         first.release()
         return error, snapshots.capture(_state())  # released: the next capture works
 
@@ -102,12 +106,7 @@ def test_releasing_an_old_snapshot_again_does_not_free_the_current_one():
         first.release()
         second = snapshots.capture(_state())
         first.release()  # again: the buffer still belongs to `second`
-        try:
-            snapshots.capture(_state())
-        except RuntimeError as exc:
-            error = exc
-        else:
-            error = None
+        error = _capture_error(snapshots)
         second.release()
         return error, second
 

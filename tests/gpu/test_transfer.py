@@ -251,9 +251,9 @@ def test_host_mirror_partial_reads_and_async_refresh(accel):
     np.testing.assert_array_equal(mirror.numpy(), table.cpu().numpy())
 
 
-def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
-    if accel.type != "cuda":
-        pytest.skip("CUDA graphs")
+def _graph_that_adds_one(accel) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
+    """A (16,) device tensor and a captured graph whose replay adds 1 to it: a write that
+    bumps no version counter."""
     state = torch.zeros(16, device=accel.torch)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -263,6 +263,13 @@ def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         state.add_(1)
+    return state, graph
+
+
+def test_host_mirror_needs_mark_dirty_after_a_graph_replay(accel):
+    if accel.type != "cuda":
+        pytest.skip("CUDA graphs")
+    state, graph = _graph_that_adds_one(accel)
     mirror = HostMirror(state, writes="tracked")
     before = mirror.numpy()[0]
     graph.replay()
@@ -372,15 +379,7 @@ def test_a_default_host_mirror_sees_a_graph_replay_without_mark_dirty(accel):
         pytest.skip("CUDA graphs")
     from gpuflow import HostMirror
 
-    state = torch.zeros(16, device=accel.torch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        state.add_(1)  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        state.add_(1)
+    state, graph = _graph_that_adds_one(accel)
     mirror = HostMirror(state)
     before = mirror.numpy()[0]
     graph.replay()

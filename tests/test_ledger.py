@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
 import gpuflow
 from gpuflow.accounting.budgets import BudgetExceeded, budget
@@ -552,12 +552,12 @@ def test_waits_on_a_thread_that_inherits_the_ledger_are_counted_at_their_line():
         mode = _get_current_dispatch_mode()
 
         def hook_body() -> None:
-            torch._C._push_on_torch_dispatch_stack(mode)  # what the autograd engine does
+            _push_mode(mode)  # what the autograd engine does
             try:
                 _meta_raises(lambda: x.sum().item())  # hook-item
                 Device("cpu").synchronize()  # hook-wait
             finally:
-                torch._C._pop_torch_dispatch_stack()
+                _pop_mode()
 
         worker = threading.Thread(target=hook_body)
         worker.start()

@@ -20,7 +20,8 @@ from gpuflow.data.prepare import PrepareConfig, PrepareSummary, prepare
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer import EOT, load_tokenizer, train_tokenizer
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.train.config import train_command
+from gpuflow.train.config import PRESETS
+from gpuflow.train.suggest import PRESET_VOCAB_SIZES, train_command
 
 
 def test_tokenizer_round_trips_text(stdlib_documents):
@@ -323,3 +324,10 @@ def test_foreign_shards_are_scanned_for_their_largest_id(data_copy):
     tokens[3] = 9000
     write_shard(shard.path, tokens)
     assert TokenFolder.open(data_copy).max_token == 9000
+
+
+def test_the_suggestion_knows_every_presets_vocabulary_without_loading_torch():
+    assert {name: p.model.vocab_size for name, p in PRESETS.items()} == PRESET_VOCAB_SIZES
+    code = "import sys, gpuflow.train.suggest; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

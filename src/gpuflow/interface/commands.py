@@ -149,7 +149,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     )
     summary = prepare(config)
     out_console.print(summary.describe())
-    from gpuflow.train.config import train_command  # loads torch: not while preparing
+    from gpuflow.train.suggest import train_command  # (train/config.py would load torch)
 
     out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
     return 0

@@ -16,14 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shlex
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.common.sizes import round_up
 from gpuflow.device.allocator import ALLOCATORS
 from gpuflow.device.managed import PLACEMENTS
 from gpuflow.model.gpt import ModelConfig
@@ -189,19 +187,6 @@ PRESETS: dict[str, RunConfig] = {
         train=TrainConfig(batch_size=16, lr=6e-4, warmup_steps=200),
     ),
 }
-
-
-def train_command(vocab_size: int, data_dir: str | Path) -> str:
-    """The ``gpuflow train`` command line for a token folder of ``vocab_size`` tokens: a
-    preset of that vocabulary as it is (seed-d384, the reference configuration, first among
-    equals), else ``tiny`` with its vocabulary raised to a multiple of 64 that holds it."""
-    data = shlex.quote(f"data.dir={data_dir}")
-    exact = [name for name, p in PRESETS.items() if p.model.vocab_size == vocab_size]
-    if exact:
-        name = sorted(exact, key=lambda n: n != "seed-d384")[0]
-        return f"gpuflow train --preset {name} --set {data}"
-    vocab = round_up(vocab_size, 64)
-    return f"gpuflow train --preset tiny --set {data} --set model.vocab_size={vocab}"
 
 
 def preset(name: str) -> RunConfig:

@@ -1,0 +1,36 @@
+"""The ``gpuflow train`` command to suggest for a token folder, without loading torch.
+
+``gpuflow prepare`` ends by naming the command that trains on what it wrote; the presets
+live in ``train/config.py``, whose imports load torch (seconds on a host without cached
+bytecode), which a command that only tokenizes should not pay. Their vocabularies are kept
+here, in preset order; a test checks them against the presets.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from gpuflow.common.sizes import round_up
+
+# Each preset's model.vocab_size, as train/config.py's PRESETS give them.
+PRESET_VOCAB_SIZES = {
+    "tiny": 4096,
+    "seed-d512": 16000,
+    "seed-d384": 16000,
+    "seed-d256": 16000,
+    "gpt2-124m": 50304,
+}
+
+
+def train_command(vocab_size: int, data_dir: str | Path) -> str:
+    """The ``gpuflow train`` command line for a token folder of ``vocab_size`` tokens: a
+    preset of that vocabulary as it is (seed-d384, the reference configuration, first among
+    equals), else ``tiny`` with its vocabulary raised to a multiple of 64 that holds it."""
+    data = shlex.quote(f"data.dir={data_dir}")
+    exact = [name for name, size in PRESET_VOCAB_SIZES.items() if size == vocab_size]
+    if exact:
+        name = sorted(exact, key=lambda n: n != "seed-d384")[0]
+        return f"gpuflow train --preset {name} --set {data}"
+    vocab = round_up(vocab_size, 64)
+    return f"gpuflow train --preset tiny --set {data} --set model.vocab_size={vocab}"

@@ -164,6 +164,67 @@ def test_stale_temporaries_are_cleared_and_never_taken_for_checkpoints(prepared,
     assert not (workdir / "runs" / "k" / ".config.toml.tmp-99999").exists()
 
 
+# ---- a run folder holds only what gpuflow wrote there, and it crosses no link ---------------
+
+
+def _trained(prepared, workdir, name: str):
+    assert (
+        _train_cli(prepared, "--name", name, "--steps", "2", sets=("train.checkpoint_interval=1",))
+        == 0
+    )
+    return workdir / "runs" / name
+
+
+def _refused_resume(prepared, name: str, capsys) -> str:
+    capsys.readouterr()
+    assert _train_cli(prepared, "--name", name, "--resume", "--steps", "4") != 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # one line
+    return err
+
+
+def test_resume_never_removes_a_step_folder_it_did_not_write(prepared, workdir, capsys):
+    run = _trained(prepared, workdir, "mine")
+    theirs = run / "checkpoints" / "step_000007"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("the user's own file")
+    err = _refused_resume(prepared, "mine", capsys)
+    assert "step_000007 is not a checkpoint gpuflow wrote" in err
+    assert (theirs / "notes.txt").read_text() == "the user's own file"
+
+
+def test_a_checkpoint_without_its_state_keeps_its_weights(prepared, workdir, capsys):
+    run = _trained(prepared, workdir, "lost")
+    step = run / "checkpoints" / "step_000002"
+    (step / "state.json").unlink()  # deleted by hand
+    err = _refused_resume(prepared, "lost", capsys)
+    assert "put its state.json back" in err
+    assert (step / "model.safetensors").is_file() and (step / "optimizer.safetensors").is_file()
+
+
+@pytest.mark.parametrize("kind", ["file", "link", "linked step"])
+def test_a_checkpoints_file_or_link_is_refused_and_nothing_is_lost(prepared, workdir, capsys, kind):
+    run = _trained(prepared, workdir, "odd")
+    metrics = (run / "metrics.jsonl").read_text()
+    outside = workdir / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the run's")
+    folder = run / "checkpoints"
+    if kind == "linked step":
+        (folder / "step_000009").symlink_to(outside, target_is_directory=True)
+    else:
+        shutil.rmtree(folder)
+        if kind == "file":
+            folder.write_text("a file where the folder was")
+        else:
+            folder.symlink_to(outside, target_is_directory=True)
+    err = _refused_resume(prepared, "odd", capsys)
+    assert "will not follow or replace it" in err or "is not a checkpoint gpuflow wrote" in err
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing wiped
+    assert (outside / "keep.txt").read_text() == "not the run's"
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+
+
 def test_a_torn_last_metrics_line_is_dropped_and_said(prepared, workdir, capsys):
     assert _train_cli(prepared, "--name", "t", "--steps", "2", sets=("train.log_interval=1",)) == 0
     metrics = workdir / "runs" / "t" / "metrics.jsonl"

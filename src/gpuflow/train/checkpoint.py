@@ -82,18 +82,49 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete ``step_*`` checkpoints, oldest first."""
     folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
+    if not _real_dir(folder):
         return []
-    found = [p for p in folder.iterdir() if _is_step_folder(p) and (p / STATE_FILE).is_file()]
+    found = [p for p in folder.iterdir() if _is_step_name(p.name) and _written_here(p)]
     return sorted(found, key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
 
 
-def _is_step_folder(path: Path) -> bool:
-    return (
-        path.name.startswith(STEP_PREFIX)
-        and path.name.removeprefix(STEP_PREFIX).isdigit()
-        and path.is_dir()
-    )
+def _is_step_name(name: str) -> bool:
+    return name.startswith(STEP_PREFIX) and name.removeprefix(STEP_PREFIX).isdigit()
+
+
+def _real_dir(path: Path) -> bool:
+    """A folder, not a link to one (gpuflow never follows a link out of a run)."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def _written_here(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint folder this module installed: a real folder whose
+    state.json (written last, inside it) is a real file."""
+    state = path / STATE_FILE
+    return _real_dir(path) and state.is_file() and not state.is_symlink()
+
+
+def check_checkpoint_folder(run_dir: Path) -> None:
+    """Refuse, before any work, a run whose ``checkpoints/`` gpuflow could not write into
+    without following a link out of the run or replacing what it did not write: a file or a
+    link where the folder should be, or a ``step_*``/``best`` entry that is not a complete
+    checkpoint of its own."""
+    folder = checkpoint_dir(run_dir)
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        kind = "a link" if folder.is_symlink() else "a file"
+        raise GpuflowError(
+            f"{folder} is {kind}, not the run's checkpoint folder; gpuflow writes its "
+            "checkpoints there and will not follow or replace it: move it out of the run"
+        )
+    if not folder.exists():
+        return
+    for path in sorted(folder.iterdir()):
+        if (_is_step_name(path.name) or path.name == BEST) and not _written_here(path):
+            raise GpuflowError(
+                f"{path} is not a checkpoint gpuflow wrote (a link, or no {STATE_FILE} in "
+                f"it), so it can neither resume from it nor replace it: move it out of "
+                f"{folder}, or put its {STATE_FILE} back"
+            )
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -103,7 +134,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def best_checkpoint(run_dir: Path) -> Path | None:
     path = checkpoint_dir(run_dir) / BEST
-    return path if (path / STATE_FILE).is_file() else None
+    return path if _real_dir(path.parent) and _written_here(path) else None
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[str]:
@@ -114,22 +145,17 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
     replaced is put back if its replacement never arrived, else removed.
     """
     folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
+    if not _real_dir(folder):
         return []
     handled = []
     for path in sorted(folder.iterdir()):
         match = _TEMPORARY.match(path.name)
-        if match and path.is_dir():
+        if match and _real_dir(path):  # a name only this module gives, a folder it made
             final = folder / match.group(1)
-            if match.group(2) == "old" and not final.exists():
+            if match.group(2) == "old" and not os.path.lexists(final):
                 os.replace(path, final)
             else:
                 shutil.rmtree(path)
-            handled.append(path.name)
-        elif _is_step_folder(path) and not (path / STATE_FILE).exists():
-            # Only an interrupted delete of an older gpuflow (which removed files in place)
-            # leaves one: complete folders are renamed in, and state.json was written inside.
-            shutil.rmtree(path)
             handled.append(path.name)
     if handled:
         fsync_dir(folder)
@@ -329,7 +355,12 @@ def _install(tmp: Path, final: Path) -> None:
     again after a resume, the previous best) is moved aside first and removed after, so a
     crash in between leaves it recoverable (``remove_stale_temporaries``)."""
     retired = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
+    if os.path.lexists(final):
+        if not _written_here(final):  # refused at the start; put there since
+            raise GpuflowError(
+                f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
+                f"was left as it is: move it out of {final.parent} and resume"
+            )
         os.replace(final, retired)
     os.replace(tmp, final)
     fsync_dir(final.parent)

@@ -255,6 +255,7 @@ class RunFolder:
 
     def __enter__(self) -> RunFolder:
         if self.resume and self.path.is_dir():
+            ckpt.check_checkpoint_folder(self.path)  # before anything is read or removed
             self._lock()
             self._clean()
         return self

@@ -71,8 +71,9 @@ def test_written_files_are_standard_safetensors(tmp_path):
     snap = StateSnapshot("cpu").capture(_mixed())
     snap.wait()
     path = tmp_path / "model.safetensors"
-    size = ckpt.write_safetensors(path, snap.layout.groups["model"], snap.group_bytes("model"))
-    assert size == path.stat().st_size
+    written = ckpt.write_safetensors(path, snap.layout.groups["model"], snap.group_bytes("model"))
+    assert written["bytes"] == path.stat().st_size
+    assert written["sha256"] == ckpt.file_digest(path)
     loaded = load_file(str(path))
     for name, tensor in _mixed()["model"].items():
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
@@ -115,7 +116,10 @@ def test_save_returns_while_the_files_are_written(tmp_path, monkeypatch):
     weights = load_file(str(saved / "model.safetensors"))
     assert torch.equal(weights["ln_f.weight"] + 1.0, model.ln_f.weight)  # as when saved
     record = json.loads((saved / "state.json").read_text())
-    assert record["files"]["model.safetensors"] == (saved / "model.safetensors").stat().st_size
+    model_file = saved / "model.safetensors"
+    assert record["files"]["model.safetensors"] == {
+        "bytes": model_file.stat().st_size, "sha256": ckpt.file_digest(model_file)
+    }  # fmt: skip
     assert checkpointer.write_seconds and checkpointer.written == [saved]
 
 

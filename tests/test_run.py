@@ -348,9 +348,16 @@ def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     weights["ln_f.weight"][0] = math.nan
     from safetensors.torch import save_file
 
-    save_file(weights, str(latest / "model.safetensors"))
-    record = json.loads((latest / "state.json").read_text())
-    record.pop("files")  # the sizes written by the trainer; this file is ours now
+    model_file = latest / "model.safetensors"
+    # New files, not rewrites: best shares the step's files (hard links) when it is that step
+    model_file.unlink()
+    save_file(weights, str(model_file))
+    record = json.loads((latest / "state.json").read_text())  # ours now: recorded as gpuflow does
+    record["files"]["model.safetensors"] = {
+        "bytes": model_file.stat().st_size, "sha256": ckpt.file_digest(model_file)
+    }  # fmt: skip
+    record[ckpt.RECORD_DIGEST] = ckpt.record_digest(record)
+    (latest / "state.json").unlink()
     (latest / "state.json").write_text(json.dumps(record))
     capsys.readouterr()
     base = ["sample", "--run", "runs/smp", "--max-tokens", "5", "--device", "cpu"]

@@ -154,6 +154,43 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(prepared, workdir, 
     assert ckpt.read_checkpoint(ckpt.checkpoint_dir(run_dir) / "step_000004").step == 4
 
 
+def _flip_a_byte(file) -> None:
+    data = bytearray(file.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's data: same size, still a safetensors file
+    file.write_bytes(bytes(data))
+
+
+def _edit_state(folder, change) -> None:
+    record = json.loads((folder / "state.json").read_text())
+    change(record)
+    (folder / "state.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "damage,said",
+    [
+        (lambda f: _flip_a_byte(f / "model.safetensors"), "checksum differs"),
+        (lambda f: _flip_a_byte(f / "optimizer.safetensors"), "checksum differs"),
+        (lambda f: _edit_state(f, lambda r: r.update(step=3)), "was changed after"),
+        (lambda f: _edit_state(f, lambda r: r["rng"].update(torch="AAAA")), "was changed after"),
+    ],
+    ids=["weights", "moments", "step", "rng"],
+)
+def test_a_checkpoint_changed_after_it_was_written_is_skipped(
+    prepared, workdir, capsys, damage, said
+):
+    run_dir = workdir / "runs" / "flipped"
+    sets = ("train.checkpoint_interval=2", "train.log_interval=1")
+    _train(_config(prepared, "train.steps=4", *sets), run_dir)
+    damage(ckpt.latest_checkpoint(run_dir))
+    capsys.readouterr()
+    result = _train(_config(prepared, "train.steps=6", *sets), run_dir, resume=True)
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step_000004" in err and said in err, err
+    assert "resuming from the intact checkpoint step_000002" in err
+    assert result.start_step == 2 and result.last_step == 6
+
+
 def test_every_checkpoint_damaged_is_a_clear_error(prepared, workdir):
     run_dir = workdir / "runs" / "corrupt"
     _train(_config(prepared, "train.steps=2"), run_dir)

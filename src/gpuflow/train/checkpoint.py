@@ -24,6 +24,7 @@ a property of the pair.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -51,6 +52,7 @@ BEST = "best"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
+RECORD_DIGEST = "state_sha256"  # state.json's own checksum, inside it
 # Optimizer flags that describe the machine, not the run: the live optimizer's win on load.
 _EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 # What this module leaves behind when killed mid-write: ``.step_000300.tmp-<pid>`` while a
@@ -212,10 +214,10 @@ def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def write_safetensors(path: Path, slots: tuple[Slot, ...], data: memoryview) -> int:
+def write_safetensors(path: Path, slots: tuple[Slot, ...], data: memoryview) -> dict[str, Any]:
     """Write a safetensors file whose tensors are ``slots`` over ``data`` (their bytes end to
     end, as a ``StateSnapshot`` lays them out), straight from that buffer; fsynced. Returns
-    the file's size."""
+    what state.json records of it: its size and the SHA-256 of its bytes."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for slot in slots:
         header[slot.name] = {
@@ -225,13 +227,29 @@ def write_safetensors(path: Path, slots: tuple[Slot, ...], data: memoryview) -> 
         }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # the tensor data starts 8-byte aligned
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        f.write(data)
+        for part in (struct.pack("<Q", len(text)), text, data):
+            f.write(part)
+            digest.update(part)  # (hashlib lets go of the interpreter lock for large parts)
         f.flush()
         os.fsync(f.fileno())
-    return 8 + len(text) + len(data)
+    return {"bytes": 8 + len(text) + len(data), "sha256": digest.hexdigest()}
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """The SHA-256 of a state.json record (its own digest left out), in a canonical form."""
+    rest = {k: v for k, v in record.items() if k != RECORD_DIGEST}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 class Checkpointer:
@@ -321,8 +339,10 @@ class Checkpointer:
                 }
             finally:
                 snapshot.release()
+            full = {**record, "files": files}
+            full[RECORD_DIGEST] = record_digest(full)
             with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
-                f.write(json.dumps({**record, "files": files}, indent=1) + "\n")
+                f.write(json.dumps(full, indent=1) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
@@ -434,16 +454,35 @@ def read_record(path: Path) -> dict[str, Any]:
 
 
 def read_checkpoint(path: Path, optimizer: bool = True) -> CheckpointData:
-    """Read and check every file of the checkpoint at ``path``: ``CheckpointDamaged`` when one
-    is missing, shorter or longer than written, or unreadable."""
+    """Read and check the checkpoint at ``path``: ``CheckpointDamaged`` when its state.json
+    was changed after it was written, names another step than its folder, or a file it
+    reads is missing, shorter or longer than written, unreadable, or not the bytes written
+    (their SHA-256; older checkpoints recorded sizes only)."""
     path = Path(path)
     record = read_record(path)
-    for filename, size in record.get("files", {}).items():  # absent in older checkpoints
+    if RECORD_DIGEST in record and record[RECORD_DIGEST] != record_digest(record):
+        raise CheckpointDamaged(f"{path / STATE_FILE} was changed after it was written")
+    if _is_step_name(path.name) and record["step"] != int(path.name.removeprefix(STEP_PREFIX)):
+        raise CheckpointDamaged(
+            f"{path / STATE_FILE} names step {record['step']}, not its folder's"
+        )
+    wanted = (MODEL_FILE, OPTIMIZER_FILE) if optimizer else (MODEL_FILE,)
+    for filename, written in record.get("files", {}).items():  # absent in older checkpoints
+        if filename not in wanted:
+            continue
+        size, digest = (written, None) if isinstance(written, int) else (
+            written.get("bytes"), written.get("sha256")
+        )  # fmt: skip
         file = path / filename
-        found = file.stat().st_size if file.is_file() else None
+        found = file.stat().st_size if file.is_file() and not file.is_symlink() else None
         if found != size:
             state = "missing" if found is None else f"{found:,} bytes where {size:,} were written"
             raise CheckpointDamaged(f"checkpoint file {file} is {state}: it is damaged")
+        if digest is not None and file_digest(file) != digest:
+            raise CheckpointDamaged(
+                f"checkpoint file {file} is not the bytes written (its checksum differs): it "
+                "is damaged"
+            )
     weights = _load_tensors(path / MODEL_FILE)
     moments = _load_tensors(path / OPTIMIZER_FILE) if optimizer else {}
     return CheckpointData(path, record, weights, moments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -116,3 +117,17 @@ def test_a_managed_corpus_off_cuda_is_refused_before_the_run_starts(prepared, wo
     with pytest.raises(GpuflowError, match="managed memory, not cpu's"):
         trainer.build(resume=False)
     assert not (workdir / "runs" / "m").exists()
+
+
+@pytest.mark.parametrize(
+    "setting,said",
+    [
+        ("train.lr=1e308", "train.lr must be a finite number within fp32's range"),
+        ("train.lr=nan", "train.lr must be a finite number"),
+        ("train.weight_decay=inf", "train.weight_decay must be a finite number"),
+        ("train.seed=18446744073709551616", "train.seed must be below 2**64"),
+    ],
+)
+def test_absurd_numbers_are_one_line_errors(setting, said):
+    with pytest.raises(GpuflowError, match=re.escape(said)):
+        resolve_config("tiny", None, [setting])

@@ -384,3 +384,26 @@ def test_lr_after_the_schedule_stays_at_its_floor():
     sets = ["train.steps=20", "train.decay_steps=10", "train.warmup_steps=2"]
     config = resolve_config("tiny", None, sets).train
     assert lr_at(9, config) > lr_at(10, config) == lr_at(15, config) == config.lr * 0.1
+
+
+def test_a_model_too_large_for_host_memory_is_one_line(prepared, workdir, monkeypatch, capsys):
+    def refused(self, *args, **kwargs):  # what the host's allocator raises (no real 25 GB)
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 25600000000 bytes")  # fmt: skip
+
+    monkeypatch.setattr("gpuflow.train.trainer.GPT.__init__", refused)
+    assert _train_cli(prepared, "--name", "huge", "--steps", "2") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit in host memory" in err, err
+    assert not (workdir / "runs" / "huge").exists()
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_sample_refuses_a_temperature_that_is_not_a_number_to_sample_at(
+    prepared, workdir, capsys, temperature
+):
+    assert _train_cli(prepared, "--name", "t", "--steps", "2") == 0
+    capsys.readouterr()
+    args = ["sample", "--run", "runs/t", "--temperature", temperature, "--device", "cpu"]
+    assert main(args) == 2
+    assert "--temperature must be a number >= 0" in capsys.readouterr().err

@@ -37,8 +37,8 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise GpuflowError(f"--max-tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise GpuflowError(f"--temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails it too
+            raise GpuflowError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise GpuflowError(f"--top-k must be >= 0, got {self.top_k}")
 

@@ -84,6 +84,8 @@ class TrainConfig:
                 f"train.allocator must be one of auto, {', '.join(ALLOCATORS)}, got "
                 f"{self.allocator!r}"
             )
+        if self.seed >= _SEED_LIMIT:
+            raise GpuflowError(f"train.seed must be below 2**64, got {self.seed}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise GpuflowError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("beta1", "beta2"):
@@ -134,9 +136,19 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
 
+_FP32_MAX = 3.4028234663852886e38  # the step computes in fp32: a larger setting overflows
+_SEED_LIMIT = 2**64  # torch's generators take seeds below this
+
+
 def _require(
     obj: Any, section: str, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()
 ) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FP32_MAX):
+            raise GpuflowError(
+                f"{section}.{f.name} must be a finite number within fp32's range, got {value}"
+            )
     for name in positive:
         if not getattr(obj, name) > 0:
             raise GpuflowError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")

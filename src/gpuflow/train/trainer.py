@@ -182,7 +182,17 @@ class Trainer:
             check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
         device.configure_for_training()
         torch.manual_seed(cfg.train.seed)
-        self.model = place(GPT(cfg.model), device.torch)
+        try:
+            self.model = place(GPT(cfg.model), device.torch)
+        except RuntimeError as exc:  # the host's allocator refusing (a device's is below)
+            if "can't allocate memory" not in str(exc):
+                raise
+            m = cfg.model
+            raise GpuflowError(
+                f"the model does not fit in host memory (vocab {m.vocab_size:,} x d_model "
+                f"{m.d_model} for its token table alone); lower model.vocab_size, "
+                "model.d_model or model.n_layer"
+            ) from None
         # The training step's forward (and so its backward); evaluation stays eager.
         trained: torch.nn.Module = self.model
         if ddp:

@@ -416,3 +416,29 @@ def test_bench_soak_samples_memory_over_a_run(workdir, prepared):
     assert [step for step, _ in rss] == list(range(2, 25, 2)) and all(v > 0 for _, v in rss)
     assert set(record["verdicts"]) == {"rss_bytes"}  # the cpu reports no pinned or device memory
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_bench_whose_results_cannot_be_written_says_so_before_it_runs(tmp_path, capsys):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the results folder would go")
+    started = time.perf_counter()
+    assert main(["bench", "transfer", "--quick", "--device", "cpu", "--out", str(blocker)]) == 2
+    assert time.perf_counter() - started < 5  # refused before measuring anything
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write bench results into") and "\n" not in err
+    assert blocker.read_text() == "a file where the results folder would go"
+
+
+def test_an_os_error_any_command_meets_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "runs"))
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gpuflow.train.run.RunFolder.start", read_only)
+    assert main(["train", "--preset", "tiny", "--device", "cpu", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "Read-only file system" in line and str(tmp_path / "runs") in line
+    assert "choose a writable place" in line and "Traceback" not in err

@@ -407,3 +407,49 @@ def test_sample_refuses_a_temperature_that_is_not_a_number_to_sample_at(
     args = ["sample", "--run", "runs/t", "--temperature", temperature, "--device", "cpu"]
     assert main(args) == 2
     assert "--temperature must be a number >= 0" in capsys.readouterr().err
+
+
+# ---- faults of the machine -----------------------------------------------------------------
+
+
+def _disk_full_at(monkeypatch, nth: int) -> None:
+    """The checkpoint writer's ``nth`` file write finds the disk full."""
+    import errno
+
+    real, calls = ckpt.write_safetensors, []
+
+    def write(path, *args):
+        calls.append(path)
+        if len(calls) == nth:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", write)
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_at_once_keeping_the_earlier_ones(
+    prepared, workdir, monkeypatch, capsys
+):
+    _disk_full_at(monkeypatch, 3)  # the second checkpoint's first file
+    sets = ("train.checkpoint_interval=2", "train.log_interval=1", "train.eval_interval=1000")
+    assert _train_cli(prepared, "--name", "full", "--steps", "12", sets=sets) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]  # one line, no traceback
+    assert "Traceback" not in err
+    assert "No space left on device" in line and "free disk space" in line
+    assert "the earlier checkpoints are intact: resume" in line
+    run = workdir / "runs" / "full"
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000002"]
+    ckpt.read_checkpoint(ckpt.latest_checkpoint(run))  # whole
+    logged = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert max(logged) <= 5  # stopped within a step or two, not at the next checkpoint
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_nothing_was_saved(
+    prepared, workdir, monkeypatch, capsys
+):
+    _disk_full_at(monkeypatch, 1)
+    assert _train_cli(prepared, "--name", "first", "--steps", "4") == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of this run was saved yet" in err and "--resume" not in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import re
 import statistics
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from gpuflow.common.atomic import write_text_atomic
+from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 
 # Benchmarks write here unless told otherwise (--out): beside the runs, not into a checkout.
@@ -66,6 +68,27 @@ def device_slug(device: Device, count: int = 1) -> str:
     words = re.findall(r"[a-z0-9]+", device.name().lower())
     model = next((w for w in words if w not in ("nvidia", "amd", "intel", "tesla")), device.type)
     return f"{model}x{count}" if count > 1 else model
+
+
+def check_results_folder(folder: Path | None = None) -> None:
+    """Refuse, before a bench spends its time, a results folder (default ``runs/bench``)
+    that could not be written: a file in its place, or a first existing folder on its path
+    that is read-only. Nothing is created here: a bench refused for another reason leaves
+    nothing behind."""
+    folder = Path(folder) if folder else RESULTS_DIR
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise GpuflowError(
+            f"cannot write bench results into {folder}: {existing} is a file, not a folder; "
+            "choose another --out"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise GpuflowError(
+            f"cannot write bench results into {folder}: {existing} is not writable (a "
+            "read-only file system, or its permissions); choose another --out"
+        )
 
 
 def write_result(

@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     except GpuflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as exc:  # a fault of the machine that no command turned into its own line
+        from gpuflow.common.oserrors import describe_os_error
+
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except Exception as exc:
         torch = sys.modules.get("torch")  # loaded by any command that could run out
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):

@@ -382,9 +382,11 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from gpuflow.bench.common import write_result
+    from gpuflow.bench.common import check_results_folder, write_result
     from gpuflow.common.console import out_console
     from gpuflow.device.accelerator import Device
+
+    check_results_folder(args.out)  # before the bench's time, not after it
 
     if args.bench == "train":  # before CUDA starts: its allocator is chosen then
         from gpuflow.train.config import resolve_config

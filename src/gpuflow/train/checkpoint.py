@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 
 from gpuflow.common.atomic import fsync_dir
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.oserrors import describe_os_error
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import check_state_shapes
 from gpuflow.transfer.snapshot import Slot, Snapshot, StateSnapshot
@@ -309,10 +310,21 @@ class Checkpointer:
             error, self._error = self._error, None
             if isinstance(error, GpuflowError):
                 raise error
+            cause = describe_os_error(error) if isinstance(error, OSError) else str(error)
+            kept = (
+                "the earlier checkpoints are intact: resume once that is fixed"
+                if list_checkpoints(self.run_dir)
+                else "no checkpoint of this run was saved yet"
+            )
             raise GpuflowError(
-                f"could not write a checkpoint into {checkpoint_dir(self.run_dir)} ({error}); "
-                "the earlier checkpoints are intact: free disk space and resume"
+                f"could not write a checkpoint into {checkpoint_dir(self.run_dir)}: {cause}; {kept}"
             ) from error
+
+    def check(self) -> None:
+        """Raise a finished write's error now (no wait for a write still running): a step can
+        call this, so a failed write is reported at once, not at the next checkpoint."""
+        if self._thread is not None and not self._thread.is_alive() and self._error is not None:
+            self.wait()
 
     def close(self) -> None:
         """Finish the write in flight and let the snapshot's buffers go."""

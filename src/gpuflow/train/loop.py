@@ -139,6 +139,7 @@ class TrainLoop:
                 with self.bus.step(step, self.throughput):  # sampled: under the ledger
                     self.train_step(step)
                 step += 1
+                self.checkpointer.check()  # a failed write stops the run now, not an interval on
                 stopping = stop.requested  # read once: a signal may land mid-iteration
                 if ranks.distributed:  # every rank stops after the same step
                     stopping = when.logs(step) and agree(stopping, ranks)

@@ -142,9 +142,7 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             row["fastest_idiom"] = fastest
             row["vs_fastest_idiom"] = row["deviceloader_gb_s"] / row[f"{fastest}_gb_s"]
             row["vs_dataloader"] = row["deviceloader_gb_s"] / row["dataloader_gb_s"]
-            row["fresh_vs_fastest_idiom"] = (
-                row["deviceloader_fresh_gb_s"] / row[f"{fastest}_gb_s"]
-            )
+            row["fresh_vs_fastest_idiom"] = row["deviceloader_fresh_gb_s"] / row[f"{fastest}_gb_s"]
             no_compute = [_consume(device, DeviceLoader(batches, device), compute=False)]
             row["deviceloader_host_us_per_batch"] = min(no_compute) / n * 1e6
             rows.append(row)

@@ -442,3 +442,20 @@ def test_an_os_error_any_command_meets_is_one_line_naming_the_path(tmp_path, mon
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
     assert "Read-only file system" in line and str(tmp_path / "runs") in line
     assert "choose a writable place" in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "setup,said",
+    [("long name", "choose a shorter one"), ("runs is a file", "move it away")],
+)
+def test_a_run_folder_the_file_system_refuses_is_one_line(workdir, prepared, capsys, setup, said):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    name = "x" * 300 if setup == "long name" else "r"
+    if setup == "runs is a file":
+        (workdir / "runs").write_text("not a folder")
+    assert main(["train", "--device", "cpu", "--steps", "1", "--name", name, *sets]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert said in line and "Traceback" not in err
+    if setup == "runs is a file":
+        assert (workdir / "runs").read_text() == "not a folder"

@@ -92,9 +92,14 @@ def _rank_update(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _on_two_ranks(worker, tmp_path) -> list:
+    """Run ``worker(rank, store, out)`` on two gloo ranks; what each saved to ``out.<rank>``."""
+    mp.spawn(worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    return [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+
+
 def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
-    mp.spawn(_rank_update, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
-    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    ranks = _on_two_ranks(_rank_update, tmp_path)
     whole = _one_update(_model(), _batch(), None)
     for result in [*ranks, *(r["ddp"] for r in ranks)]:
         # The mean loss of two equal halves is the whole batch's; the clip (active at 0.05)
@@ -167,8 +172,7 @@ def _rank_split_update(rank: int, store: str, out: str) -> None:
 
 
 def test_an_update_split_over_two_ranks_is_the_whole_update_on_each(tmp_path):
-    mp.spawn(_rank_split_update, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
-    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    ranks = _on_two_ranks(_rank_split_update, tmp_path)
 
     def mean_gradients(step):
         pairs = zip(_split_gradients(step, 0), _split_gradients(step, 1), strict=True)

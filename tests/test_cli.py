@@ -77,7 +77,7 @@ def test_train_from_nothing_then_sample(workdir):
     assert report["steps_done"] == 12 and report["preset"] == "tiny"
     why = "kvikio reads into CUDA memory, and the device is cpu"
     assert report["data_io"] == {"path": "pinned", "mode": None, "reason": why}
-    assert f"data.io pinned: {why}" in result.stderr + result.stdout
+    assert "data.io" not in result.stderr + result.stdout  # a GPU-only choice: not shown
     assert report["final_val_loss"] < report["first_train_loss"]
     assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [0, 6, 12]

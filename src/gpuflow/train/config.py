@@ -39,7 +39,7 @@ class TrainConfig:
     # Steps the schedule (warmup, then cosine) spans; later steps keep its final rate.
     # 0: ``steps``. Set it when resuming with more steps, to keep or stretch the schedule.
     decay_steps: int = 0
-    weight_decay: float = 0.1  # on matrices only; embeddings and norms are not decayed
+    weight_decay: float = 0.1  # on matrices (the token and position tables too); not on norms
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off

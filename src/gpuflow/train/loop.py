@@ -128,7 +128,7 @@ class TrainLoop:
         ):
             why = f" ({trainer.path_note})" if trainer.path_note else ""
             self.display.note(f"data path: {trainer.path}{why}")
-            if trainer.io is not None:
+            if trainer.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
                 self.display.note(trainer.io.describe())
             if latest is not None:
                 self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")

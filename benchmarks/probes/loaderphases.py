@@ -40,14 +40,14 @@ def timed(owner, name, label):
 
 timed(ThreadedSource, "__next__", "reader queue get")
 timed(Planner, "plan_pack", "plan_pack")
-timed(_Pipeline, "_stage", "stage (pin, write)")
+timed(_Pipeline, "_stage_part", "stage (pin, write)")
 timed(_Pipeline, "_issue", "issue (alloc, copy, event)")
 timed(_Pipeline, "_rebuild", "rebuild (views, widen)")
 timed(_Pipeline, "take", "take (incl. rebuild)")
 timed(_Pipeline, "top_up", "top_up (incl. queue, plan, stage)")
 timed(_Pipeline, "issue_ready", "issue_ready")
 timed(DeviceLoader, "_let_go_of_held", "let go of held")
-timed(DeviceLoader, "__next__", "__next__ total")
+timed(DeviceLoader, "_next_of", "next batch total")
 timed(loader_module, "report_copy", "report_copy")
 
 model = small_cnn().to(dev).to(memory_format=torch.channels_last)

@@ -70,7 +70,7 @@ PHASES = {
     _Pipeline: (
         "top_up",
         "_next_plan",
-        "_stage",
+        "_stage_part",
         "_staging_buffer",
         "issue_ready",
         "_issue",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -459,3 +460,29 @@ def test_a_run_folder_the_file_system_refuses_is_one_line(workdir, prepared, cap
     assert said in line and "Traceback" not in err
     if setup == "runs is a file":
         assert (workdir / "runs").read_text() == "not a folder"
+
+
+def test_version_names_the_package_version(capsys):
+    import gpuflow
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpuflow {gpuflow.__version__}"
+
+
+def test_train_ends_naming_how_to_sample_and_sample_says_which_checkpoint_it_used(
+    workdir, prepared, capsys
+):
+    sets = [
+        a for s in (*FAST, f"data.dir={prepared}", "train.eval_interval=1000") for a in ("--set", s)
+    ]
+    # (the end of a run evaluates, so it has a best: removed below, as before any evaluation)
+    assert main(["train", "--device", "cpu", "--steps", "2", "--name", "s", *sets]) == 0
+    assert "sample from it: gpuflow sample --run runs/s" in capsys.readouterr().out
+    best = workdir / "runs" / "s" / "checkpoints" / "best"
+    shutil.rmtree(best)  # as if no validation pass had run yet
+    assert main(["sample", "--run", "runs/s", "--max-tokens", "3", "--device", "cpu"]) == 0
+    assert "has no best checkpoint yet (no validation pass): using step_000002" in (
+        capsys.readouterr().err
+    )

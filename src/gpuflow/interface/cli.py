@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPU-resident PyTorch training that moves across the host-device bus "
         "only what must cross.",
     )
+    from gpuflow import __version__
+
+    parser.add_argument("--version", action="version", version=f"gpuflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("info", help="accelerators, software versions, allocator, link speeds")

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
@@ -257,6 +258,8 @@ def _train(
         f"train loss {'-' if train_loss is None else f'{train_loss:.4f}'}, {val}, "
         f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
     )
+    if not result.interrupted:
+        out_console.print(f"sample from it: gpuflow sample --run {shlex.quote(str(run_dir))}")
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
@@ -374,7 +377,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint=args.checkpoint,
     )
-    print(sample(args.run, config, Device.resolve(args.device)))
+    from gpuflow.common.console import err_console
+
+    print(sample(args.run, config, Device.resolve(args.device), say=err_console.print))
     return 0
 
 

@@ -8,6 +8,7 @@ Tokens are drawn on the device and read back once, at the end, not once per toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,10 +94,17 @@ def check_finite(model: GPT, checkpoint: Path, record: dict) -> None:
         )
 
 
-def sample(run: Path | str, config: SampleConfig, device: Device) -> str:
-    """Generated text (the prompt first), cut at the first end-of-text token."""
+def sample(
+    run: Path | str, config: SampleConfig, device: Device, say: Callable[[str], None] = print
+) -> str:
+    """Generated text (the prompt first), cut at the first end-of-text token. ``say`` hears
+    which checkpoint was used when it is not the one asked for."""
     run_dir, run_config = open_run(run)
     checkpoint = choose_checkpoint(run_dir, config.checkpoint)
+    if config.checkpoint == "best" and checkpoint.name != ckpt.BEST:
+        say(f"{run_dir} has no best checkpoint yet (no validation pass): using {checkpoint.name}")
+    elif config.checkpoint == "latest" and checkpoint.name == ckpt.BEST:
+        say(f"{run_dir} has no step checkpoint: using its best one")
     tokenizer_path = run_dir / TOKENIZER_FILE
     if not tokenizer_path.is_file():
         raise GpuflowError(

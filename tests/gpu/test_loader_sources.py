@@ -75,8 +75,8 @@ def test_a_ring_of_pinned_views_arrives_as_yielded(cuda):
 
 def test_fresh_batches_and_a_default_dataloader_are_read_where_they_lie(cuda, monkeypatch):
     copies = []
-    real = loader_module._pinned_copy
-    monkeypatch.setattr(loader_module, "_pinned_copy", lambda t: copies.append(1) or real(t))
+    real = loader_module.pinned_copy
+    monkeypatch.setattr(loader_module, "pinned_copy", lambda t: copies.append(1) or real(t))
 
     def fresh():
         for i in range(6):

@@ -129,7 +129,9 @@ class Update:
             # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
             # max_norm / (norm + 1e-6) capped at 1, inverted). Averaged gradients are read
             # through their flat buffers: the norm is the same.
-            grad_norm = self.averager.grad_norm(grads) if self.averager else global_grad_norm(grads)
+            grad_norm = (
+                global_grad_norm(grads) if self.averager is None else self.averager.grad_norm(grads)
+            )
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
         elif self.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

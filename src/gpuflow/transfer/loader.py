@@ -94,7 +94,7 @@ from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 from gpuflow.device.drivercopy import driver_copy
 from gpuflow.transfer.packing import ALIGN, LossyFloat, PackPlan, Planner, rebuild, rebuild_run
-from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, size_class
+from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, PoolStats, pinned_copy, size_class
 from gpuflow.transfer.reader import ThreadedSource, reads_slowly
 from gpuflow.transfer.tally import housekeeping, report_copy
 
@@ -108,13 +108,6 @@ SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of 
 BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
 _WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs copied slower: benchmarks/NOTES.md)
 _WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of the pinned ``tensor`` in pinned memory of the loader's own (torch's pinned
-    cache), for a source that may write its own again once it has yielded it."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return copy.copy_(tensor)
 
 
 def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:
@@ -172,10 +165,11 @@ class _Crossing:
     the device, plus one copy into a device tensor of its own per source tensor copied
     directly."""
 
-    def __init__(self, parts: list[tuple[PackPlan, int]], nbytes: int, wire: int) -> None:
-        self.parts = parts  # each batch's plan and where its staged bytes start
-        self.nbytes = nbytes  # staged bytes (0: every tensor is copied directly)
-        self.wire = wire  # every byte that crosses
+    def __init__(self, shared: bool) -> None:
+        self.parts: list[tuple[PackPlan, int]] = []  # each batch's plan, where its bytes start
+        self.nbytes = 0  # staged bytes (0: every tensor is copied directly)
+        self.wire = 0  # every byte that crosses
+        self.shared = shared  # small batches share its staging buffer (taken at its start)
         self.host: PinnedBuffer | None = None
         self.writes: list[Future[object]] = []  # jobs on the writer threads, if any
         # allocated on the consumer's stream: the staged bytes (uint8), and each part's direct
@@ -190,7 +184,6 @@ class _Crossing:
         self.copy_times: tuple[Any, Any] | None = None
         self.batches: deque[Any] | None = None  # rebuilt on the device at the first take
         self.handed_out = 0
-        self.shared = False  # small batches share its staging buffer (taken at its start)
 
     def release_unused(self) -> None:
         """Let go of a crossing whose batches will never be handed out (no host wait)."""
@@ -293,7 +286,7 @@ class _Pipeline:
             if plan is None:
                 return None
             crossing = self._start(plan, ep)
-        if not self._coalescing(crossing):
+        if not crossing.shared:
             return crossing
         try:
             while len(crossing.parts) < _COALESCE_MAX_COUNT:
@@ -322,15 +315,10 @@ class _Pipeline:
             and plan.nbytes <= _COALESCE_CAPACITY
         )
 
-    @staticmethod
-    def _coalescing(crossing: _Crossing) -> bool:
-        return crossing.shared
-
     def _start(self, plan: PackPlan, ep: _Epoch) -> _Crossing:
         """A crossing whose first batch is ``plan``, staged: a small batch in a staging buffer
         that later small batches share, any other in one of its own size."""
-        crossing = _Crossing([], 0, 0)
-        crossing.shared = self._small(plan)
+        crossing = _Crossing(shared=self._small(plan))
         try:
             size = _COALESCE_CAPACITY if crossing.shared else plan.nbytes
             if size:
@@ -351,7 +339,7 @@ class _Pipeline:
             if leaf.pin:
                 source = source.pin_memory()
             elif not owned:
-                source = _pinned_copy(source)
+                source = pinned_copy(source)
             sources.append(source)
         crossing.direct_sources.append(sources)
         crossing.parts.append((plan, offset))
@@ -360,17 +348,13 @@ class _Pipeline:
         if not plan.has_staged or crossing.host is None:
             return
         staging = crossing.host.bytes
-        try:
-            if plan.nbytes >= BACKGROUND_BYTES:
-                if self.writer is None:
-                    self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
-                jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
-                crossing.writes += [self.writer.submit(job) for job in jobs]
-                return
-            plan.write_into(staging, offset)
-        except BaseException:
-            self._drop_staging(crossing)
-            raise
+        if plan.nbytes >= BACKGROUND_BYTES:
+            if self.writer is None:
+                self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
+            jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
+            crossing.writes += [self.writer.submit(job) for job in jobs]
+            return
+        plan.write_into(staging, offset)
 
     def _settle_writes(self, ep: _Epoch) -> None:
         """Wait until the writer threads have read every batch read so far (their errors are

@@ -28,6 +28,7 @@ import torch
 
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import PIN_MIN_BYTES
+from gpuflow.transfer.pinned import pinned_copy
 
 _END = object()
 _PUT_POLL_S = 0.05  # how often a reader blocked on a full queue checks for close()
@@ -67,8 +68,7 @@ def copied(batch: Any) -> Any:
         if not batch.is_cpu:
             return batch
         if batch.is_pinned():
-            out = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
-            return out.copy_(batch)
+            return pinned_copy(batch)
         if batch.nbytes >= PIN_MIN_BYTES and batch.is_contiguous():
             return batch.pin_memory()
         return batch.clone()

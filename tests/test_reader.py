@@ -125,3 +125,39 @@ def test_a_closed_loader_refuses_a_new_epoch():
     loader.close()
     with pytest.raises(GpuflowError, match="closed"):
         iter(loader)
+
+
+def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it():
+    from gpuflow.accounting.ledger import TransferLedger
+
+    source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2)
+    with TransferLedger("cpu") as ledger, DeviceLoader(source, "cpu") as loader:
+        got = [i for b in loader for i in b["i"].tolist()]
+    assert got == list(range(24))
+    stats = loader.stats
+    # the same batches read in the loop's own thread move the same bytes, in more batches
+    # per copy (coalesced)
+    same = [{"x": b["x"].clone(), "i": b["i"].clone()} for b in source]
+    with DeviceLoader(same, "cpu") as direct:
+        list(direct)
+    expected = direct.stats
+    assert (stats.batches, stats.bytes_moved) == (6, expected.bytes_moved)
+    assert stats.logical_bytes == expected.logical_bytes == 6 * (48 + 32)
+    assert stats.bytes_moved < stats.logical_bytes  # the ids narrowed
+    assert stats.copies == 6 > expected.copies
+    copies = [e for e in ledger.events if e.kind == "h2d"]
+    assert sum(e.nbytes for e in copies) == stats.bytes_moved and len(copies) == 6
+
+
+def test_an_exception_in_the_consumer_stops_the_reader_and_a_new_epoch_starts_afresh():
+    source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=1)
+    before = _readers()
+    with DeviceLoader(source, "cpu") as loader:
+        with pytest.raises(RuntimeError, match="mid-loop"):
+            for n, _ in enumerate(loader):
+                if n == 2:
+                    raise RuntimeError("mid-loop")
+        assert [b["i"][0].item() for b in loader] == [0, 4, 8, 12, 16, 20]
+        pairs = [(a["i"][0].item(), b["i"][0].item()) for a, b in zip(loader, loader, strict=True)]
+        assert pairs == [(i, i) for i in (0, 4, 8, 12, 16, 20)]
+    assert _wait_for(lambda: _readers() == before)

@@ -3,8 +3,11 @@
 For each feed, the training thread's time inside ``next(feed)`` and in the step, per step,
 and the loader's own ``stats`` (time waiting on its source, waiting for staging). Feeds, in
 alternating rounds: the idiom (``DataLoader(pin_memory=True)`` + ``.to()``); DeviceLoader
-as it is; with ``narrow=False`` (labels cross as int64, no staging, no widening kernel);
-over ``DataLoader(pin_memory=True)`` (no reader thread of its own).
+as it is (each batch made on its reader thread, ``transfer.device_reader``); the same with
+the reader thread only taking batches from the workers and the rest on the training thread
+(the path before ``device_reader``); with ``narrow=False`` (labels cross as int64, no
+staging, no widening kernel); over ``DataLoader(pin_memory=True)`` (no reader thread of its
+own); and the source alone (the idiom's feed with no training: the workers' ceiling).
 
 PYTHONPATH=src python3 benchmarks/probes/imagephases.py OUT.json
 """
@@ -19,12 +22,14 @@ import torch
 from gpuflow.bench.loaders import SyntheticImages, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
+from gpuflow.transfer.pipeline import Epoch
+from gpuflow.transfer.reader import ThreadedSource
 
 device = Device.resolve("cuda")
 dev = device.torch
 model = small_cnn().to(dev).to(memory_format=torch.channels_last)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-steps, warmup, rounds, batch_size = 240, 24, 5, 256
+steps, warmup, rounds, batch_size = 240, 24, 6, 256
 data = SyntheticImages(batch_size * (steps + warmup), 64)
 print("threads", torch.get_num_threads(), "interop", torch.get_num_interop_threads())
 
@@ -76,11 +81,46 @@ def ours(pin=False, **kwargs):
     return (*out, s.source_s * per, s.stall_s * per)
 
 
+def taken_on_the_training_thread(self):
+    """``DeviceLoader._start_epoch`` before ``device_reader``: the reader thread only takes
+    batches from the workers (and pins them)."""
+    self._check_open()
+    self._epochs += 1
+    batches = ThreadedSource(iter(self._source), ahead=self.depth + 1, pin_for=self.device)
+    epoch = Epoch(batches, True)
+    self._pipeline.epochs.append(epoch)
+    return epoch
+
+
+def ours_taken_on_the_training_thread():
+    made_on_reader = DeviceLoader._start_epoch
+    DeviceLoader._start_epoch = taken_on_the_training_thread
+    try:
+        return ours()
+    finally:
+        DeviceLoader._start_epoch = made_on_reader
+
+
+def source_alone():
+    feed = ({k: v.to(dev, non_blocking=True) for k, v in b.items()} for b in source(True))
+    count = 0
+    for step, _ in enumerate(feed):
+        if step == warmup:
+            device.synchronize()
+            started = time.perf_counter()
+        if step >= warmup:
+            count += batch_size
+    device.synchronize()
+    return count / (time.perf_counter() - started), 0.0, 0.0
+
+
 paths = {
     "idiom": idiom,
     "ours": ours,
+    "ours-taken-on-the-training-thread": ours_taken_on_the_training_thread,
     "ours-narrow=False": lambda: ours(narrow=False),
     "ours-over-pinned-dataloader": lambda: ours(True),
+    "source-alone": source_alone,
 }
 runs = {name: [] for name in paths}
 for _ in range(rounds):
@@ -94,7 +134,7 @@ for name, rs in runs.items():
     results[name] = {"median": med, "rounds": rs}
     extra = f" source {med[3]:.3f} ms, stall {med[4]:.3f} ms" if len(med) > 3 else ""
     print(
-        f"{name:28s} {med[0]:9,.0f} img/s ({med[0] / idiom_rate:.2f}x)"
+        f"{name:34s} {med[0]:9,.0f} img/s ({med[0] / idiom_rate:.2f}x)"
         f"  in next {med[1]:.3f} ms, in step {med[2]:.3f} ms{extra}"
         f"  rounds {[round(r[0]) for r in rs]}"
     )

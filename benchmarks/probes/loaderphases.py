@@ -14,9 +14,10 @@ import torch
 
 from gpuflow.bench.loaders import SyntheticImages, small_cnn
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer import loader as loader_module
-from gpuflow.transfer.loader import DeviceLoader, _Pipeline
+from gpuflow.transfer import pipeline as pipeline_module
+from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.packing import Planner
+from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.reader import ThreadedSource
 
 device = Device.resolve("cuda")
@@ -40,15 +41,15 @@ def timed(owner, name, label):
 
 timed(ThreadedSource, "__next__", "reader queue get")
 timed(Planner, "plan_pack", "plan_pack")
-timed(_Pipeline, "_stage_part", "stage (pin, write)")
-timed(_Pipeline, "_issue", "issue (alloc, copy, event)")
-timed(_Pipeline, "_rebuild", "rebuild (views, widen)")
-timed(_Pipeline, "take", "take (incl. rebuild)")
-timed(_Pipeline, "top_up", "top_up (incl. queue, plan, stage)")
-timed(_Pipeline, "issue_ready", "issue_ready")
+timed(Pipeline, "_stage_part", "stage (pin, write)")
+timed(Pipeline, "_issue", "issue (alloc, copy, event)")
+timed(Pipeline, "_rebuild", "rebuild (views, widen)")
+timed(Pipeline, "take", "take (incl. rebuild)")
+timed(Pipeline, "top_up", "top_up (incl. queue, plan, stage)")
+timed(Pipeline, "issue_ready", "issue_ready")
 timed(DeviceLoader, "_let_go_of_held", "let go of held")
 timed(DeviceLoader, "_next_of", "next batch total")
-timed(loader_module, "report_copy", "report_copy")
+timed(pipeline_module, "report_copy", "report_copy")
 
 model = small_cnn().to(dev).to(memory_format=torch.channels_last)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

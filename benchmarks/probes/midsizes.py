@@ -38,8 +38,9 @@ from gpuflow.bench.loaders import (
     sweep,
 )
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.loader import DeviceLoader, _Pipeline
+from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.packing import PackPlan
+from gpuflow.transfer.pipeline import Pipeline
 
 device = Device.resolve(os.environ.get("PROBE_DEVICE", "cuda"))
 SCALE = int(os.environ.get("PROBE_SCALE", "1"))  # divides every amount: a smoke run elsewhere
@@ -67,7 +68,7 @@ show(rows, "sweep")
 results["sweep"] = rows
 
 PHASES = {
-    _Pipeline: (
+    Pipeline: (
         "top_up",
         "_next_plan",
         "_stage_part",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from gpuflow.transfer import loader as loader_module
+from gpuflow.transfer import pipeline as pipeline_module
 from gpuflow.transfer.loader import DeviceLoader
 
 pytestmark = pytest.mark.gpu
@@ -75,8 +75,8 @@ def test_a_ring_of_pinned_views_arrives_as_yielded(cuda):
 
 def test_fresh_batches_and_a_default_dataloader_are_read_where_they_lie(cuda, monkeypatch):
     copies = []
-    real = loader_module.pinned_copy
-    monkeypatch.setattr(loader_module, "pinned_copy", lambda t: copies.append(1) or real(t))
+    real = pipeline_module.pinned_copy
+    monkeypatch.setattr(pipeline_module, "pinned_copy", lambda t: copies.append(1) or real(t))
 
     def fresh():
         for i in range(6):
@@ -99,3 +99,42 @@ def test_a_device_given_as_an_int_is_that_cuda_device(cuda):
     loader = DeviceLoader([torch.arange(4)], 0)
     assert loader.device.torch == torch.device("cuda", 0)
     assert next(iter(loader)).device == torch.device("cuda", 0)
+
+
+class _Filled(torch.utils.data.Dataset):
+    """Item ``i``: 64 KiB of float ``i`` (batches of 16 are 1 MiB, copied directly) and the
+    label ``i`` (narrowed, staged)."""
+
+    def __len__(self) -> int:
+        return 24 * 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
+        return {"x": torch.full((1 << 14,), float(i)), "y": i}
+
+
+def test_a_worker_fed_batch_made_on_the_reader_thread_is_complete_and_kept_until_used(
+    cuda, monkeypatch
+):  # fmt: skip
+    """The reader thread's copies run late on its own stream, and the consumer's stream is
+    slow to read each batch it has already let go of: the consumer must wait for each copy,
+    and no batch's memory may be handed to a later batch before the consumer read it."""
+    real = pipeline_module.Pipeline._copy
+
+    def late(self, crossing, stream):
+        _busy(5.0)
+        return real(self, crossing, stream)
+
+    monkeypatch.setattr(pipeline_module.Pipeline, "_copy", late)
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2)
+    sums, labels = [], []
+    with DeviceLoader(source, cuda) as loader:
+        for batch in loader:
+            _busy(3.0)  # the batch is read after this, long after the loop let go of it
+            sums.append(batch["x"].sum(dim=1))
+            labels.append(batch["y"])
+            del batch
+    got = torch.cat(sums).cpu()
+    expected = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
+    assert torch.equal(got, expected)
+    assert torch.cat(labels).cpu().tolist() == list(range(24 * 16))
+    assert loader.stats.batches == 24

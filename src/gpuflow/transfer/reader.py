@@ -87,6 +87,17 @@ def copied(batch: Any) -> Any:
     return batch
 
 
+def queue_put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` in ``out``, waiting while it is full; False if ``stop`` is set first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_PUT_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class ThreadedSource:
     """``source``'s batches, read up to ``ahead`` batches ahead on a daemon thread; with
     ``pin_for`` (a device with pinned memory), their large tensors pinned there; with
@@ -123,13 +134,7 @@ class ThreadedSource:
             torch.cuda.set_device(pin_for.index)  # pinned for (and near) this device
 
         def put(item: tuple[bool, Any]) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=_PUT_POLL_S)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            return queue_put(out, item, stop)
 
         try:
             for batch in source:

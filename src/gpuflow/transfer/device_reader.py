@@ -1,0 +1,140 @@
+"""A worker-fed source taken all the way to the device on a thread of its own.
+
+A ``DataLoader`` with workers is read on a thread anyway (``gpuflow.transfer.reader``): taking
+a batch from its workers is work the training thread should not do. When the rest of the
+crossing (planning, staging, the copies, the rebuild) also ran on the training thread, that
+thread made about ten torch calls per batch, each letting go of the interpreter lock and
+waiting to take it back while the reader thread ran Python; the idiom it replaces makes two
+(benchmarks/NOTES.md, "The image loop shares one interpreter lock"). Here the reader thread
+runs the whole crossing on a stream of its own, through a ``Pipeline`` of its own, and
+queues finished device batches: the training thread takes one, makes its stream wait for the
+copy (an event, no host wait) and marks the batch's memory as used on that stream, so that
+the caching allocator hands it out again only after the training thread's work on it.
+
+The thread reads one batch ahead of what it has queued, and queues at most ``ahead``: device
+memory for ``ahead + 2`` batches at most (queued, in the making, in use). Errors reach the
+consumer in their turn; ``close()`` returns at once, and the thread, once its batch in the
+making is done, gives back its staging memory itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import Planner, Ragged
+from gpuflow.transfer.pipeline import Epoch, Pipeline
+from gpuflow.transfer.reader import queue_put
+from gpuflow.transfer.tally import report_copy
+
+_END = object()
+
+
+class DeviceReader:
+    """Batches of ``source`` on ``device``, made on a thread: see the module docstring.
+    ``owned``: what ``source`` yields is memory nothing writes again (else each batch is
+    copied as it is read, as ``Epoch`` says). ``counts`` are the thread's ``Pipeline``'s."""
+
+    def __init__(
+        self, source: Iterator[Any], device: Device, planner: Planner, ahead: int, owned: bool
+    ) -> None:  # fmt: skip
+        self.device = device
+        self.ended = False
+        self.held = None  # no device timings on this path
+        self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, ahead))
+        self._stop = threading.Event()
+        pipeline = Pipeline(
+            device, 0, planner, None, timing=False, coalesce=False, side_copies=False
+        )
+        self.counts = pipeline.counts
+        self._streams: dict[Any, Any] = {}
+        self._thread = threading.Thread(
+            target=self._run, args=(Epoch(source, owned), pipeline, self._queue, self._stop),
+            daemon=True, name="gpuflow-read",
+        )  # fmt: skip
+        self._thread.start()
+
+    @staticmethod
+    def _run(ep: Epoch, pipeline: Pipeline, out: queue.Queue, stop: threading.Event) -> None:
+        # A static method: the thread holds nothing of the DeviceReader, so that one dropped
+        # without close() is still collected (and stops this thread).
+        device = pipeline.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index)
+        pipeline.epochs.append(ep)
+        stream = device.new_stream()
+        counts = pipeline.counts
+        try:
+            with device.use_stream(stream):
+                key = device.current_stream_key()
+                while not stop.is_set():
+                    pipeline.top_up(ep)
+                    pipeline.issue_ready(ep, key)
+                    before = counts["bytes_moved"]
+                    taken = pipeline.take(ep, key)  # raises the source's error in its turn
+                    if taken is None:
+                        queue_put(out, (False, _END), stop)
+                        return
+                    ready = device.new_event()
+                    ready.record(stream)
+                    wire = counts["bytes_moved"] - before
+                    if not queue_put(out, (True, (taken[0], ready, wire)), stop):
+                        return
+        except BaseException as exc:  # handed to the consumer, raised there
+            queue_put(out, (False, exc), stop)
+        finally:
+            pipeline.release()  # the source closed, staging memory given back
+
+    def take(self, key: Any) -> Any:
+        """The next batch, ordered after its copy on the consumer's stream ``key`` (the
+        current one); StopIteration at the end."""
+        if self.ended:
+            raise StopIteration
+        ok, item = self._queue.get()
+        if not ok:
+            self.close()
+            if item is _END:
+                raise StopIteration
+            raise item
+        batch, ready, wire = item
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = self.device.current_stream()
+        if self.device.has_streams:
+            stream.wait_event(ready)
+            for tensor in _device_tensors(batch):
+                tensor.record_stream(stream)  # not reused before this stream's work on it
+        report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)
+        return batch
+
+    def close(self) -> None:
+        """Stop reading; batches made ahead are dropped."""
+        self.ended = True
+        self._stop.set()
+        while True:  # frees a thread blocked on a full queue at once, and the batches held
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _device_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a batch the pipeline rebuilt (its containers, and ``Ragged``s)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Ragged):
+        yield from (batch.values, batch.offsets)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _device_tensors(value)
+    elif isinstance(batch, list | tuple):
+        for item in batch:
+            yield from _device_tensors(item)

@@ -135,8 +135,7 @@ def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it
         got = [i for b in loader for i in b["i"].tolist()]
     assert got == list(range(24))
     stats = loader.stats
-    # the same batches read in the loop's own thread move the same bytes, in more batches
-    # per copy (coalesced)
+    # the same batches read on the loop's own thread move the same bytes in as many copies
     same = [{"x": b["x"].clone(), "i": b["i"].clone()} for b in source]
     with DeviceLoader(same, "cpu") as direct:
         list(direct)
@@ -144,7 +143,7 @@ def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it
     assert (stats.batches, stats.bytes_moved) == (6, expected.bytes_moved)
     assert stats.logical_bytes == expected.logical_bytes == 6 * (48 + 32)
     assert stats.bytes_moved < stats.logical_bytes  # the ids narrowed
-    assert stats.copies == 6 > expected.copies
+    assert stats.copies == expected.copies < 6  # small batches share a copy
     copies = [e for e in ledger.events if e.kind == "h2d"]
     assert sum(e.nbytes for e in copies) == stats.bytes_moved and len(copies) == 6
 

@@ -186,3 +186,21 @@ def test_a_compiled_step_runs_compiled_under_a_budget_and_after_it(accel):
         step(host)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled  # no recompiles
     assert not dynamo_utils.counters["recompiles"]
+
+
+def test_a_tensor_made_on_the_device_from_host_data_is_a_counted_blocking_copy(accel):
+    import numpy as np
+
+    from gpuflow.accounting.ledger import TransferLedger
+
+    with TransferLedger(accel) as ledger:
+        torch.tensor([1.0, 2.0, 3.0], device=accel.torch)  # from-list
+        torch.as_tensor(np.arange(6, dtype=np.int64), device=accel.torch)  # from-array
+        torch.tensor([1, 2])  # on the host: nothing crosses
+    copies = [e for e in ledger.events if e.kind == "h2d"]
+    assert [(e.nbytes, e.blocking) for e in copies] == [(12, True), (48, True)], copies
+    lines = Path(__file__).read_text().splitlines()
+    for marker, event in zip(("# from-list", "# from-array"), copies, strict=True):
+        line = next(n for n, t in enumerate(lines, 1) if marker in t and "zip(" not in t)
+        assert event.location.endswith(f"test_accounting.py:{line}")
+    assert sum(e.kind == "sync" for e in ledger.events) == 2

@@ -79,6 +79,9 @@ _aten = torch.ops.aten
 _ITEM = _aten._local_scalar_dense.default
 _TO_COPY = _aten._to_copy.default
 _COPY = _aten.copy_.default
+# torch.tensor / as_tensor of Python data: the host-to-device copy inside is hidden from
+# dispatch modes; the fresh tensor then passes through lift_fresh, on the device.
+_LIFT_FRESH = _aten.lift_fresh.default
 _DATA_DEPENDENT = {
     _aten.nonzero.default: "nonzero",
     _aten.masked_select.default: "masked_select",
@@ -89,7 +92,7 @@ _DATA_DEPENDENT = {
 }
 _MASK_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
 # Every other operation passes straight through.
-_WATCHED = {_ITEM, _TO_COPY, _COPY, *_DATA_DEPENDENT, *_MASK_INDEXING}
+_WATCHED = {_ITEM, _TO_COPY, _COPY, _LIFT_FRESH, *_DATA_DEPENDENT, *_MASK_INDEXING}
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 # The layers that carry a crossing out (gpuflow.common.layers): their frames are skipped when
@@ -422,6 +425,8 @@ class _Dispatch(TorchDispatchMode):
         elif func is _COPY:
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             self._transfer(args[1], args[0], non_blocking, "copy_")
+        elif func is _LIFT_FRESH and _is_device(out):  # made from host data, copied blocking
+            self._copy("h2d", out, out.numel() * out.element_size(), "torch.tensor", True, False)
         return out
 
     def _transfer(self, src: Any, dst: Any, non_blocking: bool, op: str) -> None:

@@ -27,7 +27,12 @@ def swap_into_place(stage: Path, out_dir: Path) -> None:
     retired = sibling(out_dir, "old", os.getpid())
     if out_dir.exists():
         os.replace(out_dir, retired)
-    os.replace(stage, out_dir)
+    try:
+        os.replace(stage, out_dir)
+    except OSError:
+        if os.path.lexists(retired) and not os.path.lexists(out_dir):
+            os.replace(retired, out_dir)  # the old folder back where it was
+        raise
     fsync_dir(out_dir.parent)
     if os.path.lexists(retired):
         _remove_own_files(retired)

@@ -44,6 +44,7 @@ from tokenizers import Tokenizer
 from gpuflow.common.atomic import fsync_dir, write_text_atomic
 from gpuflow.common.console import err_console, progress_bar
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.corpus import default_corpus
 from gpuflow.data.encode import ParallelEncoder, usable_cores
 from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
@@ -290,10 +291,7 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
             stage.mkdir()
             state = _State(fingerprint or "")
     except OSError as exc:
-        raise GpuflowError(
-            f"cannot write beside {out_dir} ({exc.strerror}: {exc.filename}); choose another "
-            "--out or fix its folder's permissions"
-        ) from None
+        raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
     keep_stage = False
     try:
         tokenizer = _tokenizer(config, corpus, stage, existing)
@@ -321,9 +319,9 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
             if keep_stage
             else "nothing was written"
         )
-        raise GpuflowError(
-            f"prepare stopped: {exc.strerror or exc} ({exc.filename or out_dir}); {kept}"
-        ) from None
+        if not exc.filename:
+            exc.filename = str(out_dir)
+        raise GpuflowError(f"prepare stopped: {describe_os_error(exc)}; {kept}") from None
     finally:
         if not keep_stage:
             shutil.rmtree(stage, ignore_errors=True)

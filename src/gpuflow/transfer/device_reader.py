@@ -11,8 +11,8 @@ queues finished device batches: the training thread takes one, makes its stream 
 copy (an event, no host wait) and marks the batch's memory as used on that stream, so that
 the caching allocator hands it out again only after the training thread's work on it.
 
-The thread reads one batch ahead of what it has queued, and queues at most ``ahead``: device
-memory for ``ahead + 2`` batches at most (queued, in the making, in use). Errors reach the
+The thread reads one crossing (one batch, or a run of small ones sharing a copy) ahead of
+the one it is copying, and queues at most ``ahead`` finished batches. Errors reach the
 consumer in their turn; ``close()`` returns at once, and the thread, once its batch in the
 making is done, gives back its staging memory itself.
 """
@@ -38,18 +38,22 @@ _END = object()
 class DeviceReader:
     """Batches of ``source`` on ``device``, made on a thread: see the module docstring.
     ``owned``: what ``source`` yields is memory nothing writes again (else each batch is
-    copied as it is read, as ``Epoch`` says). ``counts`` are the thread's ``Pipeline``'s."""
+    copied as it is read, as ``Epoch`` says); ``coalesce``: small batches may share a copy.
+    ``counts`` are the thread's ``Pipeline``'s."""
 
     def __init__(
-        self, source: Iterator[Any], device: Device, planner: Planner, ahead: int, owned: bool
+        self, source: Iterator[Any], device: Device, planner: Planner, ahead: int, owned: bool,
+        coalesce: bool,
     ) -> None:  # fmt: skip
         self.device = device
         self.ended = False
         self.held = None  # no device timings on this path
         self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, ahead))
         self._stop = threading.Event()
+        # One crossing read ahead of the one being copied, so small batches can share one
+        # staging buffer and one copy, as on the training thread's pipeline.
         pipeline = Pipeline(
-            device, 0, planner, None, timing=False, coalesce=False, side_copies=False
+            device, 1, planner, None, timing=False, coalesce=coalesce, side_copies=False
         )
         self.counts = pipeline.counts
         self._streams: dict[Any, Any] = {}

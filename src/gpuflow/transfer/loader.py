@@ -189,8 +189,9 @@ class DeviceLoader:
         if self.depth > 0 and reads_slowly(self._source):
             if not self._pipeline.timing:  # (the reader's copies are not timed)
                 reader = DeviceReader(
-                    batches, self.device, Planner(*self._codecs), self.depth, owned
-                )
+                    batches, self.device, Planner(*self._codecs), self.depth, owned,
+                    self._pipeline.coalesce,
+                )  # fmt: skip
                 self._readers.add(reader)
                 self._reader_counts.append(reader.counts)
                 return reader

@@ -437,7 +437,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_at_once_keeping_the_earlier_o
     [line] = [x for x in err.splitlines() if x.startswith("error:")]  # one line, no traceback
     assert "Traceback" not in err
     assert "No space left on device" in line and "free disk space" in line
-    assert "the earlier checkpoints are intact: resume" in line
+    assert "checkpoints are intact: once that is fixed, run it again with --resume" in line
     run = workdir / "runs" / "full"
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000002"]
     ckpt.read_checkpoint(ckpt.latest_checkpoint(run))  # whole

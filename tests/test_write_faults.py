@@ -192,3 +192,36 @@ def test_a_fault_at_any_write_of_prepare_is_one_line_and_leaves_no_half_folder(
             assert all(f"kept in {name}" in line for name in leftovers), (site, line)
             for name in leftovers:
                 shutil.rmtree(workdir / name)
+
+
+def test_a_fault_at_any_write_of_a_new_run_is_one_line_and_the_command_again_finishes_it(
+    workdir, prepared, monkeypatch, capsys
+):  # fmt: skip
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    sets += ["--set", "train.checkpoint_interval=3", "--set", "train.eval_interval=3"]
+    train = ["train", "--device", "cpu", "--steps", "6", *sets]
+    faults = WriteFaults(monkeypatch)
+    assert main([*train, "--name", "clean"]) == 0
+    sites = list(faults.sites)
+    capsys.readouterr()
+
+    for n, site in enumerate(sites):
+        here = workdir / f"w{n}"  # a fresh folder: the clean run's writes, in its order
+        here.mkdir()
+        monkeypatch.chdir(here)
+        faults.fail_at, faults.error, faults.failed = site, WRITE_ERRORS[n % 6], None
+        code = main([*train, "--name", "clean"])
+        assert faults.failed is not None and code != 0, site
+        line = _one_line(capsys, faults.error, faults.failed)
+        faults.fail_at = None
+        if "checkpoints are saved" in line:  # the report, at the end: the run is trained
+            steps = [r["step"] for r in read_metrics(here / "runs" / "clean") if "loss" in r]
+            assert steps[-1] == 6 and "sample --run" in line, (site, line)
+            continue
+        # The user runs the command again (with --resume where the line says so).
+        again = [*train, "--name", "clean"] + (["--resume"] if "--resume" in line else [])
+        code = main(again)
+        err = capsys.readouterr().err
+        assert code == 0 or "already finished 6 of 6 steps" in err, (site, line, err)
+        steps = [r["step"] for r in read_metrics(here / "runs" / "clean") if "loss" in r]
+        assert steps == sorted(set(steps)) and steps[-1] == 6, (site, steps)

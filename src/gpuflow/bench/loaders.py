@@ -7,6 +7,11 @@
   (copying each batch as it reads it); and ``DeviceLoader(fresh_batches=True)``, told that
   the source never writes its batches again. Also the loader's own host time per batch with
   no compute at all.
+- cases: batches where the idiom is worse by its structure, at sizes users train with:
+  a tabular batch of 16 and of 64 column tensors (one copy each for the idiom, one packed
+  copy for the loader), int64 token ids whose values fit 16 bits (narrowed on the wire),
+  and fp32 features the model reads in bf16 (``lossy_float="bf16"``); each against the
+  fastest of the same three idioms, with the batch read by one kernel per step.
 - images: an image-classification loop (a ``DataLoader`` with workers yielding dicts of uint8
   images and int64 labels, a small CNN trained under bf16 autocast) fed by
   ``DataLoader(pin_memory=True)`` + ``.to()`` and by ``DeviceLoader`` over the same
@@ -49,6 +54,7 @@ class LoaderBenchConfig:
     image_steps: int = 240
     image_rounds: int = 5
     image_workers: int = 6
+    case_batches: int = 400  # per round, per path
 
     @classmethod
     def quick(cls) -> LoaderBenchConfig:
@@ -61,6 +67,7 @@ class LoaderBenchConfig:
             image_steps=6,
             image_rounds=1,
             image_workers=2,
+            case_batches=16,
         )
 
 
@@ -146,6 +153,111 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             no_compute = [_consume(device, DeviceLoader(batches, device), compute=False)]
             row["deviceloader_host_us_per_batch"] = min(no_compute) / n * 1e6
             rows.append(row)
+    return rows
+
+
+# ---- where the idiom is worse by its structure ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Case:
+    name: str
+    make: Callable[[torch.Generator], Any]  # one host batch
+    loader_options: dict[str, Any]
+
+
+def _columns(n: int, rows: int = 4096) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
+    return lambda g: {f"c{i}": torch.randn(rows, generator=g) for i in range(n)}
+
+
+CASES = (
+    _Case("tabular, 16 columns x 4096 rows (fp32)", _columns(16), {}),
+    _Case("tabular, 64 columns x 4096 rows (fp32)", _columns(64), {}),
+    _Case(
+        "token ids, 32 x 1024 int64 under 50,257",
+        lambda g: torch.randint(0, 50_257, (32, 1024), generator=g),
+        {},
+    ),
+    _Case(
+        "features, 1024 x 1024 fp32 read in bf16",
+        lambda g: torch.randn(1024, 1024, generator=g),
+        {"lossy_float": "bf16"},
+    ),
+)
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    return list(batch.values()) if isinstance(batch, dict) else [batch]
+
+
+def _read_all(device: Device, loader: Iterable[Any], dtype: torch.dtype | None) -> float:
+    """Seconds from the first request to the last batch read on the device: each batch's
+    tensors stacked and summed (in ``dtype``, if given), as a model reads all of them."""
+    acc = torch.zeros((), device=device.torch)
+    device.synchronize()
+    started = time.perf_counter()
+    for batch in loader:
+        leaves = _leaves(batch)
+        whole = torch.stack(leaves) if len(leaves) > 1 else leaves[0]
+        acc += (whole if dtype is None else whole.to(dtype)).sum()
+    device.synchronize()
+    elapsed = time.perf_counter() - started
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+    return elapsed
+
+
+def _case_idioms(device: Device) -> dict[str, Callable[[list[Any]], Iterable[Any]]]:
+    target = device.torch
+    pinned = device.supports_pinned_memory
+
+    def each(batch: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        return {k: move(v) for k, v in batch.items()} if isinstance(batch, dict) else move(batch)
+
+    def dataloader(batches: list[Any]) -> Iterator[Any]:
+        loader = torch.utils.data.DataLoader(batches, batch_size=None, pin_memory=pinned)
+        return (each(b, lambda t: t.to(target, non_blocking=True)) for b in loader)
+
+    def pin_to(batches: list[Any]) -> Iterator[Any]:
+        move = (lambda t: t.pin_memory().to(target, non_blocking=True)) if pinned else None
+        return (each(b, move or (lambda t: t.to(target))) for b in batches)
+
+    def to(batches: list[Any]) -> Iterator[Any]:
+        return (each(b, lambda t: t.to(target)) for b in batches)
+
+    return {"dataloader": dataloader, "pin_to": pin_to, "to": to}
+
+
+def cases(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
+    """One row per case: batches/s of each idiom and of ``DeviceLoader``, and the ratio to
+    the fastest idiom."""
+    idioms = _case_idioms(device)
+    rows = []
+    for case in CASES:
+        g = torch.Generator().manual_seed(0)
+        distinct = [case.make(g) for _ in range(4)]
+        batches = list(itertools.islice(itertools.cycle(distinct), cfg.case_batches))
+        dtype = torch.bfloat16 if case.loader_options.get("lossy_float") else None
+        paths: dict[str, Callable[[list[Any]], Iterable[Any]]] = {
+            **idioms,
+            "deviceloader": lambda b, o=case.loader_options: DeviceLoader(b, device, **o),
+        }
+        for make in paths.values():  # untimed warm-up
+            _read_all(device, make(batches[:16]), dtype)
+        seconds: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(cfg.rounds):
+            for name, make in paths.items():
+                seconds[name].append(_read_all(device, make(batches), dtype))
+        logical = sum(t.numel() * t.element_size() for t in _leaves(distinct[0]))
+        row: dict[str, Any] = {"case": case.name, "batch_bytes": logical,
+                               "tensors": len(_leaves(distinct[0]))}  # fmt: skip
+        for name, runs in seconds.items():
+            row[f"{name}_batches_s"] = len(batches) / statistics.median(runs)
+        fastest = max(IDIOMS, key=lambda name: row[f"{name}_batches_s"])
+        row["fastest_idiom"] = fastest
+        row["vs_fastest_idiom"] = row["deviceloader_batches_s"] / row[f"{fastest}_batches_s"]
+        rows.append(row)
     return rows
 
 

@@ -9,8 +9,9 @@ Sections, each beside its baseline:
   versus one copy of the same values given in bulk (one stacked tensor, rebuilt on the device
   as a view of the copy, whose rows are views in turn; and the same unbound into a list);
 - payloads: the same values crossing as fp32, bf16 and uint8 (upcast on the device);
-- loaders: ``DeviceLoader`` against the PyTorch idioms at every batch size, and an image
-  classification loop (``gpuflow.bench.loaders``);
+- loaders: ``DeviceLoader`` against the PyTorch idioms at every batch size, in the cases
+  where the idiom is worse by its structure, and in an image classification loop
+  (``gpuflow.bench.loaders``);
 - memory: pinned and device memory after warm-up and after 10,000 loader iterations, and
   after 2 and 20 epochs over one loader.
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from gpuflow.bench.common import device_ms, gb_per_s, wall_ms
-from gpuflow.bench.loaders import LoaderBenchConfig, image_loop, sweep
+from gpuflow.bench.loaders import LoaderBenchConfig, cases, image_loop, sweep
 from gpuflow.common.console import err_console
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
@@ -263,6 +264,9 @@ class TransferBench:
     def loader_sweep(self) -> list[dict[str, Any]]:
         return sweep(self.device, self.config.loaders)
 
+    def loader_cases(self) -> list[dict[str, Any]]:
+        return cases(self.device, self.config.loaders)
+
     def image_loop(self) -> list[dict[str, Any]]:
         return image_loop(self.device, self.config.loaders)
 
@@ -331,6 +335,7 @@ def run_transfer_bench(device: Device, config: TransferBenchConfig) -> dict[str,
         "small_tensors": bench.small_tensors,
         "payloads": bench.payloads,
         "loader_sweep": bench.loader_sweep,
+        "loader_cases": bench.loader_cases,
         "image_loop": bench.image_loop,
         "flat_memory": bench.flat_memory,
     }
@@ -378,6 +383,14 @@ def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for row in sweep_rows
         if row["batch_bytes"] == 8 * KB
+    ]
+    targets += [
+        {
+            "target": f"DeviceLoader >= 1.5x fastest idiom, {row['case']}",
+            "value": row["vs_fastest_idiom"],
+            "goal": 1.5,
+        }
+        for row in r["loader_cases"]
     ]
     targets += [
         {
@@ -530,6 +543,23 @@ def _print_loader_tables(r: dict[str, Any], of_peak: Callable[[float], str]) -> 
             f"{row['vs_fastest_idiom']:.2f}x",
             f"{row['fresh_vs_fastest_idiom']:.2f}x",
             f"{row['deviceloader_host_us_per_batch']:.1f}",
+        )
+    out_console.print(grid)
+    grid = table(
+        "case",
+        "DataLoader(pin) + .to",
+        ".pin_memory().to",
+        ".to()",
+        "DeviceLoader",
+        "vs fastest idiom",
+        title="batches/s where the idiom is worse by its structure (each batch read once)",
+    )
+    for row in r["loader_cases"]:
+        grid.add_row(
+            row["case"],
+            *(f"{row[f'{name}_batches_s']:,.0f}" for name in ("dataloader", "pin_to", "to")),
+            f"{row['deviceloader_batches_s']:,.0f}",
+            f"{row['vs_fastest_idiom']:.2f}x",
         )
     out_console.print(grid)
     grid = table(

@@ -14,6 +14,7 @@ import shlex
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.oserrors import describe_os_error
 
 if TYPE_CHECKING:  # torch-heavy: imported inside the commands
     from pathlib import Path
@@ -239,7 +240,14 @@ def _train(
     result = trainer.run(resume=args.resume, show_bus=args.bus)
     if not ranks.is_main:
         return EXIT_INTERRUPTED if result.interrupted else 0
-    report = write_report(config, result)
+    try:
+        report = write_report(config, result)
+    except OSError as exc:  # the training is done and saved: say so, and what is missing
+        raise GpuflowError(
+            f"{result.run_dir} trained to step {result.last_step} and its checkpoints are saved "
+            f"(gpuflow sample --run {result.run_dir} works), but its report could not be "
+            f"written: {describe_os_error(exc)}"
+        ) from None
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     if ranks.distributed and report["tokens_per_s"]:
         rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"

@@ -311,10 +311,12 @@ class Checkpointer:
             if isinstance(error, GpuflowError):
                 raise error
             cause = describe_os_error(error) if isinstance(error, OSError) else str(error)
+            # (what the run folder's roll-back keeps: a run with any checkpoint)
             kept = (
-                "the earlier checkpoints are intact: resume once that is fixed"
-                if list_checkpoints(self.run_dir)
-                else "no checkpoint of this run was saved yet"
+                "the earlier checkpoints are intact: once that is fixed, run it again with --resume"
+                if list_checkpoints(self.run_dir) or best_checkpoint(self.run_dir)
+                else "no checkpoint of this run was saved yet: run the same command again "
+                "once that is fixed"
             )
             raise GpuflowError(
                 f"could not write a checkpoint into {checkpoint_dir(self.run_dir)}: {cause}; {kept}"
@@ -340,6 +342,7 @@ class Checkpointer:
         tmp = folder / f".{names[0]}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        linked: list[Path] = []  # the other names' temporaries, until installed
         try:
             try:
                 snapshot.wait()
@@ -361,10 +364,12 @@ class Checkpointer:
             # The step checkpoint goes in last: it is what a resume starts from, so a crash
             # before it repeats the steps since the previous one, and writes ``best`` again.
             for name in names[1:]:
-                _install(_linked_copy(tmp, folder / f".{name}.tmp-{os.getpid()}"), folder / name)
+                linked.append(_linked_copy(tmp, folder / f".{name}.tmp-{os.getpid()}"))
+                _install(linked[-1], folder / name)
             _install(tmp, folder / names[0])
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:  # nothing of a failed write stays behind (installed ones are gone from here)
+            for path in (tmp, *linked):
+                shutil.rmtree(path, ignore_errors=True)
         self._prune()
         self.written.append(folder / names[0])
         self.write_seconds.append(time.perf_counter() - started)
@@ -394,7 +399,12 @@ def _install(tmp: Path, final: Path) -> None:
                 f"was left as it is: move it out of {final.parent} and resume"
             )
         os.replace(final, retired)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if os.path.lexists(retired) and not os.path.lexists(final):
+            os.replace(retired, final)  # the previous one back where it was
+        raise
     fsync_dir(final.parent)
     shutil.rmtree(retired, ignore_errors=True)
 

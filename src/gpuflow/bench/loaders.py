@@ -11,7 +11,8 @@
   a tabular batch of 16 and of 64 column tensors (one copy each for the idiom, one packed
   copy for the loader), int64 token ids whose values fit 16 bits (narrowed on the wire),
   and fp32 features the model reads in bf16 (``lossy_float="bf16"``); each against the
-  fastest of the same three idioms, with the batch read by one kernel per step.
+  fastest of the same three idioms, with the batch read by one kernel per step, and the
+  loader also without its codecs (``narrow=False``, no ``lossy_float``).
 - images: an image-classification loop (a ``DataLoader`` with workers yielding dicts of uint8
   images and int64 labels, a small CNN trained under bf16 autocast) fed by
   ``DataLoader(pin_memory=True)`` + ``.to()`` and by ``DeviceLoader`` over the same
@@ -242,6 +243,8 @@ def cases(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
         paths: dict[str, Callable[[list[Any]], Iterable[Any]]] = {
             **idioms,
             "deviceloader": lambda b, o=case.loader_options: DeviceLoader(b, device, **o),
+            # no codecs: what narrowing (or bf16) costs or saves on this host and link
+            "deviceloader_plain": lambda b: DeviceLoader(b, device, narrow=False),
         }
         for make in paths.values():  # untimed warm-up
             _read_all(device, make(batches[:16]), dtype)
@@ -257,6 +260,9 @@ def cases(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
         fastest = max(IDIOMS, key=lambda name: row[f"{name}_batches_s"])
         row["fastest_idiom"] = fastest
         row["vs_fastest_idiom"] = row["deviceloader_batches_s"] / row[f"{fastest}_batches_s"]
+        row["plain_vs_fastest_idiom"] = (
+            row["deviceloader_plain_batches_s"] / row[f"{fastest}_batches_s"]
+        )
         rows.append(row)
     return rows
 

@@ -552,6 +552,7 @@ def _print_loader_tables(r: dict[str, Any], of_peak: Callable[[float], str]) -> 
         ".to()",
         "DeviceLoader",
         "vs fastest idiom",
+        "no codecs",
         title="batches/s where the idiom is worse by its structure (each batch read once)",
     )
     for row in r["loader_cases"]:
@@ -560,6 +561,7 @@ def _print_loader_tables(r: dict[str, Any], of_peak: Callable[[float], str]) -> 
             *(f"{row[f'{name}_batches_s']:,.0f}" for name in ("dataloader", "pin_to", "to")),
             f"{row['deviceloader_batches_s']:,.0f}",
             f"{row['vs_fastest_idiom']:.2f}x",
+            f"{row['plain_vs_fastest_idiom']:.2f}x",
         )
     out_console.print(grid)
     grid = table(

@@ -1,0 +1,299 @@
+"""``gpuflow bench NAME``: a path beside its baseline, JSON to runs/bench (or --out).
+
+Each bench is one entry of ``BENCHES``: its help, its own arguments, how it measures and
+prints (heavy imports inside), and what names its result file. A new bench is its module in
+``gpuflow.bench`` and one entry here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.interface.cli.common import DEVICE_HELP, unescape, use_allocator
+
+
+@dataclass(frozen=True)
+class Bench:
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    # (args, device) -> results, after printing its tables
+    measure: Callable[[argparse.Namespace, Any], dict[str, Any]]
+    # what names the result file (YYYY-MM-DD-<bench>-<name>-<device>.json)
+    name: Callable[[argparse.Namespace], str] = lambda args: args.preset
+    overrides: bool = True  # takes --set
+
+
+# ---- transfer -----------------------------------------------------------------------------------
+
+
+def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+
+
+def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.transfer import (
+        TransferBenchConfig,
+        print_transfer_tables,
+        run_transfer_bench,
+    )
+
+    results = run_transfer_bench(
+        device, TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
+    )
+    print_transfer_tables(results)
+    return results
+
+
+# ---- train --------------------------------------------------------------------------------------
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="seed-d384", help="the model and batch (default seed-d384)")
+    p.add_argument("--modes", help="comma-separated data paths (default: all of them)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per mode (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+
+
+def _train(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.train import MODES, TrainBenchConfig, print_train_table, run_train_bench
+
+    modes = tuple(m.strip() for m in args.modes.split(",")) if args.modes else MODES
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise GpuflowError(
+            f"unknown data path {unknown[0]!r} in --modes; choose from {', '.join(MODES)}"
+        )
+    if args.steps < 1:
+        raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+    bench = TrainBenchConfig(
+        preset=args.preset, modes=modes, timed=args.steps, warmup=args.warmup,
+        overrides=tuple(args.set or ()),
+    )  # fmt: skip
+    results = run_train_bench(device, bench)
+    print_train_table(results)
+    return results
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="gpt2-124m", help="the model (default gpt2-124m)")
+    p.add_argument("--window", type=int, default=10, help="steps per timed window (default 10)")
+    p.add_argument("--rounds", type=int, default=3, help="saves of each kind (default 3)")
+
+
+def _checkpoint(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.checkpoint import (
+        CheckpointBenchConfig,
+        print_checkpoint_table,
+        run_checkpoint_bench,
+    )
+
+    if args.rounds < 1 or args.window < 2:
+        raise GpuflowError(
+            f"--rounds must be >= 1 and --window >= 2, got {args.rounds}, {args.window}"
+        )
+    bench = CheckpointBenchConfig(
+        preset=args.preset, window=args.window, rounds=args.rounds,
+        overrides=tuple(args.set or ()),
+    )  # fmt: skip
+    results = run_checkpoint_bench(device, bench)
+    print_checkpoint_table(results)
+    return results
+
+
+# ---- soak ---------------------------------------------------------------------------------------
+
+
+def _soak_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="the run to soak (default tiny)")
+    p.add_argument("--steps", type=int, default=10_000, help="steps to train (default 10000)")
+
+
+def _soak(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.soak import SoakConfig, print_soak_table, run_soak
+
+    if args.steps < 1:
+        raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
+    soak = SoakConfig(preset=args.preset, steps=args.steps, overrides=tuple(args.set or ()))
+    results = run_soak(device, soak)
+    print_soak_table(results)
+    return results
+
+
+# ---- io -----------------------------------------------------------------------------------------
+
+
+def _io_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data", help="a prepared token folder whose train shards are read (default: random "
+        "shards written beside the results and removed after)",
+    )  # fmt: skip
+    p.add_argument("--mib", type=int, default=2048, help="MiB of generated shards (default 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="timed reads per path (default 3)")
+
+
+def _io(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.io import IoBenchConfig, print_io_table, run_io_bench
+
+    io = IoBenchConfig(mib=args.mib, repeats=args.repeats, data=args.data or "")
+    if args.out:  # the generated shards go beside the results
+        io = dataclasses.replace(io, scratch=args.out)
+    results = run_io_bench(device, io)
+    print_io_table(results)
+    return results
+
+
+def _io_name(args: argparse.Namespace) -> str:
+    return os.path.basename(os.path.normpath(args.data)) if args.data else "generated"
+
+
+# ---- prepare ------------------------------------------------------------------------------------
+
+
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mib", type=int, default=100, help="MiB of generated corpus (default 100)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders to use instead")
+    p.add_argument("--separator", metavar="TEXT", help="with --data: the documents' separator")
+    p.add_argument("--vocab-size", type=int, default=16000, help="BPE vocabulary (default 16000)")
+    p.add_argument("--workers", type=int, default=0, help="gpuflow's (default 0: every core)")
+
+
+def _prepare(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.prepare import PrepareBenchConfig, print_prepare_table, run_prepare_bench
+
+    bench = PrepareBenchConfig(
+        mib=args.mib, data=tuple(args.data or ()),
+        separator=unescape(args.separator) if args.separator else None,
+        vocab_size=args.vocab_size, workers=args.workers,
+    )  # fmt: skip
+    results = run_prepare_bench(bench)
+    print_prepare_table(results)
+    return results
+
+
+def _prepare_name(args: argparse.Namespace) -> str:
+    first = os.path.basename(args.data[0].rstrip("/")).split(".")[0] if args.data else ""
+    return first or f"{args.mib}mib"
+
+
+# ---- scale --------------------------------------------------------------------------------------
+
+
+def _scale_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="seed-d384", help="the run (default seed-d384)")
+    p.add_argument(
+        "--steps", type=int, default=300,
+        help="steps per row (default 300: tens of logging intervals for a steady median)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nproc", type=int,
+        help="processes of the last row (default: every visible GPU; 2 on the cpu)",
+    )  # fmt: skip
+
+
+def _scale(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.scale import ScaleConfig, print_scale_table, run_scale_bench
+
+    scale = ScaleConfig(
+        preset=args.preset, steps=args.steps, nproc=args.nproc, overrides=tuple(args.set or ())
+    )
+    results = run_scale_bench(device, scale)
+    print_scale_table(results)
+    return results
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+BENCHES: dict[str, Bench] = {
+    "transfer": Bench(
+        "pinned/pageable/pooled copies, packing, payload codecs, DeviceLoader vs the PyTorch "
+        "idioms at 8 KiB-64 MiB and where they are worse by structure, an image loop",
+        _transfer_arguments, _transfer, lambda args: "quick" if args.quick else "full",
+        overrides=False,
+    ),
+    "train": Bench(
+        "each data path ({paths}) on one model: "
+        "tokens/s, MFU, bytes, syncs and cudaMalloc per step",
+        _train_arguments, _train,
+    ),
+    "checkpoint": Bench(
+        "how long saving a checkpoint stops training: the usual blocking save vs gpuflow's "
+        "async one, and how long the write takes",
+        _checkpoint_arguments, _checkpoint,
+    ),
+    "soak": Bench(
+        "a long training run sampling host, pinned and device memory and cudaMalloc calls; "
+        "exit 1 if any grows after warm-up",
+        _soak_arguments, _soak,
+    ),
+    "io": Bench(
+        "token shards into device memory through kvikio, gpuflow's pinned reads and memmap + "
+        ".to(), cold and warm, beside the link's peak",
+        _io_arguments, _io, _io_name, overrides=False,
+    ),
+    "prepare": Bench(
+        "gpuflow prepare beside the script a user would write with the same tokenizers "
+        "library, on one corpus: wall time, MB/s, tokens/s, peak memory",
+        _prepare_arguments, _prepare, _prepare_name, overrides=False,
+    ),
+    "scale": Bench(
+        "the same training run as a plain process, under torchrun with 1 process and with N "
+        "(one per GPU), each in a child process: tokens/s, speedup, scaling efficiency",
+        _scale_arguments, _scale,
+    ),
+}  # fmt: skip
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from gpuflow.train.datapath import DataPath  # light: no torch
+
+    p = sub.add_parser(
+        "bench", help="measure a path beside its baseline; JSON to runs/bench (or --out)"
+    )
+    benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, bench in BENCHES.items():
+        parser = benches.add_parser(
+            name, help=bench.help.format(paths=", ".join(DataPath.runnable()))
+        )
+        if bench.overrides:
+            parser.add_argument(
+                "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
+            )
+        parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+        parser.add_argument("--out", help="results folder (default: runs/bench)")
+        bench.arguments(parser)
+        parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.bench.common import check_results_folder, write_result
+    from gpuflow.common.console import out_console
+    from gpuflow.device.accelerator import Device
+
+    check_results_folder(args.out)  # before the bench's time, not after it
+    if args.bench == "train":  # before CUDA starts: its allocator is chosen then
+        from gpuflow.train.config import resolve_config
+
+        use_allocator(resolve_config(args.preset, None, args.set or ()), args.device, args.argv)
+    device = Device.resolve(args.device)
+    out_console.print(f"bench {args.bench} on {device} ({device.name()})")
+    bench = BENCHES[args.bench]
+    results = bench.measure(args, device)
+    gpus = results.get("nproc", 1) if args.bench == "scale" else 1
+    path = write_result(args.bench, device, results, args.out, preset=bench.name(args), gpus=gpus)
+    if args.bench == "soak":
+        from gpuflow.bench.soak import plot_soak
+
+        plot = plot_soak(results, path.with_suffix(".png"))
+        out_console.print(f"results: {path} and {plot}")
+        return 0 if results["flat"] else 1
+    out_console.print(f"results: {path}")
+    return 0

@@ -1,0 +1,94 @@
+"""``gpuflow prepare``: tokenize a corpus into train/val token shards."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuflow.interface.cli.common import add_corpus_arguments, unescape
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val token shards")
+    add_corpus_arguments(p, data_help=(
+        ".txt/.md/.jsonl/.parquet files (maybe .gz/.bz2/.xz/.zst), folders, globs, datasets "
+        "saved with save_to_disk, or - for standard input (default: the built-in corpus of "
+        "Python's own documentation)"
+    ))  # fmt: skip
+    p.add_argument("--out", help="output folder (default: data/<corpus>-v<vocab>)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=16000,
+        help="BPE vocabulary size to train (default: 16000)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="FILE|DIR|NAME",
+        help="reuse a tokenizer instead of training one: a tokenizer.json, a folder holding "
+        "one, or a Hugging Face hub name such as gpt2 (fetched; needs a network)",
+    )
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=200,
+        metavar="MB",
+        help="MB of text, drawn evenly from the corpus, that the tokenizer is trained on "
+        "(default: 200; from standard input: the first that many MB)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of documents held out for validation, by a hash of each (default: 0.05)",
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        help="tokens per shard file, at least (default: 100000000)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes that encode (default 0: every core; the output is the same bytes "
+        "whatever the number)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add the documents of --data to the token folder --out, with its tokenizer",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild an output folder that prepare wrote before (the old one stays until the "
+        "new one is complete; a folder holding anything else is never touched)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.common.console import out_console
+    from gpuflow.data.prepare import PrepareConfig, prepare
+
+    config = PrepareConfig(
+        data=tuple(args.data or ()),
+        out=args.out or "",
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer or "",
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        force=args.force,
+        append=args.append,
+        separator=unescape(args.separator) if args.separator is not None else None,
+        text_field=args.text_field,
+        sample_mb=args.tokenizer_sample_mb,
+        workers=args.workers,
+    )
+    summary = prepare(config)
+    out_console.print(summary.describe())
+    from gpuflow.train.suggest import train_command  # (train/config.py would load torch)
+
+    out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
+    return 0

@@ -1,0 +1,53 @@
+"""``gpuflow sample``: generate text from a run's checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuflow.interface.cli.common import DEVICE_HELP
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sample", help="generate text from a run's best checkpoint")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        help="best (default: the lowest validation loss), latest, or a folder name such as "
+        "step_000300",
+    )
+    p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (default 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample among the k likeliest tokens; 0 for all (default 50)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.device.accelerator import Device
+    from gpuflow.interface.sample import SampleConfig, sample
+
+    config = SampleConfig(
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+    )
+    from gpuflow.common.console import err_console
+
+    print(sample(args.run, config, Device.resolve(args.device), say=err_console.print))
+    return 0

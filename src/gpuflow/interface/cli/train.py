@@ -1,0 +1,179 @@
+"""``gpuflow train``: pretrain a GPT into runs/<name>/, alone or as one rank under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import TYPE_CHECKING
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.common.oserrors import describe_os_error
+from gpuflow.interface.cli.common import (
+    DEVICE_HELP,
+    EXIT_INTERRUPTED,
+    add_corpus_arguments,
+    unescape,
+    use_allocator,
+)
+
+if TYPE_CHECKING:  # torch-heavy: imported inside the functions
+    from pathlib import Path
+
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.config import RunConfig
+    from gpuflow.train.distributed import Ranks
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="pretrain a GPT; everything lands in runs/<name>/",
+        description="Pretrain a GPT; everything lands in runs/<name>/. Under torchrun "
+        "(torchrun --nproc_per_node=N -m gpuflow train ...) each process is one rank of a "
+        "data-parallel job, on its own GPU; rank 0 writes.",
+    )
+    p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    p.add_argument(
+        "--name",
+        help="run folder name under runs/ (default: the preset's name, with -2, -3... if taken)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue run --name (default: the most recently active run) from its latest "
+        "intact checkpoint; --preset/--config must give its saved config, --set changes it",
+    )
+    p.add_argument("--steps", type=int, help="total steps to train (overrides train.steps)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument(
+        "--bus",
+        action="store_true",
+        help="always show the bus figures (bytes each way, host syncs, cudaMalloc per step); "
+        "by default they show once one is not zero",
+    )
+    add_corpus_arguments(p, data_help=(
+        "train on this raw corpus (the files prepare takes): it is prepared once, with a BPE of "
+        "model.vocab_size, into data/cache/, and reused while the files are unchanged"
+    ))  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def _run_config(args: argparse.Namespace) -> tuple[Path | None, RunConfig]:
+    """The config ``gpuflow train ARGS`` runs, and the run folder when resuming (a new run's
+    folder is named later, by rank 0). Reads files only: every rank can call it."""
+    from gpuflow.train.config import apply_overrides, resolve_config
+    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, resumed_config
+
+    if args.resume:
+        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        return run_dir, resumed_config(
+            run_dir, args.set or (), args.steps, args.preset, args.config
+        )
+    config = resolve_config(args.preset, args.config, args.set or ())
+    if args.steps is not None:
+        config = apply_overrides(config, {"train": {"steps": args.steps}}, "--steps")
+    return None, config
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.train import distributed
+
+    resolved = _run_config(args)
+    use_allocator(resolved[1], args.device, args.argv)
+    # Under torchrun this process is one rank of a data-parallel job, on its own device.
+    ranks = distributed.Ranks.from_env()
+    device = distributed.rank_device(ranks, args.device)
+    distributed.start(ranks, device)
+    try:
+        code = _train(args, resolved, ranks, device)
+    except BaseException as exc:
+        distributed.abort()  # nothing in flight is waited for: another rank may be gone
+        if distributed.lost_a_rank(exc):
+            raise distributed.rank_lost(exc) from exc
+        raise
+    distributed.stop()
+    return code
+
+
+def _train(
+    args: argparse.Namespace, resolved: tuple[Path | None, RunConfig], ranks: Ranks,
+    device: Device,
+) -> int:  # fmt: skip
+    from gpuflow.common.console import out_console
+    from gpuflow.interface.report import write_report
+    from gpuflow.train.distributed import broadcast_from_main
+    from gpuflow.train.run import new_run_dir
+    from gpuflow.train.trainer import Trainer
+
+    chosen = None
+    if args.data:  # a raw corpus: prepared once per host (its first rank), then its folder
+        resolved = (resolved[0], _with_prepared_data(args, resolved[1], ranks))
+    if ranks.is_main:  # rank 0 names the run folder, for every rank, with its config
+        run_dir, config = resolved
+        if run_dir is None:
+            run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
+        chosen = (run_dir, config)
+    run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
+
+    if ranks.is_main:
+        job = f", {ranks.world_size} ranks" if ranks.distributed else ""
+        out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}{job}")
+    trainer = Trainer(config, run_dir, device, ranks=ranks)
+    result = trainer.run(resume=args.resume, show_bus=args.bus)
+    if not ranks.is_main:
+        return EXIT_INTERRUPTED if result.interrupted else 0
+    try:
+        report = write_report(config, result)
+    except OSError as exc:  # the training is done and saved: say so, and what is missing
+        raise GpuflowError(
+            f"{result.run_dir} trained to step {result.last_step} and its checkpoints are saved "
+            f"(gpuflow sample --run {result.run_dir} works), but its report could not be "
+            f"written: {describe_os_error(exc)}"
+        ) from None
+    rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
+    if ranks.distributed and report["tokens_per_s"]:
+        rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"
+    reduced = report["collective_bytes_per_step_per_rank"]
+    if reduced:  # NCCL's traffic, which the transfer ledger cannot see
+        rate += f", {reduced / 2**20:,.1f} MiB per step per rank to NCCL"
+    mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
+    val = (
+        f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"
+        if report["final_val_loss"] is not None
+        else "no val loss yet"
+    )
+    train_loss = report["final_train_loss"]
+    out_console.print(
+        f"{'stopped' if result.interrupted else 'finished'} at step {result.last_step}: "
+        f"train loss {'-' if train_loss is None else f'{train_loss:.4f}'}, {val}, "
+        f"{rate}{mfu}; see {run_dir}/report.json and {run_dir}/training.png"
+    )
+    if not result.interrupted:
+        out_console.print(f"sample from it: gpuflow sample --run {shlex.quote(str(run_dir))}")
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Ranks) -> RunConfig:
+    from gpuflow.data.prepare import prepared_for_training
+    from gpuflow.train.config import apply_overrides
+    from gpuflow.train.distributed import each_host_first
+
+    if args.resume:
+        raise GpuflowError("--resume trains on the run's own data; leave --data out")
+    if config.data.dir:
+        raise GpuflowError(
+            f"--data and data.dir ({config.data.dir}) both name the training data; keep one"
+        )
+    separator = unescape(args.separator) if args.separator is not None else None
+    with each_host_first(ranks):
+        folder = prepared_for_training(
+            tuple(args.data), config.model.vocab_size, separator, args.text_field
+        )
+    return apply_overrides(config, {"data": {"dir": str(folder)}}, "--data")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.mirror import AsyncScalars, HostMirror, host_snapshot
+from gpuflow.transfer.mirror import HostMirror, host_snapshot
+from gpuflow.transfer.scalars import AsyncScalars
 
 
 def test_async_scalars_report_means_per_interval():

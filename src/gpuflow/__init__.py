@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncScalars": "gpuflow.transfer.mirror",
+    "AsyncScalars": "gpuflow.transfer.scalars",
     "LedgerSummary": "gpuflow.accounting.ledger",
     "LoaderStats": "gpuflow.transfer.loader",
     "MirrorStats": "gpuflow.transfer.mirror",
@@ -54,15 +54,8 @@ if TYPE_CHECKING:
     from gpuflow.device.accelerator import Device as Device
     from gpuflow.transfer.loader import DeviceLoader as DeviceLoader
     from gpuflow.transfer.loader import LoaderStats as LoaderStats
-    from gpuflow.transfer.mirror import (
-        AsyncScalars as AsyncScalars,
-    )
-    from gpuflow.transfer.mirror import (
-        HostMirror as HostMirror,
-    )
-    from gpuflow.transfer.mirror import (
-        MirrorStats as MirrorStats,
-    )
+    from gpuflow.transfer.mirror import HostMirror as HostMirror
+    from gpuflow.transfer.mirror import MirrorStats as MirrorStats
     from gpuflow.transfer.packing import PackPlan as PackPlan
     from gpuflow.transfer.packing import Ragged as Ragged
     from gpuflow.transfer.packing import pack as pack
@@ -71,6 +64,7 @@ if TYPE_CHECKING:
     from gpuflow.transfer.peer import peer_copy as peer_copy
     from gpuflow.transfer.pinned import PinnedPool as PinnedPool
     from gpuflow.transfer.pinned import PoolStats as PoolStats
+    from gpuflow.transfer.scalars import AsyncScalars as AsyncScalars
     from gpuflow.transfer.snapshot import StateSnapshot as StateSnapshot
 
 

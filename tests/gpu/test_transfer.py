@@ -12,9 +12,10 @@ import torch
 
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader, upload_tokens
-from gpuflow.transfer.mirror import AsyncScalars, HostMirror, host_snapshot
+from gpuflow.transfer.mirror import HostMirror, host_snapshot
 from gpuflow.transfer.packing import pack, unpack
 from gpuflow.transfer.pinned import PinnedPool
+from gpuflow.transfer.scalars import AsyncScalars
 
 pytestmark = pytest.mark.gpu
 

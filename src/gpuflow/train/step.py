@@ -33,7 +33,8 @@ from gpuflow.train.distributed import Averager, holds_collectives
 from gpuflow.train.master_adamw import with_fp32_masters
 from gpuflow.train.optim import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
-from gpuflow.transfer.mirror import AsyncScalars, read_now
+from gpuflow.transfer.mirror import read_now
+from gpuflow.transfer.scalars import AsyncScalars
 
 
 def _known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The layer rules of ``gpuflow.common.layers``, checked on the source by folder.
 
 1. Imports point only down the layer list: a module imports its own layer and the ones
-   below it, never one above.
+   below it, never one above; and no two modules import each other, round any loop.
 2. Only the crossing layers (transfer/, data/) move bytes between host and device. A
    crossing is recognised in the syntax: ``.item()``, ``.cpu()``, ``.tolist()``,
    ``.numpy()``, ``.pin_memory()``; ``.to(...)`` given a device (an argument that names a
@@ -81,6 +81,54 @@ def upward_imports(root: Path) -> list[str]:
     return wrong
 
 
+def _module_name(root: Path, path: Path) -> str:
+    parts = ("gpuflow", *path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Groups of gpuflow modules that import each other, directly or round a loop: every
+    import in a module counts (inside functions and ``TYPE_CHECKING`` blocks too), so that
+    no two modules need each other to be understood."""
+    modules = {_module_name(root, path): path for path in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module} & modules.keys()
+                found |= {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names} & modules.keys()
+        graph[name] = found - {name}
+    # Tarjan's strongly connected components: each of more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                cycles.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
 def _crossing(node: ast.Call, source: str) -> str | None:
     func = node.func
     if isinstance(func, ast.Attribute):
@@ -131,6 +179,19 @@ def test_the_folders_are_the_layers():
 
 def test_imports_point_only_down_the_layer_list():
     assert upward_imports(SOURCE) == []
+
+
+def test_no_two_modules_import_each_other():
+    assert import_cycles(SOURCE) == []
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path):
+    _plant(tmp_path, "train/a.py", "from gpuflow.train.b import B\n")
+    _plant(tmp_path, "train/b.py", "def f():\n    from gpuflow.train.c import C\n")
+    _plant(tmp_path, "train/c.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+           "    from gpuflow.train.a import A\n")  # fmt: skip
+    _plant(tmp_path, "train/d.py", "from gpuflow.train.a import A\n")
+    assert import_cycles(tmp_path) == [["gpuflow.train.a", "gpuflow.train.b", "gpuflow.train.c"]]
 
 
 def test_only_the_transfer_and_data_layers_cross_the_bus():

@@ -18,7 +18,7 @@ import torch
 from gpuflow.bench import scale
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 
 from .conftest import FAST, gpuflow_cli
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 from gpuflow.train.run import read_metrics
 
 from .conftest import FAST, gpuflow_cli

@@ -52,7 +52,7 @@ SLEEPS = {"write": 0.04, "best": 0.3, "prune": 0.3}
 WRAPPER = """
 import json, shutil, sys, time
 from pathlib import Path
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint
 
 sleeps = json.loads(sys.argv[1])

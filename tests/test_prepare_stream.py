@@ -255,7 +255,7 @@ def test_train_on_a_raw_corpus_prepares_it_once(workdir, small_corpus, capsys):
                           cwd=workdir)  # fmt: skip
     assert changed.returncode == 0, changed.stderr
     assert len(list((workdir / "data" / "cache").iterdir())) == 2
-    from gpuflow.interface.cli import main
+    from gpuflow.interface.cli.main import main
 
     assert main(["train", "--data", "notes", "--set", "data.dir=x"]) == 2
     assert "--data and data.dir (x) both name" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import torch
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.device.accelerator import Device
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.run import RunFolder, latest_run_dir, read_metrics

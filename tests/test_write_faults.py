@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 from gpuflow.train.run import read_metrics
 
 from .conftest import FAST

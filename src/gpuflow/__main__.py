@@ -1,3 +1,3 @@
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ import torch
 
 import gpuflow
 from gpuflow.data.resident import ResidentTokens
-from gpuflow.interface.cli import main
+from gpuflow.interface.cli.main import main
 from gpuflow.transfer import diskread
 
 from ..conftest import random_shards

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.signals import handling
@@ -28,7 +28,36 @@ from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import TrainStep
 
 if TYPE_CHECKING:
-    from gpuflow.train.trainer import Trainer
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.config import RunConfig
+    from gpuflow.train.datapath import DataPath
+    from gpuflow.train.distributed import Ranks
+    from gpuflow.transfer.diskread import IoChoice
+
+
+class LoopHost(Protocol):
+    """What the loop asks of the run it steps (``Trainer`` is one): the run's settings and
+    place, and the work that is not a step's."""
+
+    config: RunConfig
+    device: Device
+    ranks: Ranks
+    run_dir: Path
+    start_step: int
+    tokens_per_step: int
+    path: DataPath
+    path_note: str
+    io: IoChoice | None
+
+    def evaluate(self) -> float: ...
+
+    def gather_state(self) -> None: ...
+
+    def save(
+        self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
+    ) -> None: ...
+
+    def mfu(self, tokens_per_s: float | None) -> float | None: ...
 
 
 class _StopFlag:
@@ -99,13 +128,15 @@ class TrainLoop:
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: LoopHost,
         train_step: TrainStep,
         checkpointer: ckpt.Checkpointer,
         started: float,
         show_bus: bool,
+        best_val: float = math.inf,
     ) -> None:
         self.trainer, self.train_step, self.checkpointer = trainer, train_step, checkpointer
+        self.best_val = best_val  # the lowest validation loss so far (a resumed run's too)
         self.started, self.show_bus = started, show_bus
         self.config = trainer.config.train
         self.throughput = Throughput(trainer.tokens_per_step, trainer.device)
@@ -154,8 +185,8 @@ class TrainLoop:
                     if checkpoint_now:
                         self.publish(self.train_step.scalars.drain(step))  # diverged: stops
                         names.append(ckpt.step_name(step))
-                    if evaluate_now and (val := self.evaluate(step)) < trainer.best_val:
-                        trainer.best_val = val
+                    if evaluate_now and (val := self.evaluate(step)) < self.best_val:
+                        self.best_val = val
                         names.append(ckpt.BEST)
                     if names and main:
                         trainer.save(self.checkpointer, step, tuple(names))

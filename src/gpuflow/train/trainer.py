@@ -374,7 +374,9 @@ class Trainer:
                         "writing it)")  # fmt: skip
                 checkpointer = ckpt.Checkpointer(self.run_dir, self.device, tc.keep_checkpoints)
                 try:
-                    loop = TrainLoop(self, train_step, checkpointer, started, show_bus)
+                    loop = TrainLoop(
+                        self, train_step, checkpointer, started, show_bus, self.best_val
+                    )
                     step = loop.run(latest)
                 except KeyboardInterrupt:
                     raise  # a second signal: now; a write in flight is cleared at the next start

@@ -16,7 +16,7 @@ import pytest
 
 from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
 from gpuflow.interface.cli.main import main
-from gpuflow.train.run import read_metrics
+from gpuflow.train.runfolder import read_metrics
 
 from .conftest import FAST, gpuflow_cli
 
@@ -437,7 +437,7 @@ def test_an_os_error_any_command_meets_is_one_line_naming_the_path(tmp_path, mon
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "runs"))
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("gpuflow.train.run.RunFolder.start", read_only)
+    monkeypatch.setattr("gpuflow.train.runfolder.RunFolder.start", read_only)
     assert main(["train", "--preset", "tiny", "--device", "cpu", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     [line] = [x for x in err.splitlines() if x.startswith("error:")]

@@ -22,7 +22,7 @@ from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import distributed
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
 from gpuflow.train.distributed import GradientAverager, RankLost, Ranks, agree, largest
-from gpuflow.train.run import read_metrics
+from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.step import Update
 
 from .conftest import FAST, gpuflow_cli, torchrun_cli, torchrun_ended, torchrun_workers

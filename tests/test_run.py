@@ -18,7 +18,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.run import RunFolder, latest_run_dir, read_metrics
+from gpuflow.train.runfolder import RunFolder, latest_run_dir, read_metrics
 from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import EagerStep
 from gpuflow.train.trainer import Trainer
@@ -464,8 +464,8 @@ def _no_space(*args, **kwargs):
 @pytest.mark.parametrize(
     "site",
     [
-        "gpuflow.train.run.write_config",  # the config, as the resume starts
-        "gpuflow.train.run.MetricsLog.write",  # a metrics record
+        "gpuflow.train.runfolder.write_config",  # the config, as the resume starts
+        "gpuflow.train.runfolder.MetricsLog.write",  # a metrics record
         "gpuflow.train.checkpoint.write_safetensors",  # a checkpoint's file
         "gpuflow.interface.report.write_text_atomic",  # report.json, at the end
         "gpuflow.interface.report.plot_run",  # training.png, at the end

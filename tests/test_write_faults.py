@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gpuflow.interface.cli.main import main
-from gpuflow.train.run import read_metrics
+from gpuflow.train.runfolder import read_metrics
 
 from .conftest import FAST
 

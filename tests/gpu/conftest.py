@@ -16,7 +16,7 @@ def tiny_runs(accel: Device, prepared, folder, setting: str, values) -> dict[str
     """20 steps of the tiny preset on ``prepared`` for each value of ``setting``, by value:
     (the train loss of every step, the run's ``TrainResult``)."""
     from gpuflow.train.config import resolve_config
-    from gpuflow.train.run import read_metrics
+    from gpuflow.train.runfolder import read_metrics
     from gpuflow.train.trainer import Trainer
 
     from ..conftest import FAST

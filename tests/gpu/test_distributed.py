@@ -20,7 +20,7 @@ from gpuflow.train import distributed
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
 from gpuflow.train.config import resolve_config
 from gpuflow.train.distributed import Ranks
-from gpuflow.train.run import read_metrics, resumed_config
+from gpuflow.train.runfolder import read_metrics, resumed_config
 from gpuflow.train.step import GraphStep
 from gpuflow.train.trainer import Trainer
 

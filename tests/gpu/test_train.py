@@ -13,7 +13,7 @@ import torch
 from gpuflow.device.accelerator import Device
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.run import read_metrics
+from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import GraphStep, TrainStep
 from gpuflow.train.trainer import Trainer

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpuflow.bench.common import RESULTS_DIR
+from gpuflow.bench.results import RESULTS_DIR
 from gpuflow.common.console import err_console, out_console, table
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.pagecache import cached_fraction, drop_cached

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gpuflow.bench.common import gb_per_s
+from gpuflow.bench.results import gb_per_s
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 

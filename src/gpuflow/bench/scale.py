@@ -44,7 +44,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.common.signals import handling
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig, resolve_config
-from gpuflow.train.run import REPORT_FILE, RUNS_DIR
+from gpuflow.train.runfolder import REPORT_FILE, RUNS_DIR
 
 # torchrun with one process may cost at most this much throughput against a plain process.
 TORCHRUN_1_TARGET = 0.03

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import resolve_config
-from gpuflow.train.run import read_metrics
+from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.trainer import Trainer
 
 # series -> (label, growth allowed after warm-up in bytes or calls)

@@ -25,7 +25,7 @@ from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
 from gpuflow.train.datapath import DataPath, resolve_data_path
 from gpuflow.train.feed import open_batches
-from gpuflow.train.step import StepOptions
+from gpuflow.train.step import StepOptions, TrainStep
 from gpuflow.train.trainer import Trainer
 
 MODES = tuple(str(path) for path in DataPath.runnable())
@@ -38,6 +38,14 @@ class TrainBenchConfig:
     warmup: int = 10
     timed: int = 50
     overrides: tuple[str, ...] = ()
+
+
+def _as_trained(train_step: TrainStep, step: int) -> None:
+    """Step ``step``, then the readback if it ends a logging interval, as the trainer's loop
+    does each step."""
+    train_step(step)
+    if (step + 1) % train_step.config.log_interval == 0:
+        train_step.readback(step + 1)
 
 
 def _measure(
@@ -62,16 +70,16 @@ def _measure(
             source = FixedBatch.first_of(batches)
     with trainer.open_step(0, total, source) as train_step:
         for step in range(warmup):
-            train_step.run(step)
+            _as_trained(train_step, step)
         device.synchronize()
         started = time.perf_counter()
         for step in range(warmup, warmup + timed):
-            train_step.run(step)
+            _as_trained(train_step, step)
         device.synchronize()
         seconds = time.perf_counter() - started
         with TransferLedger(device) as ledger:
             for step in range(warmup + timed, total):
-                train_step.run(step)
+                _as_trained(train_step, step)
         train_step.scalars.drain(total)
     rate = timed * trainer.tokens_per_step / seconds
     return {

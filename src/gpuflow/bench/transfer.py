@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.bench.common import device_ms, gb_per_s, wall_ms
 from gpuflow.bench.loaders import LoaderBenchConfig, cases, image_loop, sweep
+from gpuflow.bench.results import device_ms, gb_per_s, wall_ms
 from gpuflow.common.console import err_console
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader

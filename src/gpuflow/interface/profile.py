@@ -36,7 +36,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import DataPath
-from gpuflow.train.run import PROFILE_FILE
+from gpuflow.train.runfolder import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
 
 OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)

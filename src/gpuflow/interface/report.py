@@ -12,7 +12,7 @@ import torch
 
 from gpuflow.common.atomic import write_text_atomic
 from gpuflow.train.config import RunConfig, to_dict
-from gpuflow.train.run import PLOT_FILE, REPORT_FILE, read_metrics
+from gpuflow.train.runfolder import PLOT_FILE, REPORT_FILE, read_metrics
 from gpuflow.train.trainer import TrainResult
 
 

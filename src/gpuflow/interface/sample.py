@@ -20,7 +20,7 @@ from gpuflow.data.tokenizer import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
-from gpuflow.train.run import TOKENIZER_FILE, open_run
+from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.upload import place

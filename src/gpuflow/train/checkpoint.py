@@ -143,7 +143,7 @@ def best_checkpoint(run_dir: Path) -> Path | None:
 def remove_stale_temporaries(run_dir: Path) -> list[str]:
     """Clear what a killed writer left in ``checkpoints/``; returns the names handled.
 
-    Call only while holding the run (``gpuflow.train.run.RunFolder``): then no writer is
+    Call only while holding the run (``gpuflow.train.runfolder.RunFolder``): then no writer is
     alive. A temporary folder is removed; a complete checkpoint that was moved aside to be
     replaced is put back if its replacement never arrived, else removed.
     """

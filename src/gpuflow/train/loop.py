@@ -23,7 +23,7 @@ from gpuflow.train.config import TrainConfig
 from gpuflow.train.display import TrainDisplay
 from gpuflow.train.distributed import agree, largest
 from gpuflow.train.meter import BusMeter, Throughput
-from gpuflow.train.run import MetricsLog
+from gpuflow.train.runfolder import MetricsLog
 from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import TrainStep
 

@@ -190,13 +190,6 @@ class TrainStep:
             read_now(self.last_loss)
         return self.scalars.flush(step)
 
-    def run(self, step: int) -> None:
-        """Step ``step``, then the readback if it ends a logging interval: what the trainer
-        does each step, for code that measures it."""
-        self(step)
-        if (step + 1) % self.config.log_interval == 0:
-            self.readback(step + 1)
-
 
 class EagerStep(TrainStep):
     def __call__(self, step: int) -> None:

@@ -46,7 +46,7 @@ from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.master_adamw import MasterAdamW
 from gpuflow.train.optim import build_optimizer
-from gpuflow.train.run import TOKENIZER_FILE, RunFolder, truncate_metrics
+from gpuflow.train.runfolder import TOKENIZER_FILE, RunFolder, truncate_metrics
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import (
     StepOptions,

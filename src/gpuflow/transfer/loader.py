@@ -93,11 +93,6 @@ class LoaderStats:
         longest = max(self.compute_ms, self.transfer_ms)
         return self.overlap_ms / longest if longest > 0 else 0.0
 
-    @property
-    def link_gb_per_s(self) -> float:
-        """Bytes moved over the time the copies took: the rate the link delivered."""
-        return self.bytes_moved / (self.transfer_ms * 1e6) if self.transfer_ms > 0 else 0.0
-
 
 class DeviceLoader:
     """See the module docstring.

@@ -274,7 +274,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.bench.common import check_results_folder, write_result
+    from gpuflow.bench.results import check_results_folder, write_result
     from gpuflow.common.console import out_console
     from gpuflow.device.accelerator import Device
 

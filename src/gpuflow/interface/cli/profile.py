@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from gpuflow.device.accelerator import Device
     from gpuflow.interface.profile import OUTPUT_FILES, profile_training
     from gpuflow.train.config import apply_overrides, parse_set, resolve_config
-    from gpuflow.train.run import RUNS_DIR
+    from gpuflow.train.runfolder import RUNS_DIR
 
     device = Device.resolve(args.device)
     config = resolve_config(args.preset, args.config)

@@ -69,7 +69,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Path | None, RunConfig]:
     """The config ``gpuflow train ARGS`` runs, and the run folder when resuming (a new run's
     folder is named later, by rank 0). Reads files only: every rank can call it."""
     from gpuflow.train.config import apply_overrides, resolve_config
-    from gpuflow.train.run import RUNS_DIR, check_name, latest_run_dir, resumed_config
+    from gpuflow.train.runfolder import RUNS_DIR, check_name, latest_run_dir, resumed_config
 
     if args.resume:
         run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
@@ -109,7 +109,7 @@ def _train(
     from gpuflow.common.console import out_console
     from gpuflow.interface.report import write_report
     from gpuflow.train.distributed import broadcast_from_main
-    from gpuflow.train.run import new_run_dir
+    from gpuflow.train.runfolder import new_run_dir
     from gpuflow.train.trainer import Trainer
 
     chosen = None

@@ -27,7 +27,7 @@ of 32; backward blocks of 32; forward 64 x 128 and backward 64s), or told that e
 row has a key to attend to.
 Variants alternate over rounds in one process, resident-graph, compiled. Earlier variants
 (the unfused head, the fp32 residual stream, cuDNN/flash/math attention) and their figures
-are in benchmarks/NOTES.md.
+are in docs/decisions/010 and its neighbours.
 
 PYTHONPATH=src python3 benchmarks/probes/stepab.py PRESET [out.json] [rounds] [variants]
     [key=value ...]

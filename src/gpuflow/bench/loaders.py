@@ -19,7 +19,7 @@
   ``DataLoader`` without ``pin_memory``.
 
 Paths run in alternating rounds and the median round counts: a host's copy speed drifts
-within a process (benchmarks/NOTES.md), and back-to-back rounds of one path would take the
+within a process (docs/decisions/005), and back-to-back rounds of one path would take the
 drift for a difference between paths.
 """
 

@@ -4,7 +4,7 @@
 views, the pinned allocator's bookkeeping), several times what the copy of a small batch
 takes on the bus; the driver call behind it costs 1-3 us from Python. A loader that queues
 a copy per batch spends that difference on every batch, so ``DeviceLoader`` calls the
-driver itself for its copies (benchmarks/NOTES.md has the figures).
+driver itself for its copies (docs/decisions/017 has the figures).
 
 What torch's copy would have done and the caller must do instead: keep the host memory
 alive and unchanged until the copy has run (torch records an event for pinned memory from

@@ -6,7 +6,7 @@ Here the weights the model sees are bf16 views into one flat buffer, so autocast
 to cast and the gradients arrive in bf16; the fp32 masters and both moments live in flat
 buffers too, and one Triton kernel updates them all, reading each bf16 gradient where
 autograd left it and writing the bf16 copy that the next forward reads. On seed-d384 this
-takes the step from 2.07 ms to 1.93 ms on an H100 (``benchmarks/NOTES.md``).
+takes the step from 2.07 ms to 1.93 ms on an H100 (``docs/decisions/012``).
 
 The kernel finds the gradients through a device table of their addresses. A captured step's
 gradients live at the addresses its capture gave them, so the table is filled once, after the

@@ -5,7 +5,7 @@ a batch from its workers is work the training thread should not do. When the res
 crossing (planning, staging, the copies, the rebuild) also ran on the training thread, that
 thread made about ten torch calls per batch, each letting go of the interpreter lock and
 waiting to take it back while the reader thread ran Python; the idiom it replaces makes two
-(benchmarks/NOTES.md, "The image loop shares one interpreter lock"). Here the reader thread
+(docs/decisions/020). Here the reader thread
 runs the whole crossing on a stream of its own, through a ``Pipeline`` of its own, and
 queues finished device batches: the training thread takes one, makes its stream wait for the
 copy (an event, no host wait) and marks the batch's memory as used on that stream, so that

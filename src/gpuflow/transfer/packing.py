@@ -456,7 +456,7 @@ class Planner:
         enough that staging would only add a host copy); 2 pinned by ``pin_memory()`` first
         (pageable and ``PIN_MIN_BYTES`` or more), then copied like 1. (The driver's own
         asynchronous copy from pageable memory ran at 7-8 GB/s on an H100 host, a quarter of
-        a staged one, so pageable memory is never its source; benchmarks/NOTES.md.)"""
+        a staged one, so pageable memory is never its source; docs/decisions/018.)"""
         if (
             not self.direct
             or wire != tensor.dtype

@@ -46,7 +46,7 @@ more in handing the interpreter lock back and forth than the work costs (on an H
 300-860 us per 8 KiB batch against 66 us for ``x.pin_memory().to(dev, non_blocking=True)``),
 and torch's copy on a thread of its own starts intra-op threads of its own (eight writers
 oversubscribed the cores at 13-16 GB/s), hence plain ``memmove`` jobs on several
-(benchmarks/NOTES.md). For data loading in parallel, make the source a ``DataLoader`` with
+(docs/decisions/016). For data loading in parallel, make the source a ``DataLoader`` with
 workers.
 """
 
@@ -79,7 +79,7 @@ _COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source i
 _COALESCE_CAPACITY = COALESCE_BYTES
 SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
-_WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs copied slower: benchmarks/NOTES.md)
+_WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs were slower: docs/decisions/017)
 _WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -378,7 +378,7 @@ class Pipeline:
         in_flight = self.sources_in_flight
         # Let go of sources whose copies have run (an event query each, under 1 us): held
         # until a few waited, pinned blocks of 16 MiB came back to torch's cache later and
-        # the loader ran at 28 GB/s against 36 (benchmarks/NOTES.md).
+        # the loader ran at 28 GB/s against 36 (docs/decisions/018).
         while in_flight and in_flight[0][0].query():
             in_flight.popleft()  # copied: the caller may free or reuse them
         target = self.device.torch

@@ -4,7 +4,7 @@ what ``DataLoader``'s pin-memory thread does for its own loop.
 Taking a batch from a ``DataLoader`` with workers is work for the process that takes it:
 unpickling, receiving the shared-memory handles of its tensors and mapping them. On the
 training thread that work adds to every step (on an H100 host, enough to hold an image loop
-of 3 MB batches at 0.7-0.8x of ``DataLoader(pin_memory=True)``, benchmarks/NOTES.md). On a
+of 3 MB batches at 0.7-0.8x of ``DataLoader(pin_memory=True)``, docs/decisions/018). On a
 thread of its own it runs while the training thread is inside torch's operators, which let
 go of the interpreter lock. A source that is cheap to read (a list, a generator over memory)
 gains nothing from it and would pay a thread hand-off per batch, so ``DeviceLoader`` reads

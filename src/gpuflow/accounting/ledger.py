@@ -6,50 +6,9 @@
             ledger.step()                 # closes one step
     print(ledger.summary().table())      # totals, per-step medians, top locations
 
-What it sees, and how:
-- copies (``.to``, ``.cpu()``, ``copy_``, ``.item()``) and host-waiting operations
-  (``.item()``, ``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, blocking
-  copies) through a ``TorchDispatchMode``: every aten operation of the ledger's thread passes
-  through it while the ledger is open, including those inside composite torch functions, and
-  those of the threads that take over the thread's dispatch modes: autograd's device
-  threads, where a CUDA backward and its gradient hooks run;
-- ``torch.compile``d code runs compiled under the ledger (the mode steps aside while torch
-  compiles and is back for the compiled code's run), and what that code dispatches is
-  counted: its copies, an ``.item()`` at a graph break, its fallback kernels. A compiled
-  graph itself makes no host waits;
-- explicit waits (``torch.cuda.synchronize``, ``Event.synchronize``, ``Stream.synchronize``,
-  ``torch.accelerator.synchronize`` and ``gpuflow.Device``'s host stand-ins), ``tolist`` and a
-  tensor's repr (``print(t)``, f-strings; torch builds it with every dispatch mode set aside)
-  by wrapping those functions while a ledger is open;
-- on the host, the reads that would make the host wait on a GPU: a ledger open for the cpu
-  counts ``.item()``, ``.tolist()``, ``bool(t)``/``float(t)``, ``print(t)``, ``nonzero``,
-  boolean-mask indexing and the like on cpu tensors as syncs ("would wait on a GPU"), so a
-  cpu run of ``budget(syncs=0)`` fails where a GPU run would. Reads made straight from
-  torch's optimizers, DataLoader and compiler, and from gpuflow's transfer layer, are of host
-  data on a GPU machine too and are not counted; nor is ``.numpy()``, a view of host memory;
-- ``DeviceLoader`` batches, whose copies are queued ahead of the batch in use (several batches
-  in one copy when they are small): the loader keeps its own copies out of the ledger and
-  reports each batch's bytes when the consumer takes it, so they count in the step that
-  uses them;
-- device allocator activity from ``torch.cuda.memory_stats``: cudaMalloc and cudaFree calls,
-  allocation retries, reserved bytes, and requests served from the cache.
-
-What it cannot see: copies and waits of threads that do not work for the ledger's thread (a
-DataLoader's pin thread, a user's own worker), copies that C++ code makes without going
-through the dispatcher (inside custom kernels or extensions, CUDA-graph replays, NCCL, and
-``torch.tensor(data, device=...)``, which torch builds with Python dispatch off), and waits
-inside C++. The profiler mode (``gpuflow.accounting.crosscheck``) reads the device's real
-memcpy events and shows any difference.
-
-Each event carries the source location of the first frame outside torch and gpuflow's
-transfer layer, so a stray ``.item()`` in a training step points at its own line. While a
-ledger is open every eagerly dispatched aten operation pays a Python call (about 6 µs on a
-small op; compiled and captured code dispatches few): use it on the steps you measure, not on a
-whole run.
-
+What it counts and how, what it cannot see, and what it costs: docs/architecture/ledger.md.
 Longer than most modules: the dispatch mode, the wait wrappers and the ledgers share one
-thread-local state (which ledgers are open, whether a wait is already being counted), and
-split apart each would reach into the others' private parts.
+thread-local state.
 """
 
 from __future__ import annotations

@@ -8,34 +8,9 @@ reads it; ``start`` joins the process group, with NCCL for device tensors and gl
 ones (one group, both backends), and gives each rank its own device, ``cuda:LOCAL_RANK``.
 Plain ``gpuflow train`` is world size 1 and touches none of this.
 
-What a rank does differently from a single process:
-- it trains on its own contiguous slice of the corpus (``ResidentTokens(rank=...)``);
-- the captured step with MasterAdamW splits the update over the ranks
-  (``train/sharded.py``: a reduce-scatter of the gradients, each rank's part updated, an
-  all-gather of the weights); otherwise ``GradientAverager`` averages the gradients and the
-  loss over ranks after the backward, one all-reduce per dtype over a flat buffer the
-  gradients are gathered into. Either is queued like any device work, so it sits inside the
-  captured step's CUDA graph and costs no host sync (the grad norm, the clip and the update
-  then see the global gradient, the same on every rank);
-- only rank 0 writes: the run folder, metrics, checkpoints, the display;
-- a stop (Ctrl-C, SIGTERM) is agreed on at logging steps, through a host all-reduce, so that
-  every rank stops after the same step.
-
-Leaving the job: NCCL destroys a communicator only once every CUDA graph that captured its
-collectives is gone (it waits for them, however long), so ``stop`` first releases the graphs
-registered with ``holds_collectives``, then destroys the process group; the captured step
-also releases its graph when it closes. A rank that finds another gone (a host collective
-fails: the peer's connection closed) does not wait for anything: ``abort`` releases the
-graphs and aborts NCCL, which ends any collective still waiting for the lost rank, and the
-rank stops with ``RankLost``. A rank that fails for any other reason aborts too, and the
-others then find it gone at their next logging step.
-
-The eager data paths (host-sampled batches, or a resident corpus without the captured step)
-wrap the model in ``DistributedDataParallel`` instead, which all-reduces gradient buckets
-during the backward; ``GradientAverager`` then averages the loss alone.
-
-NCCL's traffic is invisible to the transfer ledger (it is not a copy torch dispatches): an
-averager's ``bytes_per_step`` is computed from the buffers it hands the collectives.
+What a rank does differently from a single process, and how a job ends (a graph that
+captured collectives is released before the process group, a lost rank aborts NCCL):
+docs/architecture/distributed.md.
 """
 
 from __future__ import annotations

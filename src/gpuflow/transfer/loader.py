@@ -8,7 +8,7 @@ device, with the copies queued ahead of the batch in use:
             loss = step(batch)
     print(loader.stats)               # batches, copies, bytes, host time waiting
 
-How a batch crosses is ``gpuflow.transfer.pipeline``'s docstring.
+How a batch crosses, and on which thread: docs/architecture/transfer-pipeline.md.
 
 A batch's tensors are its own, whatever their dtype: fresh device memory no later batch
 reuses, with no device-to-device copy. What is read ahead is copied as it is read, so a

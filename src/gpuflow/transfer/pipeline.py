@@ -1,53 +1,6 @@
 """How ``DeviceLoader`` moves batches: reading ahead, staging, copies, handing out.
 
-How a batch crosses (every step of it on the consumer's thread unless said otherwise):
-1. ``next`` reads the source and plans the batch (``gpuflow.transfer.packing``: one buffer,
-   integers narrowed when their values allow). Batches of one structure, shapes and codecs
-   share one layout, found by a quick walk over their tensors, so a stream of like batches
-   is laid out once.
-2. Large tensors that cross as they are go direct: pinned ones of 64 KiB or more
-   (``packing.DIRECT_MIN_BYTES``) are copied from where they lie, pageable ones of 256 KiB or
-   more (``packing.PIN_MIN_BYTES``) are first pinned by torch's ``pin_memory()``, whose copy
-   runs on torch's intra-op threads (as in ``x.pin_memory().to(...)``); each lands in a
-   device tensor of its own. The rest is written into pinned staging memory from a
-   ``PinnedPool``: small tensors by one ``memmove`` each, on the consumer's thread; a crossing
-   of ``BACKGROUND_BYTES`` or more (narrowed or stacked tensors, say) in jobs shared by a
-   few writer threads. Small batches are coalesced: consecutive ones share one staging
-   buffer and one copy, up to ``COALESCE_BYTES``.
-3. One host->device copy per staging buffer and one per direct tensor, into fresh device
-   memory allocated on the consumer's stream, queued ``depth`` crossings ahead of the batch
-   in use; the host never
-   waits for the device. On cuda each copy is one call into the driver
-   (``gpuflow.device.drivercopy``: 1-3 us of host time where torch's copy takes 12-20);
-   ``GPUFLOW_TORCH_COPIES=1`` copies through torch instead. A copy of
-   ``SIDE_STREAM_BYTES`` or more runs on a side stream, so that it overlaps the consumer's
-   compute: the copy stream first waits, on the device, for the consumer's work queued so
-   far (so the caching allocator's stream-order reuse holds, and the host runs no further
-   ahead of the device than the staging buffers allow), and the consumer's stream waits for
-   the copy before it uses the batch. A smaller copy is queued on the consumer's stream
-   itself, as ``.to(device, non_blocking=True)`` does: it takes microseconds on the device,
-   less than the stream switch and the events that overlapping it would cost on the host.
-   A batch taken on another stream than the one its copy is ordered on waits for the copy.
-4. When the consumer takes the first batch of a crossing, all of its batches are rebuilt on
-   the device at once: a run of batches that share a layout takes one strided view of the
-   staging copy per staged tensor (and one widening kernel per narrowed tensor) for the
-   whole run; direct tensors are handed out as they landed.
-
-The one exception: a ``DataLoader`` with workers (and no pin-memory thread of its own) is
-taken all the way to the device on a thread of its own, through a ``Pipeline`` of that
-thread's (``gpuflow.transfer.device_reader``): taking a batch from its workers (unpickling,
-mapping shared memory, the first touch of that memory) is work that would otherwise add to
-every step, and with the rest of the crossing there too the training thread makes as few
-torch calls per batch as the idiom does. Pinned blocks that ``pin_memory()`` made stay in
-torch's pinned cache for the next batch, as with ``DataLoader(pin_memory=True)``.
-
-Why the consumer's thread does the rest: a thread that packs and issues small batches spends
-more in handing the interpreter lock back and forth than the work costs (on an H100 host,
-300-860 us per 8 KiB batch against 66 us for ``x.pin_memory().to(dev, non_blocking=True)``),
-and torch's copy on a thread of its own starts intra-op threads of its own (eight writers
-oversubscribed the cores at 13-16 GB/s), hence plain ``memmove`` jobs on several
-(docs/decisions/016). For data loading in parallel, make the source a ``DataLoader`` with
-workers.
+The steps a batch takes, which thread runs each, and why: docs/architecture/transfer-pipeline.md.
 """
 
 from __future__ import annotations
@@ -372,7 +325,7 @@ class Pipeline:
 
     def _issue(self, crossing: Crossing, key: Any) -> None:
         """One copy of the staged bytes, and one per direct source tensor, into fresh device
-        memory; see the module docstring for which stream runs it."""
+        memory; docs/architecture/transfer-pipeline.md says which stream runs it."""
         side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies
         stream = self.stream(key)
         in_flight = self.sources_in_flight

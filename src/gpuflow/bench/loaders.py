@@ -108,20 +108,29 @@ def _paths(device: Device) -> dict[str, Callable[[list[torch.Tensor]], Iterable[
     }  # fmt: skip
 
 
-def _consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
-    """Seconds from the first request to the last batch's work done on the device."""
+def _timed(
+    device: Device, loader: Iterable[Any], read: Callable[[Any], torch.Tensor] | None
+) -> float:
+    """Seconds from the first request to the last batch's work done on the device, each
+    batch's ``read`` (a device scalar; None: no work at all) summed into an accumulator; the
+    loader closed after."""
     acc = torch.zeros((), device=device.torch)
     device.synchronize()
     started = time.perf_counter()
     for batch in loader:
-        if compute:
-            acc += batch.sum()  # a little work per batch: one read of it
+        if read is not None:
+            acc += read(batch)
     device.synchronize()
     elapsed = time.perf_counter() - started
     close = getattr(loader, "close", None)
     if close is not None:
         close()
     return elapsed
+
+
+def _consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
+    """``_timed`` with a little work per batch (one read of it), or none."""
+    return _timed(device, loader, (lambda b: b.sum()) if compute else None)
 
 
 def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
@@ -192,21 +201,15 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
 
 
 def _read_all(device: Device, loader: Iterable[Any], dtype: torch.dtype | None) -> float:
-    """Seconds from the first request to the last batch read on the device: each batch's
-    tensors stacked and summed (in ``dtype``, if given), as a model reads all of them."""
-    acc = torch.zeros((), device=device.torch)
-    device.synchronize()
-    started = time.perf_counter()
-    for batch in loader:
+    """``_timed`` with each batch's tensors stacked and summed (in ``dtype``, if given), as a
+    model reads all of them."""
+
+    def read(batch: Any) -> torch.Tensor:
         leaves = _leaves(batch)
         whole = torch.stack(leaves) if len(leaves) > 1 else leaves[0]
-        acc += (whole if dtype is None else whole.to(dtype)).sum()
-    device.synchronize()
-    elapsed = time.perf_counter() - started
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
-    return elapsed
+        return (whole if dtype is None else whole.to(dtype)).sum()
+
+    return _timed(device, loader, read)
 
 
 def _case_idioms(device: Device) -> dict[str, Callable[[list[Any]], Iterable[Any]]]:

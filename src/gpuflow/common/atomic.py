@@ -32,5 +32,20 @@ def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
     fsync_dir(path.parent)
 
 
+def replace_folder(new: Path, final: Path, retired: Path) -> None:
+    """Put the folder ``new`` where ``final`` is, the old ``final`` (if any) moved to
+    ``retired`` first; if the second rename fails, the old one is put back, so ``final`` is
+    never left missing. The caller removes ``retired`` once it is done with it."""
+    if os.path.lexists(final):
+        os.replace(final, retired)
+    try:
+        os.replace(new, final)
+    except OSError:
+        if os.path.lexists(retired) and not os.path.lexists(final):
+            os.replace(retired, final)
+        raise
+    fsync_dir(final.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     write_atomic(path, [text.encode("utf-8")])

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from gpuflow.common.atomic import fsync_dir
+from gpuflow.common.atomic import replace_folder
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 
@@ -25,15 +25,7 @@ META_FORMAT = "gpuflow-tokens-1"
 def swap_into_place(stage: Path, out_dir: Path) -> None:
     """Replace ``out_dir`` with ``stage``; the old folder stays until the new one is there."""
     retired = sibling(out_dir, "old", os.getpid())
-    if out_dir.exists():
-        os.replace(out_dir, retired)
-    try:
-        os.replace(stage, out_dir)
-    except OSError:
-        if os.path.lexists(retired) and not os.path.lexists(out_dir):
-            os.replace(retired, out_dir)  # the old folder back where it was
-        raise
-    fsync_dir(out_dir.parent)
+    replace_folder(stage, out_dir, retired)
     if os.path.lexists(retired):
         _remove_own_files(retired)
 

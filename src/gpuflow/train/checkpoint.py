@@ -41,7 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpuflow.common.atomic import fsync_dir
+from gpuflow.common.atomic import fsync_dir, replace_folder
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.device.accelerator import Device
@@ -392,20 +392,12 @@ def _install(tmp: Path, final: Path) -> None:
     again after a resume, the previous best) is moved aside first and removed after, so a
     crash in between leaves it recoverable (``remove_stale_temporaries``)."""
     retired = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if os.path.lexists(final):
-        if not _written_here(final):  # refused at the start; put there since
-            raise GpuflowError(
-                f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
-                f"was left as it is: move it out of {final.parent} and resume"
-            )
-        os.replace(final, retired)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if os.path.lexists(retired) and not os.path.lexists(final):
-            os.replace(retired, final)  # the previous one back where it was
-        raise
-    fsync_dir(final.parent)
+    if os.path.lexists(final) and not _written_here(final):  # refused at the start; put since
+        raise GpuflowError(
+            f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
+            f"was left as it is: move it out of {final.parent} and resume"
+        )
+    replace_folder(tmp, final, retired)
     shutil.rmtree(retired, ignore_errors=True)
 
 

@@ -29,7 +29,7 @@ import torch
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import Planner, Ragged
 from gpuflow.transfer.pipeline import Epoch, Pipeline
-from gpuflow.transfer.reader import queue_put
+from gpuflow.transfer.reader import queue_put, stop_reading
 from gpuflow.transfer.tally import report_copy
 
 _END = object()
@@ -119,12 +119,7 @@ class DeviceReader:
     def close(self) -> None:
         """Stop reading; batches made ahead are dropped."""
         self.ended = True
-        self._stop.set()
-        while True:  # frees a thread blocked on a full queue at once, and the batches held
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        stop_reading(self._queue, self._stop)
 
     def __del__(self) -> None:
         self._stop.set()

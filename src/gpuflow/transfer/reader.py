@@ -98,6 +98,17 @@ def queue_put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
+def stop_reading(out: queue.Queue, stop: threading.Event) -> None:
+    """Tell a reading thread to stop, and drop what it queued: a thread blocked on the full
+    queue is freed at once, and the batches it held go."""
+    stop.set()
+    while True:
+        try:
+            out.get_nowait()
+        except queue.Empty:
+            break
+
+
 class ThreadedSource:
     """``source``'s batches, read up to ``ahead`` batches ahead on a daemon thread; with
     ``pin_for`` (a device with pinned memory), their large tensors pinned there; with
@@ -166,12 +177,7 @@ class ThreadedSource:
     def close(self) -> None:
         """Stop reading; batches read ahead are dropped."""
         self._done = True
-        self._stop.set()
-        while True:  # frees a reader blocked on a full queue at once, and the batches held
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        stop_reading(self._queue, self._stop)
 
     def __del__(self) -> None:
         self._stop.set()

@@ -13,7 +13,7 @@ from gpuflow.train.capture import CapturedStep
 from gpuflow.train.config import TrainConfig, resolve_config
 from gpuflow.train.datapath import DataPath
 from gpuflow.train.feed import open_batches
-from gpuflow.train.master_adamw import MasterAdamW
+from gpuflow.train.optim.master_adamw import MasterAdamW
 from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.train.step import GraphStep, StepOptions, StepParts, build_step
 from gpuflow.train.trainer import Trainer

@@ -16,7 +16,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
-from gpuflow.train.optim import build_optimizer
+from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.transfer.snapshot import Layout, StateSnapshot
 
 

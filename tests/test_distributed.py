@@ -130,8 +130,8 @@ def _split_gradients(step: int, rank: int) -> list[torch.Tensor]:
 def _split_update(clip: float, shard: tuple[int, int], gradients) -> dict:
     """Three clipped MasterAdamW steps over SPLIT_SHAPES parameters, split as ``shard``;
     ``gradients(step)`` gives each step's gradients (and the loss)."""
-    from gpuflow.train.master_adamw import MasterAdamW
-    from gpuflow.train.optim import decay_groups
+    from gpuflow.train.optim.adamw import decay_groups
+    from gpuflow.train.optim.master_adamw import MasterAdamW
     from gpuflow.train.sharded import ShardedAverager
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def _split_update(clip: float, shard: tuple[int, int], gradients) -> dict:
         loss = loss.clone()
         norms.append(float(update(loss)))
         losses.append(float(loss))
-    opt.gather_shards()
+    opt.gather_state()
     return {
         "weights": [p.detach().clone() for p in module],
         "state": [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq)],

@@ -10,8 +10,8 @@ from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
-from gpuflow.train.master_adamw import MasterAdamW
-from gpuflow.train.optim import build_optimizer, decay_groups
+from gpuflow.train.optim.adamw import build_optimizer, decay_groups
+from gpuflow.train.optim.master_adamw import MasterAdamW
 
 SHAPES = [(40, 24), (24,), (7, 9)]  # 63 elements: a size that is not a multiple of 8
 
@@ -97,7 +97,7 @@ def test_checkpoints_keep_the_masters_and_resume_the_same_run(tmp_path):
 
 
 def test_the_optimizer_is_handed_over_once_and_only_for_a_bf16_step(monkeypatch):
-    from gpuflow.train.master_adamw import with_fp32_masters
+    from gpuflow.train.optim.master_adamw import with_fp32_masters
 
     adamw = _adamw([torch.nn.Parameter(torch.randn(s)) for s in SHAPES])
     cpu = Device("cpu")
@@ -110,7 +110,7 @@ def test_the_optimizer_is_handed_over_once_and_only_for_a_bf16_step(monkeypatch)
 
 
 def test_the_gradient_norm_of_bf16_gradients_is_summed_in_fp32():
-    from gpuflow.train.optim import global_grad_norm
+    from gpuflow.train.optim.adamw import global_grad_norm
 
     g = torch.Generator().manual_seed(2)
     grads = [torch.randn(s, generator=g).bfloat16() for s in [(300, 64), (64,), (5000,)]]
@@ -121,7 +121,7 @@ def test_the_gradient_norm_of_bf16_gradients_is_summed_in_fp32():
 
 
 def test_the_hand_over_reads_every_step_counter_in_one_read(monkeypatch):
-    import gpuflow.train.master_adamw as module
+    import gpuflow.train.optim.master_adamw as module
 
     reads = []
     real_read = module.read_now

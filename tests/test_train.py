@@ -18,7 +18,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.optim import build_optimizer
+from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.trainer import Trainer
 

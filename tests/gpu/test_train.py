@@ -58,7 +58,7 @@ def test_training_on_the_accelerator_learns_and_resumes_on_the_cpu(accel, prepar
 
 
 def test_fused_adamw_and_bf16_autocast_are_used(accel, prepared, workdir):
-    from gpuflow.train.master_adamw import MasterAdamW
+    from gpuflow.train.optim.master_adamw import MasterAdamW
 
     if accel.type != "cuda":
         pytest.skip("fused AdamW is the CUDA path")
@@ -122,7 +122,7 @@ def test_captured_and_eager_steps_give_the_same_losses(accel, prepared, workdir)
     assert len(eager) == len(captured) == 20
     assert captured == pytest.approx(eager, rel=2e-2)  # bf16 autocast: same kernels, same data
     if accel.type == "cuda":  # the captured step took bf16 weights over fp32 masters
-        from gpuflow.train.master_adamw import MasterAdamW
+        from gpuflow.train.optim.master_adamw import MasterAdamW
 
         assert isinstance(runs["resident-graph"].optimizer, MasterAdamW)
         assert all(p.dtype == torch.bfloat16 for p in runs["resident-graph"].model.parameters())
@@ -244,7 +244,7 @@ def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared,
 
 
 def test_clipping_inside_fused_adamw_matches_clip_grad_norm(accel, prepared, workdir):
-    from gpuflow.train.optim import build_optimizer
+    from gpuflow.train.optim.adamw import build_optimizer
     from gpuflow.train.step import Update
 
     # The eager resident path: fp32 weights under torch's fused AdamW (the captured path's
@@ -295,8 +295,8 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm(accel, prepared, wor
 
 
 def test_the_master_adamw_kernel_matches_its_reference(accel, monkeypatch):
-    from gpuflow.train.master_adamw import MasterAdamW
-    from gpuflow.train.optim import decay_groups
+    from gpuflow.train.optim.adamw import decay_groups
+    from gpuflow.train.optim.master_adamw import MasterAdamW
 
     if not MasterAdamW.runs_on(accel.torch):
         pytest.skip("the one-kernel update runs on CUDA with triton")
@@ -329,8 +329,8 @@ def test_the_master_adamw_kernel_matches_its_reference(accel, monkeypatch):
 def test_the_master_adamw_kernel_split_in_three_updates_what_it_updates_whole(accel):
     """Parts cut across tensors and across 4096-element blocks: each part's kernel updates
     exactly its elements, as the whole kernel does."""
-    from gpuflow.train.master_adamw import MasterAdamW
-    from gpuflow.train.optim import decay_groups
+    from gpuflow.train.optim.adamw import decay_groups
+    from gpuflow.train.optim.master_adamw import MasterAdamW
 
     if not MasterAdamW.runs_on(accel.torch):
         pytest.skip("the one-kernel update runs on CUDA with triton")

@@ -30,7 +30,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.train.optim import global_grad_norm
+from gpuflow.train.optim.adamw import global_grad_norm
 
 # How long a collective may wait for the other ranks before the process group gives up with
 # an error naming it (a rank that died, or one that stopped calling collectives).

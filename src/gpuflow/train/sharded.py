@@ -13,7 +13,7 @@ and the clip's norm is a sum over the parts (one two-number all-reduce, which ca
 loss too). All of it is device work, so it is captured with the step.
 
 Each rank keeps full-size masters and moments, current on its own part only:
-``MasterAdamW.gather_shards`` brings them together before a checkpoint."""
+``MasterAdamW.gather_state`` brings them together before a checkpoint."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from gpuflow.train.master_adamw import MasterAdamW
+from gpuflow.train.optim.master_adamw import MasterAdamW
 
 
 class ShardedAverager:

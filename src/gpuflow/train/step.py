@@ -30,8 +30,9 @@ from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.datapath import DataPath
 from gpuflow.train.distributed import Averager, holds_collectives
-from gpuflow.train.master_adamw import with_fp32_masters
-from gpuflow.train.optim import global_grad_norm
+from gpuflow.train.optim import StepOptimizer
+from gpuflow.train.optim.adamw import CapturableAdamW, global_grad_norm
+from gpuflow.train.optim.master_adamw import with_fp32_masters
 from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.scalars import AsyncScalars
@@ -79,9 +80,9 @@ class StepOptions:
 
 
 def optimizer_for(
-    path: DataPath, adamw: torch.optim.Optimizer, device: Device, options: StepOptions,
+    path: DataPath, adamw: CapturableAdamW, device: Device, options: StepOptions,
     shard: tuple[int, int] = (0, 1),
-) -> torch.optim.Optimizer:  # fmt: skip
+) -> StepOptimizer:  # fmt: skip
     """The optimizer ``path``'s step runs: the captured step hands ``adamw`` (restored from
     a checkpoint, if any) to a MasterAdamW where its kernel runs, updating part ``rank`` of
     ``shard=(rank, world_size)``; the others keep it."""
@@ -108,7 +109,7 @@ class Update:
     returns the grad norm (on the device)."""
 
     def __init__(
-        self, model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float, fused_clip: bool,
+        self, model: GPT, optimizer: StepOptimizer, grad_clip: float, fused_clip: bool,
         averager: Averager | None = None,
     ) -> None:  # fmt: skip
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
@@ -151,7 +152,7 @@ class StepParts:
 
     model: GPT
     forward: torch.nn.Module  # the model, or its compiled forward
-    optimizer: torch.optim.Optimizer  # ``optimizer_for`` the path
+    optimizer: StepOptimizer  # ``optimizer_for`` the path
     config: TrainConfig
     device: Device
     options: StepOptions
@@ -222,9 +223,7 @@ class GraphStep(TrainStep):
         self.warmup = WARMUP_STEPS + 1
         # The optimizer reads the learning rate from a device tensor the step itself writes.
         self.lr = torch.zeros((), device=self.device.torch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
-            group["capturable"] = True  # fused AdamW keeps its step counts on the device
+        self.optimizer.use_device_lr(self.lr)
         draw = self.batches.draw
         schedule = lambda step: lr_tensor(step, self.config)  # noqa: E731
         if self.forward is not self.model:
@@ -234,8 +233,9 @@ class GraphStep(TrainStep):
                 draw = torch.compile(draw, options=dict(parts.options.compile_options))
             schedule = torch.compile(schedule, options=dict(parts.options.compile_options))
         self._draw, self._schedule = draw, schedule
-        rebind = getattr(self.optimizer, "bind_captured_gradients", lambda: None)
-        self.captured = CapturedStep(self._body, after_capture=rebind, graphs=parts.options.graphs)
+        self.captured = CapturedStep(
+            self._body, after_capture=self.optimizer.after_capture, graphs=parts.options.graphs
+        )
         if parts.averager is not None:  # the graph will hold the job's collectives
             holds_collectives(self.captured)
 

@@ -44,8 +44,8 @@ from gpuflow.train.distributed import (
 )
 from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
-from gpuflow.train.master_adamw import MasterAdamW
-from gpuflow.train.optim import build_optimizer
+from gpuflow.train.optim.adamw import build_optimizer
+from gpuflow.train.optim.master_adamw import MasterAdamW
 from gpuflow.train.runfolder import TOKENIZER_FILE, RunFolder, truncate_metrics
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import (
@@ -296,8 +296,7 @@ class Trainer:
     def gather_state(self) -> None:
         """Make this rank's optimizer state whole where the update is split over the ranks
         (before a checkpoint). Collective: every rank calls it at the same step."""
-        if isinstance(self.optimizer, MasterAdamW):
-            self.optimizer.gather_shards()
+        self.optimizer.gather_state()
 
     def evaluate(self) -> float:
         """Mean validation loss over the resident validation set (one blocking read); kept as

@@ -10,7 +10,7 @@ takes the step from 2.07 ms to 1.93 ms on an H100 (``docs/decisions/012``).
 
 The kernel finds the gradients through a device table of their addresses. A captured step's
 gradients live at the addresses its capture gave them, so the table is filled once, after the
-capture (``bind_captured_gradients``); eager steps refresh it when the addresses change.
+capture (``after_capture``); eager steps refresh it when the addresses change.
 
 Checkpoints stay as plain AdamW writes them: the fp32 masters are saved as the model's
 weights (``full_precision_state``), the moments under AdamW's names, so a run resumes on any
@@ -117,7 +117,7 @@ class MasterAdamW(torch.optim.Optimizer):
     and ``step`` updates part ``rank`` alone (``shard_range``), reading only that part of
     each gradient; the caller averages that part over the ranks first and gathers every
     rank's updated weights after (``train/sharded.py``). The moments and masters outside the
-    part go stale until ``gather_shards``."""
+    part go stale until ``gather_state``."""
 
     def __init__(self, adamw: torch.optim.Optimizer, shard: tuple[int, int] = (0, 1)) -> None:
         rank, world_size = shard
@@ -217,8 +217,12 @@ class MasterAdamW(torch.optim.Optimizer):
         flat = torch.zeros_like(self.weights)  # (N,) bf16; the padding stays 0
         return flat, [self._view(flat, i) for i in range(len(self._params))]
 
+    def use_device_lr(self, lr: torch.Tensor) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr  # the kernel reads it from the device (its counters live there)
+
     @torch.no_grad()
-    def gather_shards(self) -> None:
+    def gather_state(self) -> None:
         """Every rank's part of the masters and moments onto every rank, so that any rank
         holds the whole state (before a checkpoint). Collective: all ranks call it."""
         if self.world_size == 1:
@@ -277,7 +281,7 @@ class MasterAdamW(torch.optim.Optimizer):
             ALIGNED=aligned,
         )
 
-    def bind_captured_gradients(self) -> None:
+    def after_capture(self) -> None:
         """After a capture: point the table at the gradients' addresses in the graph."""
         if self._captured is not None:
             self._grad_addrs.write(self._captured)

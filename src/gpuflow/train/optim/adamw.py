@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpuflow.device.accelerator import Device
@@ -17,12 +19,29 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
     ]
 
 
-def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, device: Device
-) -> torch.optim.AdamW:
+class CapturableAdamW(torch.optim.AdamW):
+    """torch's AdamW keeping the step's optimizer contract (``gpuflow.train.optim``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_scale: torch.Tensor | None = None  # read by the fused kernel, when fused
+
+    def use_device_lr(self, lr: torch.Tensor) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+            group["capturable"] = True  # the fused kernel keeps its step counts on the device
+
+    def after_capture(self) -> None:
+        """Nothing moves: the fused kernel finds the gradients by their tensors."""
+
+    def gather_state(self) -> None:
+        """The whole state is on every rank already."""
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: Device) -> CapturableAdamW:
     """AdamW over ``decay_groups``, fused into one kernel per step on CUDA."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
+    return CapturableAdamW(
         decay_groups(params, config.weight_decay),
         lr=config.lr,
         betas=(config.beta1, config.beta2),

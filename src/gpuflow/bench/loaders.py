@@ -50,8 +50,9 @@ class LoaderBenchConfig:
     rounds: int = 3
     image_batch_sizes: tuple[int, ...] = (256, 2048)  # 3x64x64 uint8: 3.1 MB and 25 MB
     image_side: int = 64
-    # 60-step runs moved by +-20% from round to round (worker start-up, the host's drift):
-    # longer runs and more rounds, so that the median compares the feeds, not the noise
+    # Short runs moved a lot from round to round (worker start-up, the host's drift;
+    # docs/decisions/019): longer runs and more rounds, so that the median compares the
+    # feeds, not the noise
     image_steps: int = 240
     image_rounds: int = 5
     image_workers: int = 6

@@ -194,7 +194,7 @@ class TransferBench:
             return one_copy(stacked)  # (count, n): a view of the copy; each row a view of it
 
         def bulk_unbound() -> Any:
-            # count tensor objects (views): torch makes each in about 1 us of host time
+            # count tensor objects (views), each made by torch in host time of its own
             return bulk().unbind(0)
 
         for check in (packed(), bulk(), bulk_unbound()):

@@ -53,10 +53,10 @@ class ModelConfig:
 FLEX_MAX_LEN = 128
 FLEX_MAX_HEAD_DIM = 64
 # FlexAttention's kernel blocks for contexts that are whole 128-position blocks of its mask.
-# Inductor's H100 defaults (forward 128 x 128, backward 64/128/128/64) give T 128 one forward
-# program per batch row and head, 192 of them for 132 SMs; blocks of 64 (forward) and 32/64
-# (backward) fill the GPU: seed-d384 +1.4%. Shorter contexts keep inductor's blocks: at T 32
-# these gave NaN losses once the step was captured.
+# Inductor's defaults (forward 128 x 128, backward 64/128/128/64) give T 128 one forward
+# program per batch row and head, a wave and a half over an H100's SMs at seed-d384's batch;
+# blocks of 64 (forward) and 32/64 (backward) fill the GPU (docs/decisions/028). Shorter
+# contexts keep inductor's blocks: at T 32 these gave NaN losses once the step was captured.
 FLEX_BLOCK = 128
 FLEX_KERNEL_OPTIONS: dict[str, int | bool] = {
     "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
@@ -101,9 +101,9 @@ class CausalSelfAttention(nn.Module):
         )
         if use_flex and torch.compiler.is_compiling():
             # Compiled with the model into one Triton flash kernel per direction (measured in
-            # bf16 only, so taken only there, which also keeps it to GPUs with bf16): at T 128
-            # seed-d384's step is 2.4% faster than with cuDNN's attention and its helpers;
-            # at T 1024 cuDNN's is faster (gpt2-124m 509k tokens/s against 495k).
+            # bf16 only, so taken only there, which also keeps it to GPUs with bf16): faster
+            # than cuDNN's attention and its helpers at T 128, slower at T 1024
+            # (docs/decisions/011).
             y = flex_attention(
                 q,
                 k,

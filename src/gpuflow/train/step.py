@@ -55,10 +55,9 @@ def _known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # At seed-d384's size the step is made of small kernels: inductor launches independent ones
-# (the weights' bf16 casts, say) as one, +2.7% tokens/s, and tuning each part of such a
-# combined kernel to blocks of its own (the LayerNorm backwards and their weight gradients'
-# column sums, say) +2.7% more (docs/decisions/028, where tuning inductor's kernels is left
-# out: +1% for 95 s more of compiling).
+# (the weights' bf16 casts, say) as one, and tunes each part of such a combined kernel to
+# blocks of its own (the LayerNorm backwards and their weight gradients' column sums, say);
+# each paid (docs/decisions/028, which also says why inductor's own tuning is left out).
 COMPILE_OPTIONS = MappingProxyType(
     _known_to_inductor({"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
 )

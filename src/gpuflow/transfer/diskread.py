@@ -37,9 +37,9 @@ IO_PATHS = ("auto", "kvikio", "pinned")
 # cuFile moves whole 4 KiB pages without a bounce: requests past the first start on one.
 FILE_ALIGN = 4096
 # Reading page-cached bytes is a copy made by the kernel on the reading thread, so one
-# thread reads at one core's memcpy speed: on an H100 host kvikio read a warm 2 GiB corpus
-# at 5.4 GB/s on 1 thread and 28.7 GB/s on 8 (docs/decisions/016). Both readers use this many
-# unless told otherwise (KVIKIO_NTHREADS for kvikio).
+# thread reads at one core's memcpy speed and eight read several times faster
+# (docs/decisions/016). Both readers use this many unless told otherwise (KVIKIO_NTHREADS
+# for kvikio).
 READ_THREADS = min(8, os.cpu_count() or 1)
 _READ_PART = 8 << 20  # bytes one thread reads at a time
 

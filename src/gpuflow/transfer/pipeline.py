@@ -121,7 +121,8 @@ class Pipeline:
         # (done event, source tensors) of driver copies from the caller's pinned memory
         self.sources_in_flight: deque[tuple[Any, list[torch.Tensor]]] = deque()
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
-        self.streams: dict[Any, Any] = {}  # stream objects by key: building one costs 5-8 us
+        # stream objects by key: building one per batch would cost host time each batch
+        self.streams: dict[Any, Any] = {}
         self.epochs: list[Epoch] = []  # those under way: each iter() starts one
         self.counts = {"batches": 0, "copies": 0, "bytes_moved": 0, "logical_bytes": 0}
         self.times = {"source_s": 0.0, "stall_s": 0.0}
@@ -329,7 +330,7 @@ class Pipeline:
         side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies
         stream = self.stream(key)
         in_flight = self.sources_in_flight
-        # Let go of sources whose copies have run (an event query each, under 1 us): held
+        # Let go of sources whose copies have run (an event query each, cheap): held
         # until a few waited, pinned blocks of 16 MiB came back to torch's cache later and
         # the loader ran at 28 GB/s against 36 (docs/decisions/018).
         while in_flight and in_flight[0][0].query():

@@ -47,7 +47,6 @@ class DeviceReader:
     ) -> None:  # fmt: skip
         self.device = device
         self.ended = False
-        self.held = None  # no device timings on this path
         self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=max(1, ahead))
         self._stop = threading.Event()
         # One crossing read ahead of the one being copied, so small batches can share one
@@ -56,7 +55,6 @@ class DeviceReader:
             device, 1, planner, None, timing=False, coalesce=coalesce, side_copies=False
         )
         self.counts = pipeline.counts
-        self._streams: dict[Any, Any] = {}
         self._thread = threading.Thread(
             target=self._run, args=(Epoch(source, owned), pipeline, self._queue, self._stop),
             daemon=True, name="gpuflow-read",
@@ -94,9 +92,9 @@ class DeviceReader:
         finally:
             pipeline.release()  # the source closed, staging memory given back
 
-    def take(self, key: Any) -> Any:
-        """The next batch, ordered after its copy on the consumer's stream ``key`` (the
-        current one); StopIteration at the end."""
+    def take(self, stream: Any) -> Any:
+        """The next batch, ordered after its copy on ``stream``, the consumer's current one;
+        StopIteration at the end."""
         if self.ended:
             raise StopIteration
         ok, item = self._queue.get()
@@ -106,9 +104,6 @@ class DeviceReader:
                 raise StopIteration
             raise item
         batch, ready, wire = item
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = self.device.current_stream()
         if self.device.has_streams:
             stream.wait_event(ready)
             for tensor in _device_tensors(batch):

@@ -235,7 +235,7 @@ class DeviceLoader:
         """The next batch a ``DeviceReader`` made; the wait for it counts as reading."""
         started = time.perf_counter()
         try:
-            return reader.take(self.device.current_stream_key())
+            return reader.take(self._pipeline.stream(self.device.current_stream_key()))
         except BaseException:
             reader.close()
             raise

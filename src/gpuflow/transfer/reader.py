@@ -8,7 +8,9 @@ of 3 MB batches at 0.7-0.8x of ``DataLoader(pin_memory=True)``, docs/decisions/0
 thread of its own it runs while the training thread is inside torch's operators, which let
 go of the interpreter lock. A source that is cheap to read (a list, a generator over memory)
 gains nothing from it and would pay a thread hand-off per batch, so ``DeviceLoader`` reads
-only ``DataLoader``s with workers (and without a pin-memory thread of their own) this way.
+only ``DataLoader``s with workers (and without a pin-memory thread of their own) on a thread:
+through ``gpuflow.transfer.device_reader``, which also stages and copies there, or with
+``timing=True`` through ``ThreadedSource`` here, the rest staying on the training thread.
 
 Tensors of ``PIN_MIN_BYTES`` or more are pinned on the thread too (``pin_memory()``), as the
 loader would pin them on the consumer's: memory fresh from a worker faults on first read,

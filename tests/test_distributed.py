@@ -127,9 +127,8 @@ def _split_gradients(step: int, rank: int) -> list[torch.Tensor]:
     return [(torch.randint(-8, 8, s, generator=g) / 64).bfloat16() for s in SPLIT_SHAPES]
 
 
-def _split_update(clip: float, shard: tuple[int, int], gradients, pieces: int = 1) -> dict:
-    """Three clipped MasterAdamW steps over SPLIT_SHAPES parameters, split as ``shard`` in
-    ``pieces``;
+def _split_update(clip: float, shard: tuple[int, int], gradients) -> dict:
+    """Three clipped MasterAdamW steps over SPLIT_SHAPES parameters, split as ``shard``;
     ``gradients(step)`` gives each step's gradients (and the loss)."""
     from gpuflow.train.optim.adamw import decay_groups
     from gpuflow.train.optim.master_adamw import MasterAdamW
@@ -138,7 +137,7 @@ def _split_update(clip: float, shard: tuple[int, int], gradients, pieces: int = 
     torch.manual_seed(0)
     module = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s)) for s in SPLIT_SHAPES)
     adamw = torch.optim.AdamW(decay_groups(list(module), 0.1), lr=1e-2)
-    opt = MasterAdamW(adamw, shard, pieces)
+    opt = MasterAdamW(adamw, shard)
     averager = ShardedAverager(opt) if shard[1] > 1 else None
     update = Update(module, opt, clip, fused_clip=True, averager=averager)
     losses, norms = [], []
@@ -166,11 +165,7 @@ def _rank_split_update(rank: int, store: str, out: str) -> None:
         def gradients(step):
             return _split_gradients(step, rank), torch.tensor(float(rank + 1))
 
-        results = {
-            (clip, pieces): _split_update(clip, (rank, 2), gradients, pieces)
-            for clip in (0.0, 0.05)
-            for pieces in (1, 3)
-        }
+        results = {clip: _split_update(clip, (rank, 2), gradients) for clip in (0.0, 0.05)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -183,9 +178,9 @@ def test_an_update_split_over_two_ranks_is_the_whole_update_on_each(tmp_path):
         pairs = zip(_split_gradients(step, 0), _split_gradients(step, 1), strict=True)
         return [(a.float() + b.float()).div(2).bfloat16() for a, b in pairs], torch.tensor(1.5)
 
-    for clip, pieces in [(0.0, 1), (0.05, 1), (0.0, 3), (0.05, 3)]:
+    for clip in (0.0, 0.05):
         whole = _split_update(clip, (0, 1), mean_gradients)
-        for result in (r[clip, pieces] for r in ranks):
+        for result in (r[clip] for r in ranks):
             assert result["losses"] == [1.5] * 3  # the mean of the ranks' losses
             if clip:  # the norm is summed over the parts: the same up to rounding
                 assert result["norms"] == pytest.approx(whole["norms"], rel=1e-5)
@@ -202,9 +197,7 @@ def test_an_update_split_over_two_ranks_is_the_whole_update_on_each(tmp_path):
                 torch.testing.assert_close(ours[:n], theirs, rtol=rtol, atol=atol)
     numel = sum(torch.Size(s).numel() for s in SPLIT_SHAPES)
     # the padded gradients out, half of the padded bf16 weights, the norm and the loss
-    for pieces in (1, 3):  # padded: each tensor to 8 elements, the whole to 8 per part
-        sent = ranks[0][0.0, pieces]["bytes_per_step"]
-        assert 3 * numel <= sent <= 3 * (numel + 8 * len(SPLIT_SHAPES) + 8 * 2 * pieces) + 8
+    assert 3 * numel <= ranks[0][0.0]["bytes_per_step"] <= 3 * (numel + 8 * 16) + 8
 
 
 class _Graph:

@@ -10,11 +10,9 @@ reduce-scatter followed by an all-gather; here the two halves go around the upda
 
 The bytes on the link are those of the all-reduce, but each rank updates 1/N of the weights,
 and the clip's norm is a sum over the parts (one two-number all-reduce, which carries the
-loss too). The weights are cut into pieces and each piece into one part per rank, so that a
-piece's gather can start as soon as its update is queued and run beside the next piece's
-update (``docs/decisions/035``). All of it is device work, so it is captured with the step.
+loss too). All of it is device work, so it is captured with the step.
 
-Each rank keeps full-size masters and moments, current on its own parts only:
+Each rank keeps full-size masters and moments, current on its own part only:
 ``MasterAdamW.gather_state`` brings them together before a checkpoint."""
 
 from __future__ import annotations
@@ -37,23 +35,11 @@ class ShardedAverager:
         self.world_size = optimizer.world_size
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer()
-        weights, pieces = optimizer.weights, optimizer.pieces
-        piece = self._flat.numel() // pieces
-        # Per piece: (the piece, this rank's part of it), of the gradients and of the weights
-        self._gradient_pieces = [
-            (self._flat[k * piece : (k + 1) * piece], self._flat[lo:hi])
-            for k, (lo, hi) in enumerate(optimizer.shard_ranges)
-        ]
-        self._weight_pieces = [
-            (weights[k * piece : (k + 1) * piece], weights[lo:hi])
-            for k, (lo, hi) in enumerate(optimizer.shard_ranges)
-        ]
-        # (pieces, N / pieces / world_size): every piece's part of this rank's, as one view
-        self._parts = self._flat.view(pieces, self.world_size, -1)[:, optimizer.rank]
+        lo, hi = optimizer.shard_range
+        self._part = self._flat[lo:hi]  # (N / world_size,) this rank's averaged gradients
+        self._weights_part = optimizer.weights[lo:hi]
         self._norm = torch.zeros((), device=self._flat.device)
-        self._gathers: list[dist.Work] = []
-        optimizer.after_piece = self._gather_piece
-        part_bytes = self._parts.numel() * self._parts.element_size()
+        part_bytes = self._part.numel() * self._part.element_size()
         # What this rank hands the collectives per step: the gradients to the reduce-scatter,
         # its part of the weights to the all-gather, the norm and the loss.
         self.bytes_per_step = self._flat.numel() * self._flat.element_size() + part_bytes + 8
@@ -72,35 +58,25 @@ class ShardedAverager:
         for p, view in zip(opt_params, self._views, strict=True):
             p.grad = view  # the gradient autograd made is freed
         # fp32 accumulation: a bf16 sum of squares keeps three digits
-        sum_sq = torch.linalg.vector_norm(self._parts, dtype=torch.float32).square()
+        sum_sq = torch.linalg.vector_norm(self._part, dtype=torch.float32).square()
         stats = torch.stack([sum_sq, loss.float() if loss is not None else sum_sq.new_zeros(())])
         dist.all_reduce(stats)  # (2,) sums over ranks: squared norm, loss
         self._norm.copy_(stats[0].sqrt())
         if loss is not None:
             loss.copy_(stats[1] / self.world_size)
-        return [part for _, part in self._gradient_pieces]
+        return [self._part]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The norm of the whole averaged gradient, as reduced with it."""
         return self._norm
 
-    def _gather_piece(self, k: int) -> None:
-        """Piece ``k``'s update is queued: gather every rank's part of its weights, on
-        NCCL's stream, while this one goes on to the next piece."""
-        piece, part = self._weight_pieces[k]
-        self._gathers.append(dist.all_gather_into_tensor(piece, part, async_op=True))
-
     def after_step(self) -> None:
-        """The weights' gathers joined: the next forward reads every rank's update."""
-        for work in self._gathers:
-            work.wait()  # the current stream waits for NCCL's; the host does not
-        self._gathers.clear()
+        """Every rank's updated part of the bf16 weights onto every rank."""
+        dist.all_gather_into_tensor(self.optimizer.weights, self._weights_part)
 
     def _average_part(self) -> None:
-        for piece, part in self._gradient_pieces:
-            if part.is_cuda:  # NCCL divides as it reduces
-                dist.reduce_scatter_tensor(part, piece, op=dist.ReduceOp.AVG)
-            else:  # gloo sums
-                dist.reduce_scatter_tensor(part, piece)
-        if not self._parts.is_cuda:
-            self._parts.mul_(1.0 / self.world_size)
+        if self._part.is_cuda:  # NCCL divides as it reduces
+            dist.reduce_scatter_tensor(self._part, self._flat, op=dist.ReduceOp.AVG)
+        else:  # gloo sums
+            dist.reduce_scatter_tensor(self._part, self._flat)
+            self._part.mul_(1.0 / self.world_size)

@@ -20,7 +20,6 @@ device and with either optimizer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,8 +36,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 BLOCK = 4096  # elements per program
-# A split update's pieces: each piece's all-gather runs beside the next piece's update.
-SHARD_PIECES = 4
 ALIGN = 8  # each tensor's place in the flat buffers: a multiple of 8 elements (16 bf16 bytes)
 
 if triton is not None:
@@ -116,23 +113,16 @@ class MasterAdamW(torch.optim.Optimizer):
     parameters are bf16 and this optimizer holds their fp32 values. Like fused AdamW it
     divides the gradients by ``grad_scale`` (the clip's factor) as it reads them.
 
-    ``shard=(rank, world_size)``: the flat buffers are cut into ``pieces`` equal pieces,
-    each cut into ``world_size`` equal parts, and ``step`` updates part ``rank`` of every
-    piece alone (``shard_ranges``), reading only those parts of each gradient; the caller
-    averages them over the ranks first and gathers every rank's updated weights after
-    (``train/sharded.py``). The update runs piece by piece, calling ``after_piece(k)`` once
-    piece ``k``'s update is queued, so that piece's gather can run beside the next one's
-    update. The moments and masters outside the rank's parts go stale until
-    ``gather_state``."""
+    ``shard=(rank, world_size)``: the flat buffers are padded to ``world_size`` equal parts
+    and ``step`` updates part ``rank`` alone (``shard_range``), reading only that part of
+    each gradient; the caller averages that part over the ranks first and gathers every
+    rank's updated weights after (``train/sharded.py``). The moments and masters outside the
+    part go stale until ``gather_state``."""
 
-    def __init__(
-        self, adamw: torch.optim.Optimizer, shard: tuple[int, int] = (0, 1), pieces: int = 1
-    ) -> None:
+    def __init__(self, adamw: torch.optim.Optimizer, shard: tuple[int, int] = (0, 1)) -> None:
         rank, world_size = shard
         if not 0 <= rank < world_size:
             raise ValueError(f"shard {shard}: want 0 <= rank < world_size")
-        if pieces < 1:
-            raise ValueError(f"pieces={pieces}: want 1 or more")
         groups = [dict(g) for g in adamw.param_groups]
         for group in groups:
             group["fused"] = True
@@ -143,14 +133,10 @@ class MasterAdamW(torch.optim.Optimizer):
         for n in numels:
             offsets.append(end)
             end += round_up(n, ALIGN)
-        end = round_up(end, ALIGN * world_size * pieces)  # equal parts, each 16-byte aligned
-        piece = end // pieces
-        part = piece // world_size
-        self.shard_ranges = [
-            (k * piece + rank * part, k * piece + (rank + 1) * part) for k in range(pieces)
-        ]
-        self.rank, self.world_size, self.pieces = rank, world_size, pieces
-        self.after_piece: Callable[[int], None] | None = None
+        end = round_up(end, ALIGN * world_size)  # equal parts, each 16-byte aligned
+        part = end // world_size
+        self.shard_range = (rank * part, (rank + 1) * part)
+        self.world_size = world_size
         device = self._params[0].device
         self.master = torch.zeros(end, device=device)  # (N,) fp32
         self.exp_avg = torch.zeros_like(self.master)
@@ -177,31 +163,19 @@ class MasterAdamW(torch.optim.Optimizer):
         self._one = torch.ones((), device=device)
         self._lr = torch.zeros((), device=device)
 
-        # Per piece, each tensor's part of this rank's range, in its own element numbers:
-        # [first, end), empty where they do not meet.
+        # Each tensor's part of the shard, in its own element numbers: [first, end).
+        lo, hi = self.shard_range
         self._ranges = [
-            [(max(0, lo - o), min(n, hi - o)) for o, n in zip(offsets, numels, strict=True)]
-            for lo, hi in self.shard_ranges
+            (max(0, lo - o), min(n, hi - o)) for o, n in zip(offsets, numels, strict=True)
         ]
         blocks = [
-            [
-                (t, s, min(s + BLOCK, last))
-                for t, (first, last) in enumerate(ranges)
-                for s in range(first, last, BLOCK)
-            ]
-            for ranges in self._ranges
+            (t, s, min(s + BLOCK, last))
+            for t, (first, last) in enumerate(self._ranges)
+            for s in range(first, last, BLOCK)
         ]
-        everything = [b for piece_blocks in blocks for b in piece_blocks]
-        block_tensor = upload_values([t for t, _, _ in everything], torch.int32, device)
-        block_start = upload_values([s for _, s, _ in everything], torch.int64, device)
-        block_end = upload_values([e for _, _, e in everything], torch.int64, device)
-        # Each piece's rows of the block tables.
-        self._piece_blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        first = 0
-        for piece_blocks in blocks:
-            rows = slice(first, first + len(piece_blocks))
-            self._piece_blocks.append((block_tensor[rows], block_start[rows], block_end[rows]))
-            first += len(piece_blocks)
+        self._block_tensor = upload_values([t for t, _, _ in blocks], torch.int32, device)
+        self._block_start = upload_values([s for _, s, _ in blocks], torch.int64, device)
+        self._block_end = upload_values([e for _, _, e in blocks], torch.int64, device)
         self._offset = upload_values(offsets, torch.int64, device)
         decay = [float(g["weight_decay"]) for g in self.param_groups for _ in g["params"]]
         self._decay = upload_values(decay, torch.float32, device)
@@ -209,7 +183,6 @@ class MasterAdamW(torch.optim.Optimizer):
         self._grad_addrs = DeviceTable(len(numels), device)
         self._captured: list[int] | None = None
         self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
-        self._aligned = False  # and the gradients 16-byte aligned: set as the table is
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -254,10 +227,9 @@ class MasterAdamW(torch.optim.Optimizer):
         holds the whole state (before a checkpoint). Collective: all ranks call it."""
         if self.world_size == 1:
             return
-        piece = self.master.numel() // self.pieces
+        lo, hi = self.shard_range
         for flat in (self.master, self.exp_avg, self.exp_avg_sq):
-            for k, (lo, hi) in enumerate(self.shard_ranges):
-                dist.all_gather_into_tensor(flat[k * piece : (k + 1) * piece], flat[lo:hi])
+            dist.all_gather_into_tensor(flat, flat[lo:hi])
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -269,38 +241,26 @@ class MasterAdamW(torch.optim.Optimizer):
             lr = self._lr.fill_(lr)
         scale = self.grad_scale if self.grad_scale is not None else self._one
         self.step_count.add_(1)
-        kernel = self.runs_on(self.master.device)
-        if kernel:
-            self._point_at(grads)
-        for piece in range(self.pieces):
-            if kernel:
-                self._launch(piece, grads, lr, scale)
-            else:
-                self._reference_step(piece, grads, lr, scale)
-            if self.after_piece is not None:
-                self.after_piece(piece)
+        if self.runs_on(self.master.device):
+            self._launch(grads, lr, scale)
+        else:
+            self._reference_step(grads, lr, scale)
 
-    def _point_at(self, grads: list[torch.Tensor]) -> None:
-        """The kernel's table of gradient addresses, for these gradients."""
+    def _launch(self, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor) -> None:
         addrs = [g.data_ptr() for g in grads]
         if torch.cuda.is_current_stream_capturing():
             self._captured = addrs  # a copy from the host cannot be captured: done after
         else:
             self._grad_addrs.write(addrs)
-        self._aligned = self._sizes_aligned and all(a % 16 == 0 for a in addrs)
-
-    def _launch(
-        self, piece: int, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor
-    ) -> None:
-        block_tensor, block_start, block_end = self._piece_blocks[piece]
-        if not len(block_tensor):  # a part of padding only
+        if not len(self._block_tensor):  # a shard of padding only
             return
         beta1, beta2 = self.defaults["betas"]
-        _master_adamw_kernel[(len(block_tensor),)](
+        aligned = self._sizes_aligned and all(a % 16 == 0 for a in addrs)
+        _master_adamw_kernel[(len(self._block_tensor),)](
             self._grad_addrs.tensor,
-            block_tensor,
-            block_start,
-            block_end,
+            self._block_tensor,
+            self._block_start,
+            self._block_end,
             self._offset,
             self._decay,
             self.master,
@@ -318,7 +278,7 @@ class MasterAdamW(torch.optim.Optimizer):
             math.log(beta2),
             self.defaults["eps"],
             BLOCK=BLOCK,
-            ALIGNED=self._aligned,
+            ALIGNED=aligned,
         )
 
     def after_capture(self) -> None:
@@ -328,15 +288,15 @@ class MasterAdamW(torch.optim.Optimizer):
             self._captured = None
 
     def _reference_step(
-        self, piece: int, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor
+        self, grads: list[torch.Tensor], lr: torch.Tensor, scale: torch.Tensor
     ) -> None:
-        """The kernel's arithmetic over one piece in torch operations, a tensor at a time."""
+        """The kernel's arithmetic in torch operations, one tensor at a time."""
         beta1, beta2 = self.defaults["betas"]
         step = self.step_count.double()  # in fp32, 1 - 0.999^1 would be 1e-5 off
         bias1 = (1 - beta1**step).float()
         bias2_sqrt = (1 - beta2**step).sqrt().float()
         for i, grad in enumerate(grads):
-            first, last = self._ranges[piece][i]
+            first, last = self._ranges[i]
             if first >= last:
                 continue
             g = grad.flatten()[first:last].float() / scale
@@ -348,7 +308,7 @@ class MasterAdamW(torch.optim.Optimizer):
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             w.sub_(lr / bias1 * m / (v.sqrt() / bias2_sqrt + self.defaults["eps"]))
-        lo, hi = self.shard_ranges[piece]
+        lo, hi = self.shard_range
         self.weights[lo:hi].copy_(self.master[lo:hi])
 
     def state_dict(self) -> dict:
@@ -377,11 +337,10 @@ class MasterAdamW(torch.optim.Optimizer):
 def with_fp32_masters(
     optimizer: torch.optim.Optimizer, device: Device, shard: tuple[int, int] = (0, 1)
 ) -> torch.optim.Optimizer:
-    """``optimizer`` handed over to a MasterAdamW (updating part ``shard``, in
-    ``SHARD_PIECES`` pieces when split) where its kernel runs and the step autocasts to bf16;
-    otherwise, or if it already is one, ``optimizer``."""
+    """``optimizer`` handed over to a MasterAdamW (updating part ``shard``) where its kernel
+    runs and the step autocasts to bf16; otherwise, or if it already is one, ``optimizer``."""
     if isinstance(optimizer, MasterAdamW):
         return optimizer
     if MasterAdamW.runs_on(device.torch) and device.supports_bf16_autocast:
-        return MasterAdamW(optimizer, shard, SHARD_PIECES if shard[1] > 1 else 1)
+        return MasterAdamW(optimizer, shard)
     return optimizer

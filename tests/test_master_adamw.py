@@ -135,3 +135,30 @@ def test_the_hand_over_reads_every_step_counter_in_one_read(monkeypatch):
     opt = MasterAdamW(adamw)
     assert reads == [len(SHAPES)]  # one read of all three counters, not one per parameter
     assert opt.step_count.item() == 2
+
+
+def test_weights_placed_in_another_buffer_are_the_ones_the_model_sees_and_the_step_writes():
+    """``place_weights`` (memory the other ranks map, on CUDA): the parameters become views of
+    the new buffer, their values kept, and the update writes there."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    opt = MasterAdamW(_adamw(params))
+    before = [p.detach().clone() for p in params]
+    buffer = torch.full_like(opt.weights, float("nan"))
+    opt.place_weights(buffer)
+    assert opt.weights is buffer
+    for p, old in zip(params, before, strict=True):
+        assert buffer.data_ptr() <= p.data_ptr() < buffer.data_ptr() + buffer.nbytes
+        assert torch.equal(p.detach(), old)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(buffer, opt.master.bfloat16())
+    assert not any(torch.equal(p.detach(), old) for p, old in zip(params, before, strict=True))
+    with pytest.raises(ValueError, match="bf16 buffer"):
+        opt.place_weights(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 buffer"):
+        opt.gradient_buffer(torch.zeros_like(opt.master))  # fp32: not the weights' layout
+    flat, views = opt.gradient_buffer(torch.ones_like(buffer))
+    assert not flat.any()
+    assert [v.shape for v in views] == [p.shape for p in opt.params]

@@ -392,7 +392,7 @@ def print_scale_table(result: dict[str, Any]) -> None:
     per = "per GPU" if result["gpus"] else "per rank"
     out = table(
         "row", "processes", "tokens/s", f"tokens/s {per}", "speedup", "efficiency", "MFU",
-        "to NCCL per step per rank", "final train loss",
+        "exchanged per step per rank", "final train loss",
         title=(
             f"{result['preset']} (B {result['batch_size_per_rank']} per rank, "
             f"T {result['seq_len']}), {result['steps']} steps: plain vs torchrun"

@@ -12,6 +12,12 @@ The bytes on the link are those of the all-reduce, but each rank updates 1/N of 
 and the clip's norm is a sum over the parts (one two-number all-reduce, which carries the
 loss too). All of it is device work, so it is captured with the step.
 
+Where the GPUs can map each other's memory (``train/peer_memory.py``) neither collective is
+NCCL's: the gradients and the weights live in buffers every rank maps, each rank averages
+its part of the gradients by reading the others' copies, and its update kernel writes each
+new bf16 weight into every rank's copy as it writes its own; the ranks meet at small NCCL
+all-reduces where one reads what another wrote (``docs/decisions/035``).
+
 Each rank keeps full-size masters and moments, current on its own part only:
 ``MasterAdamW.gather_state`` brings them together before a checkpoint."""
 
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflow.train.optim.master_adamw import MasterAdamW
+from gpuflow.train.peer_memory import PeerAverage, SharedBuffer
 
 
 class ShardedAverager:
@@ -33,16 +40,39 @@ class ShardedAverager:
             raise ValueError("a sharded update needs a MasterAdamW split over 2 or more ranks")
         self.optimizer = optimizer
         self.world_size = optimizer.world_size
+        device = optimizer.weights.device
+        n = optimizer.weights.numel()
+        # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
+        self._gradients = _shared(n, device)
         # (N,) bf16 in the weights' layout, and each parameter's view of it
-        self._flat, self._views = optimizer.gradient_buffer()
+        self._flat, self._views = optimizer.gradient_buffer(
+            None if self._gradients is None else self._gradients.local
+        )
         lo, hi = optimizer.shard_range
         self._part = self._flat[lo:hi]  # (N / world_size,) this rank's averaged gradients
+        self._average = (
+            None if self._gradients is None
+            else PeerAverage(self._gradients, lo, hi, self.world_size)
+        )  # fmt: skip
+        self._weights = _shared(n, device)
+        if self._weights is not None:
+            optimizer.place_weights(self._weights.local)
+            optimizer.write_peers(self._weights.peers)
         self._weights_part = optimizer.weights[lo:hi]
+        self._met = torch.zeros(1, device=device)  # all-reduced only to make the ranks meet
         self._norm = torch.zeros((), device=self._flat.device)
         part_bytes = self._part.numel() * self._part.element_size()
-        # What this rank hands the collectives per step: the gradients to the reduce-scatter,
-        # its part of the weights to the all-gather, the norm and the loss.
-        self.bytes_per_step = self._flat.numel() * self._flat.element_size() + part_bytes + 8
+        peers = self.world_size - 1
+        # What this rank hands the others per step: the gradients (all of them to NCCL's
+        # reduce-scatter, or the others' copies of its part read from them), its part of the
+        # weights (to the all-gather, or written into their copies), the norm and the loss
+        # (and the number all-reduced to meet after the writes).
+        gradient_bytes = (
+            self._flat.numel() * self._flat.element_size() if self._average is None
+            else peers * part_bytes
+        )  # fmt: skip
+        weight_bytes = part_bytes if self._weights is None else peers * part_bytes
+        self.bytes_per_step = gradient_bytes + weight_bytes + 8 + (self._weights is not None) * 4
 
     def __call__(
         self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
@@ -54,29 +84,57 @@ class ShardedAverager:
         if len(params) != len(opt_params):
             raise RuntimeError("a sharded update needs a gradient for every parameter")
         torch._foreach_copy_(self._views, [p.grad for p in opt_params])
-        self._average_part()
         for p, view in zip(opt_params, self._views, strict=True):
             p.grad = view  # the gradient autograd made is freed
-        # fp32 accumulation: a bf16 sum of squares keeps three digits
-        sum_sq = torch.linalg.vector_norm(self._part, dtype=torch.float32).square()
-        stats = torch.stack([sum_sq, loss.float() if loss is not None else sum_sq.new_zeros(())])
-        dist.all_reduce(stats)  # (2,) sums over ranks: squared norm, loss
-        self._norm.copy_(stats[0].sqrt())
+        loss_sum = loss.float() if loss is not None else self._norm.new_zeros(())
+        if self._average is not None:
+            # Each all-reduce also makes the ranks meet: the first after every rank's copy of
+            # the gradients is whole (the average reads them), the second after every rank has
+            # read them (the next step's copy overwrites them).
+            dist.all_reduce(loss_sum)
+            sum_sq = self._average()
+            dist.all_reduce(sum_sq)
+            self._norm.copy_(sum_sq.sqrt())
+        else:
+            self._reduce_scatter()
+            # fp32 accumulation: a bf16 sum of squares keeps three digits
+            sum_sq = torch.linalg.vector_norm(self._part, dtype=torch.float32).square()
+            stats = torch.stack([sum_sq, loss_sum])
+            dist.all_reduce(stats)  # (2,) sums over ranks: squared norm, loss
+            self._norm.copy_(stats[0].sqrt())
+            loss_sum = stats[1]
         if loss is not None:
-            loss.copy_(stats[1] / self.world_size)
+            loss.copy_(loss_sum / self.world_size)
         return [self._part]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The norm of the whole averaged gradient, as reduced with it."""
         return self._norm
 
+    @property
+    def exchange(self) -> str:
+        """How the ranks exchange gradients and weights."""
+        gradients = "NCCL reduce-scatter" if self._average is None else "peer reads"
+        weights = "NCCL all-gather" if self._weights is None else "peer writes"
+        return f"gradients by {gradients}, weights by {weights}"
+
     def after_step(self) -> None:
         """Every rank's updated part of the bf16 weights onto every rank."""
-        dist.all_gather_into_tensor(self.optimizer.weights, self._weights_part)
+        if self._weights is None:
+            dist.all_gather_into_tensor(self.optimizer.weights, self._weights_part)
+        else:  # written by every rank's update: meet once all of them have finished
+            dist.all_reduce(self._met)
 
-    def _average_part(self) -> None:
+    def _reduce_scatter(self) -> None:
         if self._part.is_cuda:  # NCCL divides as it reduces
             dist.reduce_scatter_tensor(self._part, self._flat, op=dist.ReduceOp.AVG)
         else:  # gloo sums
             dist.reduce_scatter_tensor(self._part, self._flat)
             self._part.mul_(1.0 / self.world_size)
+
+
+def _shared(numel: int, device: torch.device) -> SharedBuffer | None:
+    """A bf16 buffer every rank maps, where the split update's kernels can use one."""
+    if not MasterAdamW.runs_on(device):
+        return None
+    return SharedBuffer.shared(numel, torch.bfloat16, device)

@@ -60,6 +60,7 @@ if triton is not None:
         exp_avg,  # (N,) fp32
         exp_avg_sq,  # (N,) fp32
         weights,  # (N,) bf16: what the model's parameters are views of
+        peer_weights,  # (N_PEERS,) int64: where the other ranks' weights lie, to write too
         lr_ptr,  # () fp32
         step_ptr,  # () fp32, already counting this step
         scale_ptr,  # () the clip's divisor, >= 1
@@ -72,6 +73,7 @@ if triton is not None:
         eps,
         BLOCK: tl.constexpr,
         ALIGNED: tl.constexpr,  # sizes multiples of 8 and gradients 16-byte aligned
+        N_PEERS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
@@ -105,7 +107,11 @@ if triton is not None:
         tl.store(master + flat, w, mask=mask)
         tl.store(exp_avg + flat, m, mask=mask)
         tl.store(exp_avg_sq + flat, v, mask=mask)
-        tl.store(weights + flat, w.to(tl.bfloat16), mask=mask)
+        w16 = w.to(tl.bfloat16)
+        tl.store(weights + flat, w16, mask=mask)
+        for j in tl.static_range(N_PEERS):  # over the link, into the other ranks' memory
+            peer = tl.load(peer_weights + j).to(tl.pointer_type(tl.bfloat16))
+            tl.store(peer + flat, w16, mask=mask)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -183,6 +189,27 @@ class MasterAdamW(torch.optim.Optimizer):
         self._grad_addrs = DeviceTable(len(numels), device)
         self._captured: list[int] | None = None
         self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
+        self._peer_weights = DeviceTable(max(world_size - 1, 1), device)
+
+    def place_weights(self, buffer: torch.Tensor) -> None:
+        """Move the bf16 weights into ``buffer`` (N,) (memory other ranks can write, say);
+        the parameters become views of it."""
+        if buffer.shape != self.weights.shape or buffer.dtype != self.weights.dtype:
+            raise ValueError(f"the weights need a {tuple(self.weights.shape)} bf16 buffer")
+        with torch.no_grad():
+            buffer.copy_(self.weights)
+            self.weights = buffer
+            for i, p in enumerate(self._params):
+                p.data = self._view(buffer, i)
+
+    def write_peers(self, peers: list[torch.Tensor]) -> None:
+        """From now on the kernel also writes this rank's part of the new weights into each
+        of ``peers`` (the other ranks' weight buffers, mapped into this process), so that no
+        all-gather is needed; the caller makes the ranks wait for each other after a step."""
+        if len(peers) != self.world_size - 1 or not self.runs_on(self.master.device):
+            raise ValueError("peer writes need the CUDA kernel and every other rank's buffer")
+        self._peers = peers  # their mappings stay while the kernel writes through them
+        self._peer_weights.write([t.data_ptr() for t in peers])
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -211,10 +238,18 @@ class MasterAdamW(torch.optim.Optimizer):
             for name, t in model.state_dict(keep_vars=True).items()
         }
 
-    def gradient_buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def gradient_buffer(
+        self, flat: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A zeroed flat bf16 buffer laid out as the weights (so a rank's part of it holds
-        the gradients of its part of the weights), and each parameter's view of it."""
-        flat = torch.zeros_like(self.weights)  # (N,) bf16; the padding stays 0
+        the gradients of its part of the weights), and each parameter's view of it. ``flat``
+        (N,) bf16, if given, is the buffer (memory other ranks can read, say)."""
+        if flat is None:
+            flat = torch.zeros_like(self.weights)  # (N,) bf16; the padding stays 0
+        elif flat.shape != self.weights.shape or flat.dtype != self.weights.dtype:
+            raise ValueError(f"the gradients need a {tuple(self.weights.shape)} bf16 buffer")
+        else:
+            flat.zero_()
         return flat, [self._view(flat, i) for i in range(len(self._params))]
 
     def use_device_lr(self, lr: torch.Tensor) -> None:
@@ -267,6 +302,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.exp_avg,
             self.exp_avg_sq,
             self.weights,
+            self._peer_weights.tensor,
             lr,
             self.step_count,
             scale,
@@ -279,6 +315,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.defaults["eps"],
             BLOCK=BLOCK,
             ALIGNED=aligned,
+            N_PEERS=len(self._peer_weights.values or ()),
         )
 
     def after_capture(self) -> None:

@@ -1,0 +1,120 @@
+"""Buffers that every rank of a job maps, so that a kernel reads and writes the other ranks'
+copies over the GPUs' link: torch's symmetric memory, on CUDA peer access between the GPUs of
+one host.
+
+The split update (``train/sharded.py``) uses two: the gradients, which each rank averages
+over its own part by reading the other ranks' copies (in place of a reduce-scatter), and the
+weights, which each rank's update kernel writes into every copy (in place of an all-gather).
+Each exchange is then one kernel on the step's stream. Where one rank needs what another
+wrote, the ranks meet at a collective of NCCL's (the small all-reduces the step makes anyway,
+and one of a single number after the update): NCCL waits as long as a rank takes, and a
+rank that is gone ends the wait when the job aborts NCCL, which a spinning barrier kernel of
+the buffers' own would not (``docs/decisions/035``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpuflow.transfer.upload import DeviceTable
+
+try:  # Triton ships with CUDA builds of torch only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+BLOCK = 4096  # elements per program of the averaging kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _average_kernel(
+        local,  # (N,) bf16: this rank's copy; its part is overwritten with the mean
+        peer_addrs,  # (N_PEERS,) int64: where the other ranks' copies lie
+        partial_sq,  # (n_programs,) fp32: each program's sum of squares of the mean
+        start,  # this rank's part: [start, start + numel)
+        numel,
+        world_size,
+        BLOCK: tl.constexpr,
+        N_PEERS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        idx = start + offs
+        total = tl.load(local + idx, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(N_PEERS):
+            peer = tl.load(peer_addrs + j).to(tl.pointer_type(tl.bfloat16))
+            total += tl.load(peer + idx, mask=mask, other=0.0).to(tl.float32)
+        mean = (total / world_size).to(tl.bfloat16)
+        tl.store(local + idx, mean, mask=mask)
+        m = mean.to(tl.float32)
+        tl.store(partial_sq + pid, tl.sum(m * m, axis=0))
+
+
+class SharedBuffer:
+    """An (N,) device buffer that every rank of the default group allocates and maps.
+
+    ``local`` is this rank's copy; ``peers`` are the other ranks' copies, mapped into this
+    process (tensors on this device). ``shared(...)`` makes one, or returns None where the
+    GPUs cannot map each other's memory."""
+
+    def __init__(self, local: torch.Tensor, handle: Any) -> None:
+        self.local = local
+        self._handle = handle  # keeps the other ranks' buffers mapped
+        rank = handle.rank
+        self.peers = [
+            handle.get_buffer(r, local.shape, local.dtype)
+            for r in range(handle.world_size)
+            if r != rank
+        ]
+        self.peer_table = DeviceTable(len(self.peers), local.device)
+        self.peer_table.write([t.data_ptr() for t in self.peers])
+
+    @classmethod
+    def shared(cls, numel: int, dtype: torch.dtype, device: torch.device) -> SharedBuffer | None:
+        """A zeroed shared buffer of ``numel`` elements. Collective: every rank calls it."""
+        if device.type != "cuda" or triton is None or not dist.is_initialized():
+            return None
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            group = dist.group.WORLD.group_name
+            symm_mem.enable_symm_mem_for_group(group)
+            local = symm_mem.empty(numel, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(local, group)
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+        local.zero_()
+        return cls(local, handle)
+
+
+class PeerAverage:
+    """Averages part [start, end) of a shared bf16 buffer over the ranks' copies, in place in
+    this rank's copy, and sums its squares (for the clip's norm). The other ranks' copies must
+    be complete when it runs, and stay until every rank's has run: the caller makes the ranks
+    meet before and after it."""
+
+    def __init__(self, buffer: SharedBuffer, start: int, end: int, world_size: int) -> None:
+        self.buffer, self.start, self.numel = buffer, start, end - start
+        self.world_size = world_size
+        self._programs = triton.cdiv(self.numel, BLOCK)
+        self._partial_sq = torch.zeros(self._programs, device=buffer.local.device)
+
+    def __call__(self) -> torch.Tensor:
+        """The part averaged; returns the sum of squares of the average, () fp32."""
+        _average_kernel[(self._programs,)](
+            self.buffer.local,
+            self.buffer.peer_table.tensor,
+            self._partial_sq,
+            self.start,
+            self.numel,
+            float(self.world_size),
+            BLOCK=BLOCK,
+            N_PEERS=len(self.buffer.peers),
+        )
+        return self._partial_sq.sum()

@@ -9,16 +9,8 @@
     with gpuflow.budget(syncs=0, at_site=True):
         train_step(batch)             # raises at the first host wait, with its traceback
 
-A budget is a ``TransferLedger`` over the region with limits on its totals; ``None`` means
-no limit. By default the totals are checked when the region ends, and the error lists every
-offending operation. ``at_site=True`` raises instead at the operation that goes over a limit
-(before the host waits, for an ``.item()``), so that the traceback points at it, as
-``jax.transfer_guard("disallow")`` does; ``device_allocs`` comes from the allocator's
-counters and is still checked at the end. On the cpu, ``syncs`` also counts the reads that
-would make the host wait on a GPU (``.item()``, ``.tolist()``, ``print(t)``, ``nonzero``...;
-see ``gpuflow.accounting.ledger``), so a cpu test of ``syncs=0`` fails where a GPU run would.
-For tests, ``gpuflow.accounting.testing`` (a pytest plugin, loaded automatically) adds the
-``transfer_budget`` marker and the ``transfer_ledger`` fixture.
+When each limit is checked, what ``syncs`` counts on the cpu, and the pytest marker and
+fixture: docs/architecture/ledger.md (Budgets).
 """
 
 from __future__ import annotations

@@ -7,15 +7,8 @@
     for row in run.comparison():
         print(row)                     # h2d/d2h copies and bytes: ledger vs profiler
 
-The profiler sees every copy the device made, from any thread or C++ code, which the ledger
-may not (see ``gpuflow.accounting.ledger``); the ledger knows each copy's source line, which the
-profiler does not. The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing.
-Device-to-device rows are shown but not compared: the profiler's DtoD also counts copies
-within one device (``clone`` and the like), which the ledger treats as compute. Nor are
-disk-to-device rows: the profiler has no such kind, and the copies kvikio's compatibility
-mode makes from its bounce buffers show in the trace as HtoD (a region with kvikio reads in
-it has more profiler h2d than ledger h2d). Nothing is compared where the profiler has no
-device record (the cpu).
+The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing. What each side sees, and
+which rows are not compared: docs/architecture/ledger.md (The ledger against the profiler).
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """``DeviceLoader`` against the PyTorch idioms it replaces, in one process.
 
-- sweep: batches of 8 KiB to 64 MiB, from pageable and from pinned memory, each with a
-  little compute (one reduction into an accumulator), through five paths:
-  ``DataLoader(pin_memory=True)`` + ``.to(non_blocking=True)``; per-batch
-  ``.pin_memory().to(non_blocking=True)``; plain ``.to()``; ``DeviceLoader`` as it comes
-  (copying each batch as it reads it); and ``DeviceLoader(fresh_batches=True)``, told that
-  the source never writes its batches again. Also the loader's own host time per batch with
-  no compute at all.
-- cases: batches where the idiom is worse by its structure, at sizes users train with:
-  a tabular batch of 16 and of 64 column tensors (one copy each for the idiom, one packed
-  copy for the loader), int64 token ids whose values fit 16 bits (narrowed on the wire),
-  and fp32 features the model reads in bf16 (``lossy_float="bf16"``); each against the
-  fastest of the same three idioms, with the batch read by one kernel per step, and the
-  loader also without its codecs (``narrow=False``, no ``lossy_float``).
-- images: an image-classification loop (a ``DataLoader`` with workers yielding dicts of uint8
-  images and int64 labels, a small CNN trained under bf16 autocast) fed by
-  ``DataLoader(pin_memory=True)`` + ``.to()`` and by ``DeviceLoader`` over the same
-  ``DataLoader`` without ``pin_memory``.
+- ``sweep``: batch sizes from pageable and pinned memory, through three idioms and two ways
+  of using ``DeviceLoader``;
+- ``cases``: batches where the idiom is worse by its structure (many column tensors,
+  narrowable token ids, fp32 features read in bf16);
+- ``image_loop``: an image-classification loop fed by a ``DataLoader`` with workers.
 
-Paths run in alternating rounds and the median round counts: a host's copy speed drifts
-within a process (docs/decisions/005), and back-to-back rounds of one path would take the
-drift for a difference between paths.
+Paths run in alternating rounds and the median round counts. What each part compares, and
+why the rounds alternate: docs/architecture/benches.md (The loaders section).
 """
 
 from __future__ import annotations

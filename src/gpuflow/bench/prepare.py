@@ -4,16 +4,9 @@ same ``tokenizers`` library, on the same corpus and machine, each in a child pro
     gpuflow bench prepare --mib 100          # a generated corpus of 100 MiB
     gpuflow bench prepare --data books/ --separator '<|endoftext|>'
 
-The baseline reads every document into a list, trains a byte-level BPE on all of them with
-``train_from_iterator``, encodes them with ``encode_batch`` 2,048 documents at a time and
-writes the ids as uint16: what the library's documentation shows, end to end. gpuflow is
-the ``gpuflow prepare`` command. Each row: wall time (the baseline's training and encoding
-apart), MB/s of corpus, tokens/s, and the peak resident memory of the child and every process
-below it, summed (sampled every 50 ms from /proc: the workers count too).
-
-The generated corpus is the built-in corpus's documents, shuffled anew for every copy and
-joined with ``<|endoftext|>`` into files of about 16 MiB: real English and code, as many
-MiB as asked, in the layout of many real corpora.
+Each row: wall time, MB/s of corpus, tokens/s and the peak resident memory of the child's
+process tree. The baseline script, how memory is sampled, and the generated corpus:
+docs/architecture/benches.md (gpuflow bench prepare).
 """
 
 from __future__ import annotations

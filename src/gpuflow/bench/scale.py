@@ -3,19 +3,10 @@
     gpuflow bench scale --preset seed-d384                  # every visible GPU
     gpuflow bench scale --preset tiny --device cpu --nproc 2
 
-1. plain ``python -m gpuflow train``: one process, no torchrun, the baseline;
-2. ``torchrun --nproc_per_node=1``: the job's machinery (process group, the gradients'
-   all-reduce inside the step) on one device, so its cost over plain shows alone;
-3. ``torchrun --nproc_per_node=N``: one rank per GPU (``--nproc`` on the cpu).
-
-Every rank trains on the preset's batch, so a job of N ranks trains N batches per step
-(weak scaling): speedup is the job's tokens/s over the plain row's, scaling efficiency the
-speedup over N. Each figure is the child's own report (``report.json``: the median over
-logging intervals, the first left out as warm-up, timed with device events).
-
-The children run in a temporary folder that this bench creates and removes (``runs/``
-lands in the cwd), on the token folder the caller's cwd gives, passed to them by absolute
-path: the built-in corpus is prepared once, here, never per child.
+The rows: plain ``python -m gpuflow train`` (the baseline), ``torchrun --nproc_per_node=1``
+and ``torchrun --nproc_per_node=N``, one rank per GPU. What each row shows, how speedup and
+scaling efficiency are computed (weak scaling), and where the children run:
+docs/architecture/benches.md (gpuflow bench scale).
 """
 
 from __future__ import annotations

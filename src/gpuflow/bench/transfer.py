@@ -1,19 +1,9 @@
 """``gpuflow bench transfer``: the transfer layer against plain PyTorch, in one run.
 
-Sections, each beside its baseline:
-- link peak: host->device and device->host from pinned memory at the largest size;
-- memory kinds: pageable, freshly pinned (pinned for the copy, then freed) and pooled
-  (``PinnedPool``) buffers, both directions, 4 KB to 256 MB, data starting in pageable
-  memory where the kind needs a staging copy;
-- small tensors: 1000 x 4 KB copied one by one versus ``pack`` + one copy + rebuild, and
-  versus one copy of the same values given in bulk (one stacked tensor, rebuilt on the device
-  as a view of the copy, whose rows are views in turn; and the same unbound into a list);
-- payloads: the same values crossing as fp32, bf16 and uint8 (upcast on the device);
-- loaders: ``DeviceLoader`` against the PyTorch idioms at every batch size, in the cases
-  where the idiom is worse by its structure, and in an image classification loop
-  (``gpuflow.bench.loaders``);
-- memory: pinned and device memory after warm-up and after 10,000 loader iterations, and
-  after 2 and 20 epochs over one loader.
+Sections, each beside its baseline: link peak, memory kinds (pageable, freshly pinned,
+pooled), small tensors (one by one against ``pack``), payloads (fp32, bf16, uint8), loaders
+(``gpuflow.bench.loaders``) and memory over many loader iterations and epochs. What each
+section runs: docs/architecture/benches.md (gpuflow bench transfer).
 
 Longer than most modules: every table shares one ``TransferBench``'s buffers and one
 result, and the tables' printing sits beside the measurements it reports.

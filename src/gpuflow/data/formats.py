@@ -1,24 +1,13 @@
 """Corpora as a stream of text parts, read in bounded blocks whatever their format.
 
-Inputs (``resolve_inputs``):
-- text (``.txt``, ``.md``): a file is one document, or, with a separator (``<|endoftext|>``,
-  a blank line...), the stretches of text between separators, stripped of the whitespace
-  around them, are. Read 1 MiB at a time: a document of any length streams through;
-- JSON lines (``.jsonl``): one document per line, in a chosen string field;
-- Parquet (``.parquet``, the ``parquet`` extra): one document per row of a string column,
-  read a batch of rows at a time;
-- each of the above compressed: ``.gz``, ``.bz2``, ``.xz``, ``.zst`` (the ``zstd`` extra),
-  the format named by the suffix before (``books.jsonl.zst``);
-- a dataset written by ``datasets``' ``save_to_disk`` (the ``datasets`` extra): a folder
-  holding ``dataset_info.json`` or ``dataset_dict.json``, its ``train`` split if it has splits;
-- folders (searched recursively, hidden entries skipped), globs (``'shards/*.jsonl.gz'``),
-  and ``-``: standard input, as text.
-
+``resolve_inputs`` finds the inputs among files, folders, globs and ``-`` (standard input):
+text, JSON lines, Parquet, any of them compressed, and folders saved by ``datasets``.
 ``read_parts`` yields ``Part`` s: the text of one document comes in one or more consecutive
-parts, the first marked ``starts_document``; each part carries the source bytes read for it
-(compressed bytes for compressed files), so progress over a corpus ends at its size on disk.
-Bad input is a ``GpuflowError`` naming the file and, where it helps, the byte offset, line or
-row.
+parts, the first marked ``starts_document``. Bad input is a ``GpuflowError`` naming the file
+and, where it helps, the byte offset, line or row.
+
+Each format, its extra and how it is read, and what a part carries:
+docs/architecture/data.md (Reading a corpus).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Documents cut into bounded pieces where their tokens cannot change, each tagged train or val.
 
-A BPE tokenizer first splits text into pre-tokens and merges only inside them, so text cut at
-a pre-token boundary encodes to the same tokens as the whole. With the byte-level
-pre-tokenizer (GPT-2's, and gpuflow's own) such a boundary is any position ``i`` where
-``text[i]`` is a space or a newline and ``text[i - 1]`` is not whitespace: of its patterns,
-only a whitespace run can hold a whitespace character other than its first, and only its
-first can be a space, so no pre-token holds both ``text[i - 1]`` and ``text[i]``; the text
-after ``i`` is matched as from a string of its own (the patterns look ahead, never back),
-and the pre-token ending at ``i - 1`` ends there with or without what follows (none of those
-that can end on a non-whitespace character looks ahead). ``tests/test_pieces.py`` checks the
-claim against encoding whole documents. For any other tokenizer a candidate is accepted only
-if encoding the text around it whole and in two gives the same tokens.
+A BPE tokenizer merges only inside pre-tokens, so text cut at a pre-token boundary encodes to
+the same tokens as the whole. A stretch of ``PIECE_CHARS`` with no such place is cut at its
+end anyway (``Pieces.forced_cuts`` counts them). Each document's first piece decides, by a
+hash of its text, whether the document is held out for validation.
 
-A stretch of ``PIECE_CHARS`` with no such place (one character repeated, a base64 blob) is cut
-at its end anyway, which may change a token or two there; ``Pieces.forced_cuts`` counts them.
-
-Each document's first piece decides whether the document is held out for validation, by a
-hash of its text: the choice does not depend on the other documents, their order or the
-number of workers, so appending files to a corpus moves no document between train and val.
+Which positions are boundaries and why, other tokenizers, and why a hash:
+docs/architecture/data.md (Cutting documents into pieces).
 """
 
 from __future__ import annotations

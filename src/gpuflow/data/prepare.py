@@ -5,20 +5,10 @@
     gpuflow prepare --data stories.txt --separator '<|endoftext|>' --tokenizer gpt2
     gpuflow prepare --data more/ --out data/books --append
 
-The corpus is read in bounded parts (``gpuflow.data.formats``), documents are cut into pieces
-where their tokens cannot change (``gpuflow.data.pieces``), pieces are encoded on every core
-in order (``gpuflow.data.encode``) and their tokens streamed into shard files: memory does
-not grow with the corpus or with a document, and the output holds the same bytes whatever
-the number of cores. Unless one is given, the tokenizer is trained on a sample drawn evenly
-from the corpus (``sample_mb``). A document is held out for validation by a hash of its text.
-
 The output folder holds tokenizer.json, train_000000.bin..., val_000000.bin... and meta.json,
-and appears only when complete: everything is written in a staging folder beside it and
-renamed into place at the end. An interrupted run (Ctrl-C, a kill, a reboot) leaves the
-staging folder with its finished shards and ``progress.json``; the same command continues
-from there. ``force`` replaces only a folder that ``prepare`` wrote and that holds nothing
-else, so a mistyped ``--out`` cannot delete the user's own files; ``append`` adds the
-documents of new inputs to a token folder, with its own tokenizer.
+and appears only when complete; an interrupted run continues where it stopped. How the stages
+stream, the staging folder, ``force`` and ``append``: docs/architecture/data.md (Preparing a
+corpus).
 """
 
 from __future__ import annotations

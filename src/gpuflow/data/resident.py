@@ -1,30 +1,15 @@
 """``ResidentTokens``: the training corpus in device memory, batches drawn on the device.
 
-The token shards cross the bus once, at start-up: read by a few threads into pinned buffers
-and copied in 64 MiB chunks (a progress bar for large corpora), or with ``io="kvikio"`` read
-by kvikio straight into the device buffer (``gpuflow.transfer.diskread``). Each piece's
-largest id is found on the device and checked against ``vocab_size``, so a shard with ids
-the model cannot embed is refused before training rather than failing mid-run.
-After that a training step moves 0 bytes: window starts come from a counter-based hash of
-(seed, step, row) computed on the device, the windows are gathered there, and inputs and
-targets are slices of them.
-
     tokens = ResidentTokens(data.train, device, batch_size=32, seq_len=128, seed=1337)
     x, y = tokens.sample()        # (B, T) int64 each, on the device; no host work, no sync
 
-Sampling depends only on the step counter (a device tensor that ``sample`` advances in
-place), so it is the same eagerly and inside a CUDA graph, the same on every device, and a
-checkpoint restores it with ``set_step``. Each of ``world_size`` ranks keeps its own
-contiguous slice of the corpus and reads nothing else from disk, so ranks never share a
-window and the ranks of a host read the corpus once between them.
+The token shards cross the bus once, at start-up; after that a training step moves 0 bytes.
+Sampling depends only on a step counter on the device (``set_step`` restores it); each of
+``world_size`` ranks keeps its own slice of the corpus; a slice larger than ``budget_bytes``
+streams through in chunks that take turns (``advance``).
 
-When a rank's slice is larger than ``budget_bytes`` (default: half the device's free
-memory), the corpus streams through in chunks of half the budget at most that take turns:
-the model trains on the active chunk while the next one uploads on a side stream into a
-second buffer, and every ``steps_per_chunk`` steps ``advance`` copies the new chunk into the
-active buffer (on the device, so a captured graph that reads the active buffer stays valid).
-The ranks take the chunks in one order, ``world_size`` of them per round, so a run resumed
-on a different number of ranks carries on from the first chunk none had begun.
+How the shards are read and checked, how windows are drawn, and how chunks take turns:
+docs/architecture/data.md (The resident corpus).
 """
 
 from __future__ import annotations

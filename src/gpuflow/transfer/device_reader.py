@@ -1,20 +1,12 @@
 """A worker-fed source taken all the way to the device on a thread of its own.
 
-A ``DataLoader`` with workers is read on a thread anyway (``gpuflow.transfer.reader``): taking
-a batch from its workers is work the training thread should not do. When the rest of the
-crossing (planning, staging, the copies, the rebuild) also ran on the training thread, that
-thread made about ten torch calls per batch, each letting go of the interpreter lock and
-waiting to take it back while the reader thread ran Python; the idiom it replaces makes two
-(docs/decisions/020). Here the reader thread
-runs the whole crossing on a stream of its own, through a ``Pipeline`` of its own, and
-queues finished device batches: the training thread takes one, makes its stream wait for the
-copy (an event, no host wait) and marks the batch's memory as used on that stream, so that
-the caching allocator hands it out again only after the training thread's work on it.
+``DeviceReader``'s thread runs the whole crossing of a ``DataLoader`` with workers on a
+stream of its own, through a ``Pipeline`` of its own, and queues finished device batches
+(at most ``ahead``); the training thread takes one and makes its stream wait for the copy,
+with no host wait. ``close()`` returns at once.
 
-The thread reads one crossing (one batch, or a run of small ones sharing a copy) ahead of
-the one it is copying, and queues at most ``ahead`` finished batches. Errors reach the
-consumer in their turn; ``close()`` returns at once, and the thread, once its batch in the
-making is done, gives back its staging memory itself.
+Why the whole crossing moves to the thread, how a batch is handed over, and how the thread
+ends: docs/architecture/transfer-pipeline.md (The whole crossing on the reader's thread).
 """
 
 from __future__ import annotations

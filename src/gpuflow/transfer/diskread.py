@@ -1,22 +1,14 @@
 """File bytes into device memory: through kvikio, or through gpuflow's own pinned buffers.
 
-``data.io`` picks how the resident corpus is read from its shards:
-
-- ``kvikio`` (RAPIDS, ``pip install 'gpuflow[gds]'``): with GPUDirect Storage the storage
-  DMAs straight into device memory and host memory is never touched; without it kvikio runs
-  in its compatibility mode, POSIX reads on its own thread pool into its own pinned bounce
-  buffers, then copies to the device.
-- ``pinned``: the file read piece by piece into a ``PinnedPool`` buffer by a few threads at
-  once (``HostFileReader``), and copied from there to the device (``ResidentTokens``).
-- ``auto``: kvikio when it can read here, else ``pinned``; ``choose_io`` says why.
+``data.io`` picks how the resident corpus is read from its shards: ``kvikio``, ``pinned``
+(``HostFileReader``) or ``auto``.
 
     choice = choose_io("auto", device)          # IoChoice("kvikio", "compat", "...")
     reader = KvikioReader(device)
     reader.read(path, file_offset, target)      # target: contiguous device tensor, filled
 
-The ledger cannot see kvikio's copies (they are made in C++), so the reader reports each
-read as ``disk2d`` bytes, a kind of their own: a corpus kvikio read shows 0 host-to-device
-bytes. The host waits for every read (kvikio's reads return when the bytes are in place).
+What each path does, and how kvikio's reads are counted (``disk2d``):
+docs/architecture/crossings.md (File bytes into device memory).
 """
 
 from __future__ import annotations

@@ -8,23 +8,9 @@ device, with the copies queued ahead of the batch in use:
             loss = step(batch)
     print(loader.stats)               # batches, copies, bytes, host time waiting
 
-How a batch crosses, and on which thread: docs/architecture/transfer-pipeline.md.
-
-A batch's tensors are its own, whatever their dtype: fresh device memory no later batch
-reuses, with no device-to-device copy. What is read ahead is copied as it is read, so a
-source may refill one buffer (see ``DeviceLoader``'s ``fresh_batches``). On the cpu every
-step runs synchronously with the same API.
-
-Lifetime, as a ``DataLoader``'s: each ``iter(loader)`` is an epoch over the source; staging
-memory carries over to the next epoch; ``len()`` is the source's. ``close()`` (or leaving
-``with``) frees the staging memory; a loader dropped without it is freed when collected,
-and at interpreter exit.
-
-The source is read ahead, as a ``DataLoader`` with workers prefetches: up to ``depth + 1``
-staging buffers' worth of batches (at most ``(depth + 1) * 32`` small ones). An error the
-source raises reaches the consumer after the batches before it. A source that waits for the
-consumer's results before yielding its next batch needs ``depth=0``, which reads nothing
-ahead. Ctrl-C interrupts the loop where it is, as in any Python loop.
+How a batch crosses, and on which thread: docs/architecture/transfer-pipeline.md. What a
+batch's tensors are, the loader's lifetime and how far it reads ahead (``depth``): the same
+file (What DeviceLoader promises).
 """
 
 from __future__ import annotations

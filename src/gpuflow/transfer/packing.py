@@ -1,25 +1,13 @@
 """Coalesce a whole batch into one buffer, cross the bus once, rebuild it on the device.
 
-A training batch is often many small tensors, and each separate copy pays a launch and a
-DMA setup (about 8 µs on an H200, so 1000 tensors of 4 KB take 4 ms apart and 0.08 ms as one
-copy). ``pack`` lays every tensor of a nested batch (dicts, lists, tuples, namedtuples and
-dataclasses of torch tensors and numpy arrays, plus ``Ragged`` integer sequences: a list or
-tuple of integer lists, empty ones included, is taken as one) end to end in one host
-buffer, each at a 16-byte aligned offset, narrowing on the way; ``unpack`` turns one device
-copy of that buffer back into the same structure, as views of it.
+``pack`` lays every tensor of a nested batch (dicts, lists, tuples, namedtuples, dataclasses,
+``Ragged`` integer sequences) end to end in one host buffer, narrowing on the way; ``unpack``
+turns one device copy of that buffer back into the same structure, as views of it. Codecs:
+integer narrowing (on by default, range-checked on every batch) and ``lossy_float`` (opt-in);
+uint8 and bool cross as they are.
 
-Codecs, applied per tensor while packing:
-- integer narrowing (on by default): int64/int32 values that fit cross as uint16 (or
-  int64 as int32) and are widened again on the device. The range is checked on every batch,
-  so narrowing is never silently wrong.
-- ``lossy_float="bf16"`` or ``"fp16"`` (opt-in, it loses precision): float32/float64 cross
-  as 16-bit floats and are upcast on the device. fp16 refuses values it would turn to inf.
-  A dict chooses per top-level key: ``{"features": "bf16"}`` leaves the other keys exact.
-- uint8 and bool cross as they are (image data): upcast them on the device yourself.
-
-Strings, numbers, None and tensors already on a device pass through untouched. Sparse and
-nested tensors, and other objects with a ``.to()``, are refused with an error rather than
-left on the host.
+Why one copy, what each codec does, and what is passed through or refused:
+docs/architecture/transfer-pipeline.md (Packing a batch into one buffer).
 """
 
 from __future__ import annotations

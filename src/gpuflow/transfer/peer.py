@@ -2,22 +2,12 @@
 
     peer_copy(shard_on_1, shard_on_0)   # cuda:0 -> cuda:1, counted once as d2d
 
-What torch guarantees for a copy between two CUDA devices (``copy_``; ATen's
-``copy_device_to_device``): it runs on the *source* device's current stream, after that
-stream waits for an event recorded on the *destination* device's current stream; then the
-destination's current stream waits for an event recorded after the copy. So the copy starts
-after the work already queued on both current streams (what writes ``src``, what still uses
-``dst``'s memory), and work queued next on the destination's current stream sees the
-result. The host never waits: a device-to-device copy is asynchronous whatever
-``non_blocking`` says. Peer access is enabled by torch on the first copy between two GPUs
-(``gpuflow.device.peers``); without it the driver stages the copy through host memory.
+The copy is ordered after the work queued on both devices' current streams, and work queued
+next on the destination's current stream sees the result; the host never waits. Work on
+other streams must be ordered by hand.
 
-What torch does not order: streams other than the two current ones. Work on a side stream
-that reads ``dst`` must wait for the destination's current stream first. The caching
-allocator reuses a freed block in the order of the stream it was allocated on: for tensors
-allocated on their device's current stream (the usual case), either may be freed right
-after the call, since both current streams are ordered after the copy; a tensor from
-another stream needs ``record_stream``, as with any cross-stream use.
+What torch guarantees and does not, and when a tensor may be freed:
+docs/architecture/crossings.md (Device-to-device copies).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """A bounded pool of page-locked host buffers, reused only after their copies finish.
 
-Pinned memory is what lets a host->device copy run asynchronously at the link's full rate,
-but pinning is slow (the OS must lock every page) and pinned memory is scarce. The pool
-pins a buffer once per size class and lends it out again; a returned buffer goes back on
-the shelf only when the device event of its last copy has completed, so a copy in flight
-is never overwritten. The pool never holds more than ``max_bytes``: past that it evicts idle
-buffers of other sizes, then waits for in-flight copies, and raises when nothing it could
-wait for would ever free room.
-
     pool = PinnedPool(device, max_bytes=256 << 20)
     buf = pool.acquire(nbytes)                    # a PinnedBuffer, at least nbytes long
     buf.bytes[:nbytes].copy_(payload_bytes)
     dev.copy_(buf.bytes[:nbytes], non_blocking=True)
     pool.release(buf, after=copy_done_event)      # reusable once the copy is done
+
+Why a pool, and what it does at ``max_bytes``: docs/architecture/transfer-pipeline.md (The
+pinned pool).
 """
 
 from __future__ import annotations

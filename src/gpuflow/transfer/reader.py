@@ -1,20 +1,13 @@
 """A source read on a thread of its own, a few batches ahead, its large tensors pinned there:
 what ``DataLoader``'s pin-memory thread does for its own loop.
 
-Taking a batch from a ``DataLoader`` with workers is work for the process that takes it:
-unpickling, receiving the shared-memory handles of its tensors and mapping them. On the
-training thread that work adds to every step (on an H100 host, enough to hold an image loop
-of 3 MB batches at 0.7-0.8x of ``DataLoader(pin_memory=True)``, docs/decisions/018). On a
-thread of its own it runs while the training thread is inside torch's operators, which let
-go of the interpreter lock. A source that is cheap to read (a list, a generator over memory)
-gains nothing from it and would pay a thread hand-off per batch, so ``DeviceLoader`` reads
-only ``DataLoader``s with workers (and without a pin-memory thread of their own) on a thread:
-through ``gpuflow.transfer.device_reader``, which also stages and copies there, or with
-``timing=True`` through ``ThreadedSource`` here, the rest staying on the training thread.
+``DeviceLoader`` reads only ``DataLoader``s with workers (and without a pin-memory thread of
+their own) on a thread: through ``gpuflow.transfer.device_reader``, which also stages and
+copies there, or with ``timing=True`` through ``ThreadedSource`` here, the rest staying on
+the training thread. Tensors of ``PIN_MIN_BYTES`` or more are pinned on the thread too.
 
-Tensors of ``PIN_MIN_BYTES`` or more are pinned on the thread too (``pin_memory()``), as the
-loader would pin them on the consumer's: memory fresh from a worker faults on first read,
-and that too is better off the training thread.
+Why a thread, and for which sources: docs/architecture/transfer-pipeline.md (Reading a
+worker-fed source on a thread).
 """
 
 from __future__ import annotations

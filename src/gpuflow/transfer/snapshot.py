@@ -1,26 +1,14 @@
 """``StateSnapshot``: named device tensors copied to the host in one piece, without a host wait.
 
-A checkpoint needs a consistent copy of the weights and the optimizer's moments, taken
-between two steps, while the next steps run. Copying each tensor to fresh host memory (what
-``state_dict`` + ``.cpu()`` does) makes a few hundred small copies into pageable memory and
-waits for every one. Here the tensors are laid out once in a flat layout, the device packs
-them into a staging buffer of that layout (one ``cat`` per run of same-typed tensors, on the
-current stream, so it reads exactly the state between the two steps), and one device->host
-copy on a side stream moves the whole staging buffer into a pinned host buffer that is kept
-and reused. The host queues this and returns; training goes on while the copy runs. A
-consumer (the checkpoint writer's thread) waits for the copy, reads the host bytes, and
-releases the snapshot. One snapshot holds the host buffer at a time: the next ``capture``
-waits for that release while another live thread that took or read the snapshot can still
-make it, and raises otherwise (a capture before releasing on one thread would wait forever).
-
     snapshots = StateSnapshot(device)
     snap = snapshots.capture({"model": weights, "optimizer": moments})   # no host wait
     ...                                   # more training steps
     snap.wait()                           # on the writer's thread
     write(snap.group_bytes("model")); snap.release()
 
-The layout puts each group's tensors end to end, widest type first (so every tensor sits at
-an offset its type can be read at), which is also the order a safetensors file lists them.
+One snapshot holds the host buffer at a time: the next ``capture`` waits for the release.
+Why one packed copy, how it is ordered, and the layout: docs/architecture/crossings.md
+(State snapshots).
 """
 
 from __future__ import annotations

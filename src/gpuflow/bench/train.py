@@ -24,7 +24,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
 from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.feed import open_batches
+from gpuflow.train.paths import open_batches
 from gpuflow.train.step import StepOptions, TrainStep
 from gpuflow.train.trainer import Trainer
 

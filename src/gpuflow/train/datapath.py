@@ -13,8 +13,8 @@
 - ``resident-graph``: ``resident`` with the whole step captured as one CUDA graph
   (``gpuflow.train.capture``). The default on CUDA; elsewhere it runs as ``resident``.
 
-Each path's batch source is opened by ``gpuflow.train.feed``, its step built by
-``gpuflow.train.step``.
+What each path is made of (its batch source, its step, DDP, residency): its row in
+``gpuflow.train.paths``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The training step: one object per data path, device work only.
 
-``build_step`` gives the step of a data path over a model, its optimizer (chosen by the
-trainer when it is built: ``optimizer_for``) and a batch source. Calling the step runs one
+A data path's row (``train/paths.py``) names its step, built over a model, its optimizer
+and a batch source. Calling the step runs one
 optimizer step and adds its loss and grad norm to the step's ``AsyncScalars``; ``readback``
 is what a logging step reads back. Three kinds:
 
@@ -28,11 +28,9 @@ from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
-from gpuflow.train.datapath import DataPath
 from gpuflow.train.distributed import Averager, holds_collectives
 from gpuflow.train.optim import StepOptimizer
-from gpuflow.train.optim.adamw import CapturableAdamW, global_grad_norm
-from gpuflow.train.optim.master_adamw import with_fp32_masters
+from gpuflow.train.optim.adamw import global_grad_norm
 from gpuflow.train.schedule import lr_at, lr_tensor
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.scalars import AsyncScalars
@@ -76,18 +74,6 @@ class StepOptions:
     # a pass over the gradients of its own).
     fused_clip: bool = True
     graphs: Graphs | None = None  # the graph API; None: CUDA's
-
-
-def optimizer_for(
-    path: DataPath, adamw: CapturableAdamW, device: Device, options: StepOptions,
-    shard: tuple[int, int] = (0, 1),
-) -> StepOptimizer:  # fmt: skip
-    """The optimizer ``path``'s step runs: the captured step hands ``adamw`` (restored from
-    a checkpoint, if any) to a MasterAdamW where its kernel runs, updating part ``rank`` of
-    ``shard=(rank, world_size)``; the others keep it."""
-    if path is DataPath.RESIDENT_GRAPH and options.master_weights:
-        return with_fp32_masters(adamw, device, shard)
-    return adamw
 
 
 def compiled_forward(
@@ -151,7 +137,7 @@ class StepParts:
 
     model: GPT
     forward: torch.nn.Module  # the model, or its compiled forward
-    optimizer: StepOptimizer  # ``optimizer_for`` the path
+    optimizer: StepOptimizer  # the path's (``train/paths.py``: ``optimizer_for``)
     config: TrainConfig
     device: Device
     options: StepOptions
@@ -218,6 +204,8 @@ class GraphStep(TrainStep):
     batches: CapturableSource
 
     def __init__(self, parts: StepParts, batches: BatchSource) -> None:
+        if not isinstance(batches, CapturableSource):
+            raise ValueError(f"{type(batches).__name__} cannot be drawn inside a CUDA graph")
         super().__init__(parts, batches)
         self.warmup = WARMUP_STEPS + 1
         # The optimizer reads the learning rate from a device tensor the step itself writes.
@@ -253,14 +241,3 @@ class GraphStep(TrainStep):
 
     def close(self) -> None:
         self.captured.release()
-
-
-def build_step(path: DataPath, parts: StepParts, batches: BatchSource) -> TrainStep:
-    """The step of ``path`` over ``batches``."""
-    if path is DataPath.NAIVE:
-        return NaiveStep(parts, batches)
-    if path is DataPath.RESIDENT_GRAPH:
-        if not isinstance(batches, CapturableSource):
-            raise ValueError(f"{type(batches).__name__} cannot be drawn inside a CUDA graph")
-        return GraphStep(parts, batches)
-    return EagerStep(parts, batches)

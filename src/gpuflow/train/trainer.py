@@ -34,7 +34,7 @@ from gpuflow.device.allocator import check_allocator
 from gpuflow.model.gpt import GPT, flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
-from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.datapath import resolve_data_path
 from gpuflow.train.distributed import (
     Averager,
     GradientAverager,
@@ -42,20 +42,13 @@ from gpuflow.train.distributed import (
     each_host_first,
     least,
 )
-from gpuflow.train.feed import BatchPlan, open_batches
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.train.optim.master_adamw import MasterAdamW
+from gpuflow.train.paths import BatchPlan, build_step, open_batches, optimizer_for, row
 from gpuflow.train.runfolder import TOKENIZER_FILE, RunFolder, truncate_metrics
 from gpuflow.train.sharded import ShardedAverager
-from gpuflow.train.step import (
-    StepOptions,
-    StepParts,
-    TrainStep,
-    build_step,
-    compiled_forward,
-    optimizer_for,
-)
+from gpuflow.train.step import StepOptions, StepParts, TrainStep, compiled_forward
 from gpuflow.transfer.diskread import IoChoice, choose_io
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
@@ -133,10 +126,9 @@ class Trainer:
         self.path, self.path_note = resolve_data_path(
             cfg.train.data_path, device, cfg.train.allocator
         )
-        # Data-parallel: the captured step averages the gradients inside its graph; the
-        # eager paths leave it to DDP (overlapped with the backward), but for the naive
-        # baseline, whose per-sequence backward DDP cannot wrap.
-        ddp = ranks.distributed and self.path not in (DataPath.RESIDENT_GRAPH, DataPath.NAIVE)
+        # Data-parallel: the eager paths leave the gradients to DDP, the others average
+        # them in the step (the captured one inside its graph).
+        ddp = ranks.distributed and row(self.path).ddp
         if ranks.distributed:
             self.averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
@@ -161,7 +153,7 @@ class Trainer:
             budget = least(default_budget(device), ranks)
         if managed and device.type != "cuda":
             raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
-        resident = self.path in (DataPath.RESIDENT, DataPath.RESIDENT_GRAPH)
+        resident = row(self.path).resident
         for setting, asked in (
             ("placement=managed", managed),
             ("io=kvikio", cfg.data.io == "kvikio"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -163,6 +164,70 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
     if handled:
         fsync_dir(folder)
     return handled
+
+
+# ---- what a run records ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a training run's checkpoint holds beyond weights and optimizer (state.json): the
+    random states, the data position (every data path draws step s's batch from (seed, s),
+    plus a streamed corpus's place in its chunk order), the tokens trained so far and the
+    latest validation loss. The record's layout lives here alone."""
+
+    data: dict[str, Any]
+    tokens_seen: int
+    val_loss: float | None
+    rng_torch: torch.Tensor
+    rng_device: torch.Tensor | None
+
+    @classmethod
+    def now(
+        cls, device: Device, data: dict[str, Any], tokens_seen: int, val_loss: float | None
+    ) -> RunState:
+        """The run's state after its latest step, random states read now."""
+        return cls(data, tokens_seen, val_loss, torch.get_rng_state(), device.rng_state())
+
+    def as_record(self) -> dict[str, Any]:
+        rng_device = encode_tensor(self.rng_device) if self.rng_device is not None else None
+        return {
+            "rng": {"torch": encode_tensor(self.rng_torch), "device": rng_device},
+            "data": dict(self.data),
+            "tokens_seen": self.tokens_seen,
+            "val_loss": self.val_loss,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], tokens_seen: int) -> RunState:
+        """The state a checkpoint recorded; ``tokens_seen`` where it predates that field."""
+        rng = record["rng"]
+        return cls(
+            data=dict(record.get("data", {})),
+            tokens_seen=int(record.get("tokens_seen", tokens_seen)),
+            val_loss=record.get("val_loss"),
+            rng_torch=decode_byte_tensor(rng["torch"]),
+            rng_device=decode_byte_tensor(rng["device"]) if rng.get("device") else None,
+        )
+
+    def restore_rng(self, device: Device) -> None:
+        """Put the random states back (the device's where it has one)."""
+        torch.set_rng_state(self.rng_torch)
+        if self.rng_device is not None and device.rng_state() is not None:
+            device.set_rng_state(self.rng_device)
+
+
+def best_val_loss(run_dir: Path) -> float:
+    """The validation loss of the run's best checkpoint: inf if it has none, or a damaged
+    one (which only loses its record)."""
+    best = best_checkpoint(run_dir)
+    if best is None:
+        return math.inf
+    try:
+        value = read_record(best).get("val_loss")
+    except GpuflowError:
+        return math.inf
+    return float(value) if value is not None else math.inf
 
 
 # ---- writing --------------------------------------------------------------------------------

@@ -205,12 +205,15 @@ class Trainer:
             if checkpoint is None:
                 say(f"{self.run_dir} has no checkpoint yet: training it from step 0")
             else:
-                self.start_step = self._restore(checkpoint, adamw)
-                data = checkpoint.record.get("data", {})
-                self.plan = dataclasses.replace(self.plan, resumed=data)
-                self.tokens_seen = int(
-                    checkpoint.record.get("tokens_seen", self.start_step * self.tokens_per_step)
+                self.start_step = checkpoint.step
+                state = ckpt.RunState.from_record(
+                    checkpoint.record, self.start_step * self.tokens_per_step
                 )
+                ckpt.apply_checkpoint(checkpoint, self.model, adamw)
+                state.restore_rng(device)
+                self.best_val = ckpt.best_val_loss(self.run_dir)
+                self.plan = dataclasses.replace(self.plan, resumed=state.data)
+                self.tokens_seen = state.tokens_seen
         if self.start_step >= cfg.train.steps:
             raise GpuflowError(
                 f"{self.run_dir} already finished {self.start_step} of {cfg.train.steps} steps; "
@@ -225,18 +228,6 @@ class Trainer:
             self.averager = ShardedAverager(self.optimizer)
         self._warn_about_repeats(say)
         return checkpoint.path if checkpoint is not None else None
-
-    def _restore(self, checkpoint: ckpt.CheckpointData, adamw: torch.optim.Optimizer) -> int:
-        ckpt.apply_checkpoint(checkpoint, self.model, adamw)
-        record = checkpoint.record
-        torch.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["torch"]))
-        if record["rng"].get("device") and self.device.rng_state() is not None:
-            self.device.set_rng_state(ckpt.decode_byte_tensor(record["rng"]["device"]))
-        best = ckpt.best_checkpoint(self.run_dir)
-        if best is not None:
-            with suppress(GpuflowError):  # a damaged best only loses its record
-                self.best_val = float(ckpt.read_record(best).get("val_loss", math.inf))
-        return checkpoint.step
 
     def _check_same_data(self, say: Callable[[str], None]) -> None:
         """A resumed run must read the data it was trained on: same tokenizer."""
@@ -308,20 +299,14 @@ class Trainer:
         """Checkpoint the state after ``step`` (its files are written while training goes on,
         unless ``checkpointer`` writes in the foreground)."""
         tc = self.config.train
-        device_rng = self.device.rng_state()
         data = {"path": str(self.path), "seed": tc.seed, "next_step": step}
-        state = {
-            "rng": {
-                "torch": ckpt.encode_tensor(torch.get_rng_state()),
-                "device": ckpt.encode_tensor(device_rng) if device_rng is not None else None,
-            },
-            # Every data path draws step s's batch from (seed, s): the step is the position,
-            # with a streamed corpus's place in its chunk order.
-            "data": {**data, **self._batches.position(step)},
-            "tokens_seen": self.tokens_seen + (step - self.start_step) * self.tokens_per_step,
-            "val_loss": self.last_val,
-        }
-        checkpointer.save(step, self.model, self.optimizer, state, names)
+        state = ckpt.RunState.now(
+            self.device,
+            {**data, **self._batches.position(step)},
+            self.tokens_seen + (step - self.start_step) * self.tokens_per_step,
+            self.last_val,
+        )
+        checkpointer.save(step, self.model, self.optimizer, state.as_record(), names)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """The job's ``tokens_per_s`` as a fraction of its GPUs' bf16 peak."""

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuflow.bench.train import _measure
+from gpuflow.bench.train import measure_data_path
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath
@@ -25,7 +25,9 @@ def measure_row(
     options: StepOptions | None = None,
 ) -> dict[str, Any]:
     run_dir = Path(scratch) / f"{label}{round_}"
-    row = _measure(config, device, DataPath.RESIDENT_GRAPH, run_dir, 10, 50, options=options)
+    row = measure_data_path(
+        config, device, DataPath.RESIDENT_GRAPH, run_dir, 10, 50, options=options
+    )
     row.update(variant=label, round=round_)
     print(
         f"{label:10s} round {round_}: {row['tokens_per_s']:,.0f} tok/s "

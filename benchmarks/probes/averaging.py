@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gpuflow.bench.train import _as_trained
 from gpuflow.device.accelerator import Device
 from gpuflow.train import distributed
 from gpuflow.train.config import resolve_config
 from gpuflow.train.distributed import GradientAverager, Ranks
+from gpuflow.train.loop import run_steps
 from gpuflow.train.trainer import Trainer
 
 
@@ -93,12 +93,10 @@ def measure(config, device, label, run_dir, warmup=10, timed=100):
         trainer.averager = AVERAGERS[label](1)
     total = warmup + timed
     with trainer.open_step(0, total) as step:
-        for s in range(warmup):
-            _as_trained(step, s)
+        run_steps(step, 0, warmup)
         device.synchronize()
         started = time.perf_counter()
-        for s in range(warmup, total):
-            _as_trained(step, s)
+        run_steps(step, warmup, total)
         device.synchronize()
         seconds = time.perf_counter() - started
         step.scalars.drain(total)

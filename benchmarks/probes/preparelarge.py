@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from gpuflow.bench.prepare import _run
+from gpuflow.bench.prepare import run_timed
 
 name, args = sys.argv[1], sys.argv[2:]
 out = Path(f"prepared-{name}")
 command = [sys.executable, "-m", "gpuflow", "prepare", "--out", str(out), *args]
-run = _run(command, Path.cwd())
+run = run_timed(command, Path.cwd())
 meta = json.loads((out / "meta.json").read_text())
 tokens = meta["train_tokens"] + meta["val_tokens"]
 inputs = [Path(a) for a in args if Path(a).exists()]

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from gpuflow.model.head import _softmax_grad_rows, kernel_config
+from gpuflow.model.head import kernel_config, softmax_grad_rows
 
 rows = []
 for n, v in ((4096, 16000), (32768, 50304)):
@@ -25,7 +25,7 @@ for n, v in ((4096, 16000), (32768, 50304)):
 
         def launch(block=block, one_pass=one_pass, warps=warps, n=n, v=v):
             work.copy_(logits)  # noqa: B023 - used within the iteration that defines it
-            _softmax_grad_rows[(n,)](
+            softmax_grad_rows[(n,)](
                 work,  # noqa: B023
                 targets,  # noqa: B023
                 losses,  # noqa: B023

@@ -24,7 +24,7 @@ from gpuflow.accounting.crosscheck import Interval
 _GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (group, re.compile(pattern))
     for group, pattern in (
-        ("collective", r"nccl"),
+        ("collective", r"nccl|peer_average"),
         ("loss", r"softmax_grad_rows|cross_entropy|nll_loss|log_softmax"),
         ("optimizer", r"adamw|adam_|multi_tensor|foreach|clip|norm_kernel"),
         ("attention", r"flex_attention|flash|fmha|attention|sdpa|mha|triton_tem_fused"),

@@ -34,6 +34,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import resolve_data_path
+from gpuflow.train.loop import run_steps
 from gpuflow.train.trainer import Trainer
 
 KINDS = ("pytorch", "blocking", "async")
@@ -92,30 +93,32 @@ def _measure(
     step = 0
     with trainer.open_step(0, config.train.steps) as step_fn:
 
-        def window(save: Callable[[], None] | None) -> float:
+        def window(save: Callable[[int], None] | None) -> float:
             """Seconds for ``bench.window`` steps, with ``save`` after the first."""
             nonlocal step
+            first = step
+
+            def save_after_the_first(done: int) -> None:
+                if done == first and save is not None:
+                    save(done + 1)  # the state after step ``done``: ``done + 1`` steps trained
+
             device.synchronize()
             started = time.perf_counter()
-            for i in range(bench.window):
-                step_fn(step)
-                step += 1
-                if i == 0 and save is not None:
-                    save()
+            run_steps(step_fn, first, first + bench.window, save_after_the_first)
+            step = first + bench.window
             device.synchronize()
             seconds = time.perf_counter() - started
             step_fn.scalars.flush(step)
             shutil.rmtree(scratch / "pytorch", ignore_errors=True)  # keep the disk from filling
             return seconds
 
-        saves = {
-            "pytorch": lambda: _pytorch_save(scratch / "pytorch" / f"step_{step}", trainer),
-            "blocking": lambda: trainer.save(blocking, step),
-            "async": lambda: trainer.save(background, step),
+        saves: dict[str, Callable[[int], None]] = {
+            "pytorch": lambda done: _pytorch_save(scratch / "pytorch" / f"step_{done}", trainer),
+            "blocking": lambda done: trainer.save(blocking, done),
+            "async": lambda done: trainer.save(background, done),
         }
-        for _ in range(bench.warmup):
-            step_fn(step)
-            step += 1
+        run_steps(step_fn, 0, bench.warmup)
+        step = bench.warmup
         for kind in KINDS:  # one untimed save of each: first-use allocations stay out
             window(saves[kind])
             background.wait()

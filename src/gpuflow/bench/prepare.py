@@ -137,7 +137,9 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def _run(command: list[str], cwd: Path) -> dict[str, Any]:
+def run_timed(command: list[str], cwd: Path) -> dict[str, Any]:
+    """Run ``command`` in ``cwd`` to its end: its seconds, the peak memory of its process
+    tree and its stdout; a failure is one line naming the command's last stderr line."""
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     memory = TreeMemory(child.pid)
@@ -172,7 +174,7 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
         err_console.print(f"baseline: the tokenizers script on {corpus_bytes / 2**20:,.0f} MiB...")
         spec = json.dumps([[str(p.absolute()) for p in files], separator, bench.vocab_size,
                            str(scratch / "baseline.bin")])  # fmt: skip
-        base = _run([sys.executable, "-c", BASELINE, spec], scratch)
+        base = run_timed([sys.executable, "-c", BASELINE, spec], scratch)
         base.update(json.loads(base.pop("stdout").strip().splitlines()[-1]))
         err_console.print("gpuflow prepare...")
         command = [sys.executable, "-m", "gpuflow", "prepare", "--out", str(scratch / "ours"),
@@ -180,7 +182,7 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
                    "--data", *(str(p.absolute()) for p in files)]  # fmt: skip
         if separator:
             command += ["--separator", separator]
-        ours = _run(command, scratch)
+        ours = run_timed(command, scratch)
         ours.pop("stdout")
         meta = json.loads((scratch / "ours" / "meta.json").read_text())
         ours.update(tokens=meta["train_tokens"] + meta["val_tokens"], documents=meta["documents"],

@@ -24,8 +24,9 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
 from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.loop import run_steps
 from gpuflow.train.paths import open_batches
-from gpuflow.train.step import StepOptions, TrainStep
+from gpuflow.train.step import StepOptions
 from gpuflow.train.trainer import Trainer
 
 MODES = tuple(str(path) for path in DataPath.runnable())
@@ -40,15 +41,7 @@ class TrainBenchConfig:
     overrides: tuple[str, ...] = ()
 
 
-def _as_trained(train_step: TrainStep, step: int) -> None:
-    """Step ``step``, then the readback if it ends a logging interval, as the trainer's loop
-    does each step."""
-    train_step(step)
-    if (step + 1) % train_step.config.log_interval == 0:
-        train_step.readback(step + 1)
-
-
-def _measure(
+def measure_data_path(
     config: RunConfig,
     device: Device,
     path: DataPath,
@@ -69,17 +62,14 @@ def _measure(
         with open_batches(path, trainer.plan, device, 0, total) as batches:
             source = FixedBatch.first_of(batches)
     with trainer.open_step(0, total, source) as train_step:
-        for step in range(warmup):
-            _as_trained(train_step, step)
+        run_steps(train_step, 0, warmup)
         device.synchronize()
         started = time.perf_counter()
-        for step in range(warmup, warmup + timed):
-            _as_trained(train_step, step)
+        run_steps(train_step, warmup, warmup + timed)
         device.synchronize()
         seconds = time.perf_counter() - started
         with TransferLedger(device) as ledger:
-            for step in range(warmup + timed, total):
-                _as_trained(train_step, step)
+            run_steps(train_step, warmup + timed, total)
         train_step.scalars.drain(total)
     rate = timed * trainer.tokens_per_step / seconds
     return {
@@ -111,7 +101,7 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
             label = f"{mode}{' on a synthetic batch' if synthetic else ''}"
             with err_console.status(f"measuring {label}..."):
                 rows.append(
-                    _measure(
+                    measure_data_path(
                         config,
                         device,
                         path,

@@ -36,6 +36,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import DataPath
+from gpuflow.train.loop import run_steps
 from gpuflow.train.runfolder import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
 
@@ -85,14 +86,10 @@ def profile_training(
         if mode is not DataPath.STREAMED:
             shared = stack.enter_context(trainer.open_step(0, total))
 
-        def train(first: int, count: int, after_step: Callable[[], None] = lambda: None) -> None:
+        def train(first: int, count: int, after_step: Callable[[int], None] | None = None) -> None:
             with ExitStack() as own:
                 train_step = shared or own.enter_context(trainer.open_step(first, first + count))
-                for step in range(first, first + count):
-                    train_step(step)
-                    if step == first + count - 1:  # one logging step per pass, as train does
-                        train_step.readback(step + 1)
-                    after_step()
+                run_steps(train_step, first, first + count, after_step)
                 train_step.scalars.drain(first + count)
 
         train(0, warmup)
@@ -101,7 +98,7 @@ def profile_training(
         with tempfile.TemporaryDirectory() as scratch:
             counted = ProfiledLedger(Path(scratch) / "trace.json", device)
             with counted:
-                train(warmup, steps, counted.step)
+                train(warmup, steps, lambda step: counted.step())
         timed = DeviceTrace(out_dir / "trace.json", device)
         with timed:
             host_started = time.perf_counter()

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 if triton is not None:
 
     @triton.jit
-    def _softmax_grad_rows(
+    def softmax_grad_rows(
         logits_ptr,  # (N, V), overwritten with d(mean loss)/d(logits)
         targets_ptr,  # (N,) int64
         losses_ptr,  # (N,) fp32, each row's cross-entropy
@@ -94,7 +94,7 @@ def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     if triton is not None and logits.is_cuda:
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        _softmax_grad_rows[(rows,)](
+        softmax_grad_rows[(rows,)](
             logits, targets, losses, logits.stride(0), vocab, rows, **kernel_config(vocab)
         )
         return losses

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +116,21 @@ class _Quiet:
 
     def step(self, step: int) -> None:
         pass
+
+
+def run_steps(
+    train_step: TrainStep, first: int, stop: int, after_step: Callable[[int], None] | None = None
+) -> None:
+    """Steps ``first`` to ``stop`` as ``TrainLoop`` runs them, less its records, evaluations
+    and checkpoints: each step, the readback a logging step makes where one ends an
+    interval, then ``after_step(step)``. What the benches and ``profile`` measure."""
+    log_interval = train_step.config.log_interval
+    for step in range(first, stop):
+        train_step(step)
+        if (step + 1) % log_interval == 0:
+            train_step.readback(step + 1)
+        if after_step is not None:
+            after_step(step)
 
 
 class TrainLoop:

@@ -32,7 +32,7 @@ BLOCK = 4096  # elements per program of the averaging kernel
 if triton is not None:
 
     @triton.jit
-    def _average_kernel(
+    def peer_average_kernel(
         local,  # (N,) bf16: this rank's copy; its part is overwritten with the mean
         peer_addrs,  # (N_PEERS,) int64: where the other ranks' copies lie
         partial_sq,  # (n_programs,) fp32: each program's sum of squares of the mean
@@ -107,7 +107,7 @@ class PeerAverage:
 
     def __call__(self) -> torch.Tensor:
         """The part averaged; returns the sum of squares of the average, () fp32."""
-        _average_kernel[(self._programs,)](
+        peer_average_kernel[(self._programs,)](
             self.buffer.local,
             self.buffer.peer_table.tensor,
             self._partial_sq,

@@ -1,18 +1,10 @@
 """``gpuflow bench checkpoint``: how long a checkpoint stops training, blocking vs async.
 
-A preset trains on its default data path (the captured step on CUDA). Between timed windows
-of ``window`` steps, each made of the same steps, a window saves one checkpoint after its
-first step in one of three ways:
-
-- ``pytorch``: what a training loop usually does: the state dict copied to the host tensor
-  by tensor, written with safetensors' ``save_file`` and fsynced, on the training thread;
-- ``blocking``: gpuflow's snapshot and writer, on the training thread;
-- ``async``: gpuflow's ``Checkpointer``: the snapshot queued on the device, the files
-  written by a thread while the window's steps run.
-
-A window's stall is its time less that of a window of the same steps without a save (the
-median of the plain windows around it); the rounds alternate the kinds, and the table gives
-medians over rounds, with the write's own duration and rate.
+Timed windows of the same steps, one checkpoint saved after a window's first step in one of
+three ways (``pytorch``: the state dict copied to the host and written on the training
+thread; ``blocking``: gpuflow's snapshot and writer on the training thread; ``async``:
+gpuflow's ``Checkpointer``); a window's stall is its time less that of the plain windows
+around it. Details: docs/architecture/benches.md (gpuflow bench checkpoint).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``gpuflow profile``: training steps under the profiler and the ledger, then a report.
 
-Runs ``warmup`` steps untimed, then ``steps`` steps of the preset's training loop on its
-data path (``train.data_path``: ``--set train.data_path=streamed`` to watch batches cross)
-under the ledger and the profiler (the cross-check and the per-step counts), then ``steps``
-more under the profiler alone (the timing: the ledger slows the host), and writes:
-- ``trace.json``: the profiler's trace of the timed steps (Perfetto / chrome://tracing);
-- ``timeline.png``: device activity per stream (kernels, copies) and bytes per step;
-- ``profile.json``: the ledger's totals and per-step figures, the profiler cross-check and
-  the transfer metrics (``gpuflow.accounting.metrics``); per-batch figures are medians over
-  the steps (a loader's closing wait lands in a step of its own after the last).
-
-On the cpu there is no device to trace: the step time comes from the host's clock, there is
-no timeline, and the copy metrics stay empty; the ledger's counts still hold. The output
-folder must be new, empty, or an earlier profile's: only these three files are written.
+Writes ``trace.json`` (the profiler's trace of the timed steps), ``timeline.png`` (device
+activity per stream and bytes per step) and ``profile.json`` (the ledger's totals and
+per-step figures, the profiler cross-check, the transfer metrics). The output folder must be
+new, empty, or an earlier profile's. What it runs, and what it shows on the CPU:
+docs/architecture/benches.md (gpuflow profile).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The whole training step as one CUDA graph: sample, forward, backward, clip, update, sum.
 
-Eager PyTorch launches a few hundred kernels per step from Python, and at small model sizes
-the host's launching, not the device's arithmetic, sets the pace. A CUDA graph records the
-step's kernels once and replays them with one launch. What makes the step capturable:
-- every tensor it reads or writes lives at a fixed address: parameters, the optimizer's
-  state (its step counts are device tensors), the resident corpus, the scalar sums;
-- the batch is drawn on the device from a device step counter the step advances
-  (``gpuflow.data.sources.CapturableSource``), not passed in from the host;
-- the learning rate is a device tensor computed inside the step from that counter
-  (``gpuflow.train.schedule.lr_tensor``), so the schedule keeps moving across replays;
-- gradient clipping computes its scale on the device, and autocast keeps no cast cache.
+``CapturedStep`` runs the sequence: the first ``warmup`` calls eagerly on a side stream, then
+one capture (which runs nothing), then ``after_capture`` (MasterAdamW points its table at the
+graph's gradients), then a replay per call; ``release`` drops the graph, before a
+data-parallel job leaves its process group. The graph API is a ``Graphs`` object, so that the
+sequence runs on the CPU with a stand-in.
 
-``CapturedStep`` runs the sequence: the first ``warmup`` calls eagerly on a side stream (real
-training steps: cuBLAS and the allocator settle), then one capture (which runs nothing),
-then ``after_capture`` (MasterAdamW points its table at the graph's gradients), then a
-replay per call. ``release`` drops the graph: a graph that captured collectives holds their
-NCCL communicator, whose destruction waits until every such graph is gone, so a data-parallel
-step releases its graph before the job leaves its process group
-(``gpuflow.train.distributed``). The graph API is a ``Graphs`` object, so that the sequence
-runs on the CPU with a stand-in (``tests/test_capture.py``).
+Why a graph, and what makes the step capturable: docs/architecture/training.md (The captured
+step).
 """
 
 from __future__ import annotations

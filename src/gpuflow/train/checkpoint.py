@@ -3,22 +3,13 @@
     runs/<name>/checkpoints/step_000300/
         model.safetensors       fp32 weights (the tied output head is the token table)
         optimizer.safetensors   AdamW moments and step counts, keyed state.<param>.<name>
-        state.json              step, optimizer hyper-parameters, RNG states, data position,
-                                and the byte size of each file above (written last)
+        state.json              step, optimizer hyper-parameters, ``RunState`` (random
+                                states, data position...), each file's byte size (last)
     runs/<name>/checkpoints/best/   the same, at the step with the lowest validation loss
 
-Saving does not stop training: ``Checkpointer.save`` takes a ``StateSnapshot`` (the device
-packs the state and one copy moves it to reused pinned memory, queued without a host wait)
-and a thread writes the files from those bytes while the next steps run. A checkpoint is
-built in a hidden temporary folder, every file fsynced, then renamed into place, so
-``step_*`` and ``best`` folders are always complete; the newest ``keep`` ``step_*`` folders
-are kept. A process killed mid-write leaves only its temporary folder, which the next run in
-the folder removes (``remove_stale_temporaries``). Reading checks each file's size against
-the one recorded, and ``resumable_checkpoint`` falls back past damaged checkpoints.
-
-Longer than most modules: writing and reading share the folder's layout (step names, the
-temporary-then-rename install, the file sizes in state.json), and each guarantee above is
-a property of the pair.
+``Checkpointer.save`` writes while training goes on; ``resumable_checkpoint`` reads the newest
+intact one. How saving overlaps training, and what a killed writer leaves:
+docs/architecture/training.md (Checkpoints).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The data paths of ``train.data_path``: how each training step gets its batch.
 
-- ``naive``: the pipeline this project replaces (``gpuflow.baselines.naive``): each sequence
-  on its own, the embedding tables downloaded and the lookup done on the host, blocking
-  uploads, the loss read after every sequence, no device memory caching.
-- ``standard``: what most PyTorch code does (``gpuflow.baselines.standard``): int64 batches
-  sampled on the host, pinned per batch, copied with ``non_blocking``; the loss read with
-  ``.item()`` at every logging step.
-- ``streamed``: ``DeviceLoader`` with uint16 ids (2 bytes per token), packed and its copy
-  queued two steps ahead; widened on the device.
-- ``resident``: ``ResidentTokens``: the corpus uploaded once, batches drawn on the device;
-  0 bytes per step.
-- ``resident-graph``: ``resident`` with the whole step captured as one CUDA graph
-  (``gpuflow.train.capture``). The default on CUDA; elsewhere it runs as ``resident``.
-
-What each path is made of (its batch source, its step, DDP, residency): its row in
-``gpuflow.train.paths``.
+``naive`` (the pipeline this project replaces), ``standard`` (what most PyTorch code does),
+``streamed`` (``DeviceLoader`` with uint16 ids), ``resident`` (the corpus uploaded once,
+batches drawn on the device) and ``resident-graph`` (``resident`` with the whole step as one
+CUDA graph; the default on CUDA). What each path is made of (its batch source, its step, DDP,
+residency): its row in ``gpuflow.train.paths``; what each does, in detail:
+docs/architecture/training.md (The data paths).
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Data parallelism with the update split over the ranks (as ZeRO's first stage splits it).
 
-Averaging the gradients with one all-reduce leaves every rank the whole averaged gradient,
-and every rank then runs the same update over all the weights. An all-reduce is a
-reduce-scatter followed by an all-gather; here the two halves go around the update instead:
-
     gradients --reduce-scatter--> this rank's part, averaged
               --update that part--> its new bf16 weights
               --all-gather--> every rank's weights
 
-The bytes on the link are those of the all-reduce, but each rank updates 1/N of the weights,
-and the clip's norm is a sum over the parts (one two-number all-reduce, which carries the
-loss too). All of it is device work, so it is captured with the step.
-
-Where the GPUs can map each other's memory (``train/peer_memory.py``) neither collective is
-NCCL's: the gradients and the weights live in buffers every rank maps, each rank averages
-its part of the gradients by reading the others' copies, and its update kernel writes each
-new bf16 weight into every rank's copy as it writes its own; the ranks meet at small NCCL
-all-reduces where one reads what another wrote (``docs/decisions/035``).
-
-Each rank keeps full-size masters and moments, current on its own part only:
-``MasterAdamW.gather_state`` brings them together before a checkpoint."""
+Where the GPUs map each other's memory (``train/peer_memory.py``) neither collective is
+NCCL's: each rank averages its part by reading the others' gradients, and its update kernel
+writes the new weights into every rank's copy. Each rank keeps full-size masters and moments,
+current on its own part only (``MasterAdamW.gather_state`` before a checkpoint). How and why:
+docs/architecture/distributed.md (The split update).
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """AdamW over bf16 weights with fp32 masters: the captured step's optimizer on CUDA.
 
-Under bf16 autocast an fp32 model casts every weight to bf16 in the forward, again in the
-backward, and fused AdamW then reads fp32 gradients in a few dozen multi-tensor launches.
-Here the weights the model sees are bf16 views into one flat buffer, so autocast has nothing
-to cast and the gradients arrive in bf16; the fp32 masters and both moments live in flat
-buffers too, and one Triton kernel updates them all, reading each bf16 gradient where
-autograd left it and writing the bf16 copy that the next forward reads. On seed-d384 this
-takes the step from 2.07 ms to 1.93 ms on an H100 (``docs/decisions/012``).
-
-The kernel finds the gradients through a device table of their addresses. A captured step's
-gradients live at the addresses its capture gave them, so the table is filled once, after the
-capture (``after_capture``); eager steps refresh it when the addresses change.
-
-Checkpoints stay as plain AdamW writes them: the fp32 masters are saved as the model's
-weights (``full_precision_state``), the moments under AdamW's names, so a run resumes on any
-device and with either optimizer.
+The weights the model sees are bf16 views into one flat buffer, the fp32 masters and both
+moments live in flat buffers too, and one Triton kernel updates them all, reading each bf16
+gradient where autograd left it (through a device table of addresses, filled once after a
+capture: ``after_capture``). Checkpoints stay as plain AdamW writes them, so a run resumes on
+any device and with either optimizer. Why, and what it saves: docs/architecture/training.md
+(bf16 weights over fp32 masters).
 """
 
 from __future__ import annotations

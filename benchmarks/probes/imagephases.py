@@ -22,8 +22,8 @@ import torch
 from gpuflow.bench.loaders import SyntheticImages, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
-from gpuflow.transfer.pipeline import Epoch
 from gpuflow.transfer.reader import ThreadedSource
+from gpuflow.transfer.staging import Epoch
 
 device = Device.resolve("cuda")
 dev = device.torch

@@ -15,10 +15,12 @@ import torch
 from gpuflow.bench.loaders import SyntheticImages, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer import pipeline as pipeline_module
+from gpuflow.transfer.issuing import Issuer
 from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.packing import Planner
 from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.reader import ThreadedSource
+from gpuflow.transfer.staging import Stager
 
 device = Device.resolve("cuda")
 dev = device.torch
@@ -41,9 +43,9 @@ def timed(owner, name, label):
 
 timed(ThreadedSource, "__next__", "reader queue get")
 timed(Planner, "plan_pack", "plan_pack")
-timed(Pipeline, "_stage_part", "stage (pin, write)")
-timed(Pipeline, "_issue", "issue (alloc, copy, event)")
-timed(Pipeline, "_rebuild", "rebuild (views, widen)")
+timed(Stager, "_stage_part", "stage (pin, write)")
+timed(Issuer, "issue", "issue (alloc, copy, event)")
+timed(Issuer, "_rebuild", "rebuild (views, widen)")
 timed(Pipeline, "take", "take (incl. rebuild)")
 timed(Pipeline, "top_up", "top_up (incl. queue, plan, stage)")
 timed(Pipeline, "issue_ready", "issue_ready")

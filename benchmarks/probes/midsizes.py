@@ -38,9 +38,11 @@ from gpuflow.bench.loaders import (
     sweep,
 )
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer.issuing import Issuer
 from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.packing import PackPlan
 from gpuflow.transfer.pipeline import Pipeline
+from gpuflow.transfer.staging import Stager
 
 device = Device.resolve(os.environ.get("PROBE_DEVICE", "cuda"))
 SCALE = int(os.environ.get("PROBE_SCALE", "1"))  # divides every amount: a smoke run elsewhere
@@ -68,17 +70,9 @@ show(rows, "sweep")
 results["sweep"] = rows
 
 PHASES = {
-    Pipeline: (
-        "top_up",
-        "_next_plan",
-        "_stage_part",
-        "_staging_buffer",
-        "issue_ready",
-        "_issue",
-        "_copy",
-        "take",
-        "_rebuild",
-    ),
+    Pipeline: ("top_up", "issue_ready", "take"),
+    Stager: ("_next_plan", "_stage_part", "_staging_buffer"),
+    Issuer: ("issue", "_copy", "_rebuild"),
     PackPlan: ("write_into", "write_jobs"),
 }
 originals = {  # as stored in the class: a staticmethod stays one

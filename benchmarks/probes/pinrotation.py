@@ -16,11 +16,11 @@ import torch
 
 from gpuflow.bench.loaders import MB, LoaderBenchConfig, sweep
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.pipeline import Pipeline
+from gpuflow.transfer.issuing import Issuer
 
 device = Device.resolve("cuda")
 cfg = LoaderBenchConfig(sizes=(16 * MB, 64 * MB), bytes_per_round=2048 * MB, rounds=5)
-original = Pipeline._issue
+original = Issuer.issue
 
 
 def eager_issue(self, crossing, key):
@@ -35,7 +35,7 @@ for label, issue in (
     ("eager-release", eager_issue),
     ("as-is again", original),
 ):
-    Pipeline._issue = issue
+    Issuer.issue = issue
     rows = [r for r in sweep(device, cfg) if r["source"] == "pageable"]
     stats = torch.cuda.host_memory_stats()
     results[label] = {
@@ -52,6 +52,6 @@ for label, issue in (
         "  host memory:",
         {k: v for k, v in stats.items() if k.startswith(("allocation", "segment", "num_host"))},
     )
-Pipeline._issue = original
+Issuer.issue = original
 with open(sys.argv[1], "w") as f:
     json.dump(results, f, indent=1, default=str)

@@ -20,8 +20,9 @@ import torch
 
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import Planner, Ragged
-from gpuflow.transfer.pipeline import Epoch, Pipeline
+from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.reader import queue_put, stop_reading
+from gpuflow.transfer.staging import Epoch
 from gpuflow.transfer.tally import report_copy
 
 _END = object()

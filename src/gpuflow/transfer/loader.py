@@ -30,8 +30,9 @@ from gpuflow.device.accelerator import Device
 from gpuflow.transfer.device_reader import DeviceReader
 from gpuflow.transfer.packing import LossyFloat, Planner
 from gpuflow.transfer.pinned import PoolStats
-from gpuflow.transfer.pipeline import BatchTiming, Epoch, Pipeline
+from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.reader import ThreadedSource, reads_slowly
+from gpuflow.transfer.staging import BatchTiming, Epoch
 from gpuflow.transfer.tally import housekeeping
 
 

@@ -1,0 +1,296 @@
+"""Reading ahead for ``DeviceLoader``: each batch read from the source, planned, and staged
+(written into pinned staging memory, large writes on writer threads) as soon as it is read;
+small batches in a row share one staging buffer. ``Stager`` does it for the ``Epoch`` under
+way and hands ``Crossing``s to the issuer (``transfer/issuing.py``).
+
+Why each batch is copied when it is read, and the pool's back-pressure:
+docs/architecture/transfer-pipeline.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.common.sizes import round_up
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing import ALIGN, PackPlan, Planner
+from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, pinned_copy, size_class
+from gpuflow.transfer.tally import housekeeping
+
+COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
+_COALESCE_MAX_BATCH = COALESCE_BYTES // 4  # larger batches cross on their own
+_COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source is read ahead
+# A shared staging buffer is taken before its first batch is read, at this size (a pool size
+# class): each batch is written into it as soon as it is read.
+_COALESCE_CAPACITY = COALESCE_BYTES
+SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
+BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
+_WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs were slower: docs/decisions/017)
+_WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class Crossing:
+    """Batches that share one staging buffer, one host->device copy and one destination on
+    the device, plus one copy into a device tensor of its own per source tensor copied
+    directly."""
+
+    def __init__(self, shared: bool) -> None:
+        self.parts: list[tuple[PackPlan, int]] = []  # each batch's plan, where its bytes start
+        self.nbytes = 0  # staged bytes (0: every tensor is copied directly)
+        self.wire = 0  # every byte that crosses
+        self.shared = shared  # small batches share its staging buffer (taken at its start)
+        self.host: PinnedBuffer | None = None
+        self.writes: list[Future[object]] = []  # jobs on the writer threads, if any
+        # allocated on the consumer's stream: the staged bytes (uint8), and each part's direct
+        # tensors
+        self.on_device: torch.Tensor | None = None
+        self.direct_out: list[list[torch.Tensor]] = []
+        # each part's direct source tensors, pinned (pageable ones by pin_memory() at staging)
+        self.direct_sources: list[list[torch.Tensor]] = []
+        self.alloc_stream: Any = None  # that stream, when the copy ran on the side stream
+        self.done: Any = None  # recorded after the copies when something needs it
+        self.ready_on: Any = None  # the key of a stream ordered after the copies
+        self.copy_times: tuple[Any, Any] | None = None
+        self.batches: deque[Any] | None = None  # rebuilt on the device at the first take
+        self.handed_out = 0
+
+    def release_unused(self) -> None:
+        """Let go of a crossing whose batches will never be handed out (no host wait)."""
+        if self.alloc_stream is not None and self.done is not None:
+            self.alloc_stream.wait_event(self.done)  # no block goes back under the copy
+        self.on_device = self.batches = None
+        self.direct_out, self.direct_sources = [], []
+
+
+@dataclass
+class BatchTiming:
+    copy_times: tuple[Any, Any] | None  # the crossing's, on its first batch only
+    wait_start: Any
+    wait_end: Any
+    released: Any = None
+
+
+class Epoch:
+    """One pass over the source: what it has read ahead and not yet handed out.
+
+    ``owned``: whether what the source yields is the loader's as soon as it is read (batches
+    made fresh for each read, which nothing else writes). Otherwise every batch is copied when
+    it is read (into staging memory, or pinned memory of the loader's own), before the
+    source is asked for the next one, so a source that refills one buffer, or a pinned
+    buffer it reuses, is read as it was when it yielded."""
+
+    def __init__(self, source: Iterator[Any], owned: bool) -> None:
+        self.source: Iterator[Any] | None = source  # None once it is used up
+        self.owned = owned
+        self.carried: Crossing | None = None  # started by a batch that did not fit the last
+        self.failure: Exception | None = None  # the source's error, raised in its turn
+        self.pulled: deque[Crossing] = deque()  # staged, copies not queued yet
+        self.issued: deque[Crossing] = deque()  # copies queued, batches still to hand out
+        self.held: BatchTiming | None = None  # the timing of the batch in use
+        self.ended = False
+
+
+class Stager:
+    """Reads the epochs' sources ahead and stages their batches, into a pool of pinned
+    staging buffers capped at ``depth + 2`` crossings per epoch (``pool_bytes`` caps it
+    instead). ``times`` gathers the source's and the waits' seconds (shared with the
+    loader's stats); ``epochs`` are those under way, for the pool's size."""
+
+    def __init__(
+        self, device: Device, depth: int, planner: Planner, pool_bytes: int | None,
+        coalesce: bool, times: dict[str, float], epochs: list[Epoch],
+    ) -> None:  # fmt: skip
+        self.depth, self.planner = depth, planner
+        self.coalesce = coalesce and depth > 0
+        self.pool_bytes, self.times, self.epochs = pool_bytes, times, epochs
+        self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
+        self.writer: ThreadPoolExecutor | None = None  # started by the first large write
+
+    def top_up(self, ep: Epoch) -> None:
+        """Read and stage batches until ``depth + 1`` crossings are on their way."""
+        while ep.source is not None and len(ep.pulled) + len(ep.issued) <= self.depth:
+            crossing = self._gather(ep)
+            if crossing is None:
+                break
+            ep.pulled.append(crossing)
+
+    def _next_plan(self, ep: Epoch) -> PackPlan | None:
+        """The source's next batch, planned; None at its end or after an error in it."""
+        if ep.source is None:
+            return None
+        if not ep.owned:
+            self._settle_writes(ep)  # the source may refill what they read from
+        started = time.perf_counter()
+        try:
+            batch = next(ep.source)
+            return self.planner.plan_pack(batch)
+        except StopIteration:
+            self.end_source(ep)
+        except Exception as exc:  # raised to the consumer after the batches before it
+            ep.failure = exc
+            self.end_source(ep)
+        finally:
+            self.times["source_s"] += time.perf_counter() - started
+        return None
+
+    def _gather(self, ep: Epoch) -> Crossing | None:
+        """The next crossing: one batch, or several small ones in a row, each staged (copied
+        into staging memory, its direct tensors pinned or copied) as soon as it is read."""
+        crossing, ep.carried = ep.carried, None
+        if crossing is None:
+            plan = self._next_plan(ep)
+            if plan is None:
+                return None
+            crossing = self._start(plan, ep)
+        if not crossing.shared:
+            return crossing
+        try:
+            while len(crossing.parts) < _COALESCE_MAX_COUNT:
+                plan = self._next_plan(ep)
+                if plan is None:
+                    break
+                offset = round_up(crossing.nbytes, ALIGN)
+                fits = (
+                    self._small(plan)
+                    and crossing.wire + plan.wire_nbytes <= COALESCE_BYTES
+                    and offset + plan.nbytes <= crossing.host.bytes.numel()
+                )
+                if not fits:
+                    ep.carried = self._start(plan, ep)  # the next crossing's first batch
+                    break
+                self._stage_part(crossing, plan, offset, ep.owned)
+        except BaseException:
+            self.drop_staging(crossing)
+            raise
+        return crossing
+
+    def _small(self, plan: PackPlan) -> bool:
+        return (
+            self.coalesce
+            and plan.wire_nbytes <= _COALESCE_MAX_BATCH
+            and plan.nbytes <= _COALESCE_CAPACITY
+        )
+
+    def _start(self, plan: PackPlan, ep: Epoch) -> Crossing:
+        """A crossing whose first batch is ``plan``, staged: a small batch in a staging buffer
+        that later small batches share, any other in one of its own size."""
+        crossing = Crossing(shared=self._small(plan))
+        try:
+            size = _COALESCE_CAPACITY if crossing.shared else plan.nbytes
+            if size:
+                crossing.host = self._staging_buffer(size)
+            self._stage_part(crossing, plan, 0, ep.owned)
+        except BaseException:
+            self.drop_staging(crossing)
+            raise
+        return crossing
+
+    def _stage_part(self, crossing: Crossing, plan: PackPlan, offset: int, owned: bool) -> None:
+        """Add ``plan`` to ``crossing`` at ``offset`` of its staging buffer: its staged tensors
+        written there (on the writer threads when large), its direct ones pinned by
+        ``pin_memory()`` if pageable, or copied into pinned memory of the loader's own if the
+        source's pinned memory is not the loader's to read later."""
+        sources = []
+        for leaf, source in plan.direct_pairs():
+            if leaf.pin:
+                source = source.pin_memory()
+            elif not owned:
+                source = pinned_copy(source)
+            sources.append(source)
+        crossing.direct_sources.append(sources)
+        crossing.parts.append((plan, offset))
+        crossing.nbytes = offset + plan.nbytes
+        crossing.wire += plan.wire_nbytes
+        if not plan.has_staged or crossing.host is None:
+            return
+        staging = crossing.host.bytes
+        if plan.nbytes >= BACKGROUND_BYTES:
+            if self.writer is None:
+                self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
+            jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
+            crossing.writes += [self.writer.submit(job) for job in jobs]
+            return
+        plan.write_into(staging, offset)
+
+    def _settle_writes(self, ep: Epoch) -> None:
+        """Wait until the writer threads have read every batch read so far (their errors are
+        raised in their turn, by ``issue_ready``)."""
+        pending = [f for c in (*ep.pulled, ep.carried) if c is not None for f in c.writes]
+        if not pending:
+            return
+        started = time.perf_counter()
+        with housekeeping():
+            wait(pending)
+        self.times["stall_s"] += time.perf_counter() - started
+
+    def drop_staging(self, crossing: Crossing) -> None:
+        """Cancel or wait out the crossing's writes and give its staging buffer back, unused
+        (no copy read it)."""
+        for future in crossing.writes:
+            future.cancel()
+        with housekeeping():
+            wait(crossing.writes)
+        crossing.writes = []
+        if crossing.host is not None:
+            self.pool.release(crossing.host)
+            crossing.host = None
+
+    def _staging_buffer(self, nbytes: int) -> PinnedBuffer:
+        """A staging buffer from the pool, capped at ``depth + 2`` crossings: those read ahead
+        and one whose copy may still run. The cap is the back-pressure: when the device falls
+        behind, staging waits for a copy to finish instead of pinning more memory."""
+        if self.pool_bytes is None:
+            # per epoch under way: depth + 1 read ahead, the next one started, one in a copy
+            crossings = (self.depth + 3) * max(1, len(self.epochs))
+            self.pool.max_bytes = max(self.pool.max_bytes, crossings * size_class(nbytes))
+        started = time.perf_counter()
+        try:
+            with housekeeping():  # the loader's own wait, reported in stats.stall_s
+                return self.pool.acquire(nbytes)
+        except GpuflowError as exc:
+            if self.pool_bytes is None or not ("cap" in str(exc) or "full" in str(exc)):
+                raise
+            raise GpuflowError(  # the loader's knob, not the pool's
+                f"DeviceLoader needs {self.depth + 2} staging buffers of {nbytes:,} bytes, "
+                f"more than pool_bytes={self.pool_bytes:,} holds; raise pool_bytes or leave "
+                "it unset"
+            ) from None
+        finally:
+            self.times["stall_s"] += time.perf_counter() - started
+
+    def finish_writes(self, crossing: Crossing) -> None:
+        if not crossing.writes:
+            return
+        started = time.perf_counter()
+        try:
+            for future in crossing.writes:
+                future.result()
+            crossing.writes = []
+        except BaseException:
+            self.drop_staging(crossing)
+            raise
+        finally:
+            self.times["stall_s"] += time.perf_counter() - started
+
+    def end_source(self, ep: Epoch) -> None:
+        """Stop reading the epoch's source (a batch started for the next crossing stays)."""
+        source, ep.source = ep.source, None
+        close_source = getattr(source, "close", None)  # a generator's finally blocks run now
+        if close_source is not None:
+            with suppress(Exception):
+                close_source()
+
+    def close(self) -> None:
+        """Stop the writer threads (idle: every epoch's writes were waited for)."""
+        if self.writer is not None:
+            self.writer.shutdown(wait=False)

@@ -1,0 +1,140 @@
+"""DeviceLoader on a device, fed by sources that write their batches again (one pinned or
+pageable buffer refilled, a ring of views), with the consumer's stream kept busy so that
+every copy read ahead runs late: each batch must arrive as the source yielded it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from gpuflow.transfer import issuing, staging
+from gpuflow.transfer.loader import DeviceLoader
+
+pytestmark = pytest.mark.gpu
+
+
+def _busy(ms: float) -> None:
+    torch.cuda._sleep(int(ms * 2e6))  # cycles: at least ms at clocks up to 2 GHz
+
+
+def _refilled(n: int, numel: int, pinned: bool, dtype: torch.dtype):
+    buffer = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+    for i in range(n):
+        buffer.fill_(i)
+        yield buffer
+
+
+@pytest.fixture
+def cuda(accel):
+    if accel.type != "cuda":
+        pytest.skip("copies that run after the host moves on: cuda")
+    return accel
+
+
+@pytest.mark.parametrize(
+    "numel,pinned,dtype",
+    [
+        (8, True, torch.int64),  # staged, narrowed, coalesced
+        (8, False, torch.float32),
+        (1 << 15, True, torch.float32),  # 128 KiB pinned: copied from where it lies
+        (1 << 16, False, torch.float32),  # 256 KiB pageable: pinned by pin_memory()
+        (1 << 20, True, torch.int64),  # 8 MiB narrowed: staged on the writer threads
+        (1 << 21, True, torch.float32),  # 8 MiB pinned: direct
+    ],
+    ids=["small-pinned", "small", "direct-pinned", "pageable", "writers", "large-pinned"],
+)
+def test_a_refilled_buffer_arrives_as_yielded_while_the_device_is_behind(
+    cuda, numel, pinned, dtype
+):
+    got = []
+    with DeviceLoader(_refilled(24, numel, pinned, dtype), cuda) as loader:
+        for batch in loader:
+            _busy(0.3)  # the copies read ahead queue behind this
+            got.append(torch.stack([batch.min(), batch.max()]).double())
+    values = torch.stack(got).cpu().tolist()
+    assert values == [[float(i)] * 2 for i in range(24)]
+
+
+def test_a_ring_of_pinned_views_arrives_as_yielded(cuda):
+    ring = torch.zeros(3, 1 << 16, dtype=torch.float32).pin_memory()
+
+    def source():
+        for i in range(30):
+            slot = ring[i % 3]
+            slot.fill_(float(i))
+            yield slot
+
+    got = []
+    with DeviceLoader(source(), cuda) as loader:
+        for batch in loader:
+            _busy(0.3)
+            got.append(torch.stack([batch.min(), batch.max()]))
+    assert torch.stack(got).cpu().tolist() == [[float(i)] * 2 for i in range(30)]
+
+
+def test_fresh_batches_and_a_default_dataloader_are_read_where_they_lie(cuda, monkeypatch):
+    copies = []
+    real = staging.pinned_copy
+    monkeypatch.setattr(staging, "pinned_copy", lambda t: copies.append(1) or real(t))
+
+    def fresh():
+        for i in range(6):
+            yield torch.full((1 << 16,), float(i)).pin_memory()
+
+    with DeviceLoader(fresh(), cuda, fresh_batches=True) as loader:
+        assert [b[0].item() for b in loader] == [float(i) for i in range(6)]
+    assert copies == []
+    rows = torch.arange(64 * 4096, dtype=torch.float32).reshape(64, 4096)
+    batches = DataLoader(rows, batch_size=16, pin_memory=True)
+    with DeviceLoader(batches, cuda) as loader:
+        assert torch.equal(torch.cat(list(loader)).cpu(), rows)
+    assert copies == []  # default collate: fresh batches, pinned by the DataLoader
+    with DeviceLoader(fresh(), cuda) as loader:  # not known to be fresh: copied when read
+        assert [b[0].item() for b in loader] == [float(i) for i in range(6)]
+    assert len(copies) == 6
+
+
+def test_a_device_given_as_an_int_is_that_cuda_device(cuda):
+    loader = DeviceLoader([torch.arange(4)], 0)
+    assert loader.device.torch == torch.device("cuda", 0)
+    assert next(iter(loader)).device == torch.device("cuda", 0)
+
+
+class _Filled(torch.utils.data.Dataset):
+    """Item ``i``: 64 KiB of float ``i`` (batches of 16 are 1 MiB, copied directly) and the
+    label ``i`` (narrowed, staged)."""
+
+    def __len__(self) -> int:
+        return 24 * 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
+        return {"x": torch.full((1 << 14,), float(i)), "y": i}
+
+
+def test_a_worker_fed_batch_made_on_the_reader_thread_is_complete_and_kept_until_used(
+    cuda, monkeypatch
+):  # fmt: skip
+    """The reader thread's copies run late on its own stream, and the consumer's stream is
+    slow to read each batch it has already let go of: the consumer must wait for each copy,
+    and no batch's memory may be handed to a later batch before the consumer read it."""
+    real = issuing.Issuer._copy
+
+    def late(self, crossing, stream):
+        _busy(5.0)
+        return real(self, crossing, stream)
+
+    monkeypatch.setattr(issuing.Issuer, "_copy", late)
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2)
+    sums, labels = [], []
+    with DeviceLoader(source, cuda) as loader:
+        for batch in loader:
+            _busy(3.0)  # the batch is read after this, long after the loop let go of it
+            sums.append(batch["x"].sum(dim=1))
+            labels.append(batch["y"])
+            del batch
+    got = torch.cat(sums).cpu()
+    expected = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
+    assert torch.equal(got, expected)
+    assert torch.cat(labels).cpu().tolist() == list(range(24 * 16))
+    assert loader.stats.batches == 24

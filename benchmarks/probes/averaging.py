@@ -14,6 +14,7 @@ where autograd left them; the loss on its own.
 PYTHONPATH=src python3 benchmarks/probes/averaging.py PRESET OUT.json [rounds] [variants]
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -90,7 +91,7 @@ def measure(config, device, label, run_dir, warmup=10, timed=100):
     trainer = Trainer(config, run_dir, device, ranks=ranks)
     trainer.build(resume=False, say=lambda note: None)
     if ranks is not None:  # the step is opened below, with this averager
-        trainer.averager = AVERAGERS[label](1)
+        trainer.setup = dataclasses.replace(trainer.setup, averager=AVERAGERS[label](1))
     total = warmup + timed
     with trainer.open_step(0, total) as step:
         run_steps(step, 0, warmup)
@@ -100,11 +101,12 @@ def measure(config, device, label, run_dir, warmup=10, timed=100):
         device.synchronize()
         seconds = time.perf_counter() - started
         step.scalars.drain(total)
+    averager = trainer.setup.averager
     return {
         "variant": label,
         "tokens_per_s": timed * trainer.tokens_per_step / seconds,
         "step_ms": seconds * 1e3 / timed,
-        "allreduce_bytes_per_step": trainer.averager.bytes_per_step if trainer.averager else 0,
+        "allreduce_bytes_per_step": averager.bytes_per_step if averager else 0,
     }
 
 

@@ -43,7 +43,7 @@ class CheckpointBenchConfig:
 
 def _pytorch_save(folder: Path, trainer: Trainer) -> None:
     """The usual way: every tensor copied to the host, then the files, on this thread."""
-    weights, moments, _ = ckpt.checkpoint_state(trainer.model, trainer.optimizer)
+    weights, moments, _ = ckpt.checkpoint_state(trainer.setup.model, trainer.setup.optimizer)
     folder.mkdir(parents=True, exist_ok=True)
     for name, tensors in (("model", weights), ("optimizer", moments)):
         path = folder / f"{name}.safetensors"
@@ -130,7 +130,7 @@ def _measure(
     step_s = statistics.median(plain) / bench.window
     state_bytes = sum(
         t.numel() * t.element_size()
-        for part in ckpt.checkpoint_state(trainer.model, trainer.optimizer)[:2]
+        for part in ckpt.checkpoint_state(trainer.setup.model, trainer.setup.optimizer)[:2]
         for t in part.values()
     )
     written = background.written[-1]

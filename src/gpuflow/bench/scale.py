@@ -141,7 +141,7 @@ def token_folder(config: RunConfig) -> Path:
     left to the children to check: its errors are theirs."""
     if config.data.dir:
         return Path(config.data.dir).expanduser().absolute()
-    from gpuflow.train.trainer import open_training_data  # prepares on first use
+    from gpuflow.train.setup import open_training_data  # prepares on first use
 
     open_training_data(config)
     return config.data.resolved_dir(config.model.vocab_size).absolute()

@@ -59,7 +59,7 @@ def measure_data_path(
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
     source = None
     if synthetic:  # one batch, drawn before the clock starts and reused by every step
-        with open_batches(path, trainer.plan, device, 0, total) as batches:
+        with open_batches(path, trainer.setup.plan, device, 0, total) as batches:
             source = FixedBatch.first_of(batches)
     with trainer.open_step(0, total, source) as train_step:
         run_steps(train_step, 0, warmup)

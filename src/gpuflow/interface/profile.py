@@ -64,9 +64,9 @@ def profile_training(
     trainer = Trainer(config, out_dir, device)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
     peak = probe_link(device).get("h2d_pinned")
-    mode = trainer.path
-    if trainer.path_note:
-        err_console.print(trainer.path_note)
+    mode = trainer.setup.path
+    if trainer.setup.path_note:
+        err_console.print(trainer.setup.path_note)
 
     total = warmup + 2 * steps
     with ExitStack() as stack:

@@ -30,9 +30,8 @@ from gpuflow.train.step import TrainStep
 if TYPE_CHECKING:
     from gpuflow.device.accelerator import Device
     from gpuflow.train.config import RunConfig
-    from gpuflow.train.datapath import DataPath
     from gpuflow.train.distributed import Ranks
-    from gpuflow.transfer.diskread import IoChoice
+    from gpuflow.train.setup import RunSetup
 
 
 class LoopHost(Protocol):
@@ -43,11 +42,8 @@ class LoopHost(Protocol):
     device: Device
     ranks: Ranks
     run_dir: Path
-    start_step: int
     tokens_per_step: int
-    path: DataPath
-    path_note: str
-    io: IoChoice | None
+    setup: RunSetup
 
     def evaluate(self) -> float: ...
 
@@ -148,14 +144,14 @@ class TrainLoop:
         checkpointer: ckpt.Checkpointer,
         started: float,
         show_bus: bool,
-        best_val: float = math.inf,
     ) -> None:
         self.trainer, self.train_step, self.checkpointer = trainer, train_step, checkpointer
-        self.best_val = best_val  # the lowest validation loss so far (a resumed run's too)
+        # the lowest validation loss so far (a resumed run's too)
+        self.best_val = trainer.setup.best_val
         self.started, self.show_bus = started, show_bus
         self.config = trainer.config.train
         self.throughput = Throughput(trainer.tokens_per_step, trainer.device)
-        first_sampled = trainer.start_step + train_step.warmup
+        first_sampled = trainer.setup.start_step + train_step.warmup
         self.bus = BusMeter(trainer.device, self.config.log_interval, first_sampled)
         # Per logging step, its lr and timing, held until its scalars land on the host.
         self.pending: dict[int, dict[str, Any]] = {}
@@ -165,17 +161,18 @@ class TrainLoop:
         trainer, tc, when = self.trainer, self.config, Cadence(self.config)
         ranks = trainer.ranks
         main = ranks.is_main
-        step = trainer.start_step
+        setup = trainer.setup
+        step = setup.start_step
         stop = _StopFlag()
         with (
             TrainDisplay(tc.steps, step, self.show_bus) if main else _Quiet() as self.display,
             MetricsLog(trainer.run_dir) if main else _Quiet() as self.metrics,
             stop.installed(),
         ):
-            why = f" ({trainer.path_note})" if trainer.path_note else ""
-            self.display.note(f"data path: {trainer.path}{why}")
-            if trainer.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
-                self.display.note(trainer.io.describe())
+            why = f" ({setup.path_note})" if setup.path_note else ""
+            self.display.note(f"data path: {setup.path}{why}")
+            if setup.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
+                self.display.note(setup.io.describe())
             if latest is not None:
                 self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")
             elif main:  # the untrained baseline, so the curve shows what was learnt

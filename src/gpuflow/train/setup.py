@@ -1,0 +1,236 @@
+"""What a run is built from, made once: ``build_setup`` chooses the data path, opens the
+corpus and the validation set, builds the model, its compiled forward and its optimizer,
+and restores the checkpoint when resuming; it returns a frozen ``RunSetup`` that the trainer,
+the benches and ``profile`` share. It reads, never writes: everything that can refuse a run
+does so here, before its folder changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from gpuflow.common.console import err_console
+from gpuflow.common.errors import GpuflowError
+from gpuflow.data.batches import validation_windows
+from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.data.resident import default_budget
+from gpuflow.data.tokens import TokenFolder
+from gpuflow.device.accelerator import Device
+from gpuflow.device.allocator import check_allocator
+from gpuflow.model.gpt import GPT
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import RunConfig
+from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.distributed import Averager, GradientAverager, Ranks, each_host_first, least
+from gpuflow.train.optim import StepOptimizer
+from gpuflow.train.optim.adamw import build_optimizer
+from gpuflow.train.optim.master_adamw import MasterAdamW
+from gpuflow.train.paths import BatchPlan, optimizer_for, row
+from gpuflow.train.runfolder import TOKENIZER_FILE
+from gpuflow.train.sharded import ShardedAverager
+from gpuflow.train.step import StepOptions, compiled_forward
+from gpuflow.transfer.diskread import IoChoice, choose_io
+from gpuflow.transfer.loader import upload_tokens
+from gpuflow.transfer.upload import place
+
+# Passes over the training tokens past which a run is told it will mostly memorise them.
+MANY_PASSES = 4
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A run's parts, built by ``build_setup``."""
+
+    path: DataPath  # the data path that runs (resolved from train.data_path)
+    path_note: str | None  # why it differs from the one asked for, if it does
+    data: TokenFolder
+    val_batches: list[torch.Tensor]  # (B, T+1) each, on the device; rank 0's alone
+    plan: BatchPlan  # what the path's batch source draws from
+    io: IoChoice | None  # how the resident corpus is read; None: no resident corpus
+    model: GPT
+    forward: torch.nn.Module  # the training step's forward: compiled, DDP-wrapped, or the model
+    optimizer: StepOptimizer
+    averager: Averager | None  # data-parallel: how the step averages over ranks
+    tokens_per_step: int  # of the whole job: every rank trains its own batch
+    start_step: int  # 0, or the restored checkpoint's step
+    tokens_seen: int  # by the restored checkpoint: its steps may have run on other ranks
+    best_val: float  # the best checkpoint's validation loss (inf: none yet)
+    checkpoint: Path | None  # the checkpoint restored, if any
+
+
+def open_training_data(config: RunConfig) -> TokenFolder:
+    """The run's token folder; the built-in corpus is prepared on first use."""
+    folder = config.data.resolved_dir(config.model.vocab_size)
+    if not config.data.dir and not folder.exists():
+        err_console.print(f"preparing the built-in corpus into {folder} (once)")
+        prepare(PrepareConfig(out=str(folder), vocab_size=config.model.vocab_size))
+    return TokenFolder.open(folder)
+
+
+def _silent(message: str) -> None:
+    """What ranks other than 0 say: nothing."""
+
+
+def build_setup(
+    config: RunConfig, run_dir: Path, device: Device, options: StepOptions, ranks: Ranks,
+    resume: bool, say: Callable[[str], None] = err_console.print,
+) -> RunSetup:  # fmt: skip
+    """The run's parts, and its checkpoint restored if ``resume`` (from ``run_dir``)."""
+    cfg = config
+    if not ranks.is_main:
+        say = _silent  # rank 0 speaks for the job
+    path, path_note = resolve_data_path(cfg.train.data_path, device, cfg.train.allocator)
+    # Data-parallel: the eager paths leave the gradients to DDP, the others average them in
+    # the step (the captured one inside its graph).
+    ddp = ranks.distributed and row(path).ddp
+    averager: Averager | None = None
+    if ranks.distributed:
+        averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
+    with each_host_first(ranks):  # the built-in corpus is prepared once per host
+        data = open_training_data(cfg)
+    val_batches = _validation_set(cfg, data, device, ranks)
+    managed = cfg.data.placement == "managed"
+    io = _resident_io(cfg, path, device, managed)
+    plan = BatchPlan(
+        data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size,
+        _device_budget(cfg, device, ranks), ranks.rank, ranks.world_size,
+        managed=managed, io=io.path if io else "pinned",
+    )  # fmt: skip
+    if device.type == "cuda":
+        check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
+    device.configure_for_training()
+    torch.manual_seed(cfg.train.seed)
+    model = _model(cfg, device)
+    # The training step's forward (and so its backward); evaluation stays eager.
+    trained: torch.nn.Module = model
+    if ddp:
+        trained = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    forward = compiled_forward(trained, device, options) if cfg.train.compile else trained
+    adamw = build_optimizer(model, cfg.train, device)
+    tokens_per_step = cfg.train.batch_size * cfg.model.max_len * ranks.world_size
+    start_step, tokens_seen, best_val, checkpoint = 0, 0, math.inf, None
+    if resume:
+        _check_same_data(run_dir, data, say)
+        checkpoint = ckpt.resumable_checkpoint(run_dir, say)
+        if checkpoint is None:
+            say(f"{run_dir} has no checkpoint yet: training it from step 0")
+        else:
+            start_step = checkpoint.step
+            state = ckpt.RunState.from_record(checkpoint.record, start_step * tokens_per_step)
+            ckpt.apply_checkpoint(checkpoint, model, adamw)
+            state.restore_rng(device)
+            best_val = ckpt.best_val_loss(run_dir)
+            plan = dataclasses.replace(plan, resumed=state.data)
+            tokens_seen = state.tokens_seen
+    if start_step >= cfg.train.steps:
+        raise GpuflowError(
+            f"{run_dir} already finished {start_step} of {cfg.train.steps} steps; "
+            f"pass --steps N with N > {start_step} to train further"
+        )
+    # Chosen once, for the data path: the step never swaps it. The captured step on several
+    # ranks splits the update over them (train/sharded.py).
+    split = ranks.distributed and not ddp and options.fused_clip
+    shard = (ranks.rank, ranks.world_size) if split else (0, 1)
+    optimizer = optimizer_for(path, adamw, device, options, shard)
+    if isinstance(optimizer, MasterAdamW) and optimizer.world_size > 1:
+        averager = ShardedAverager(optimizer)
+    _warn_about_repeats(cfg, tokens_per_step, data, say)
+    return RunSetup(
+        path, path_note, data, val_batches, plan, io, model, forward, optimizer, averager,
+        tokens_per_step, start_step, tokens_seen, best_val,
+        checkpoint.path if checkpoint is not None else None,
+    )  # fmt: skip
+
+
+def _validation_set(
+    cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks
+) -> list[torch.Tensor]:
+    """The validation set, read now (a split too short for one window is refused) and
+    uploaded once, by the rank that evaluates (rank 0); it stays on the device. The other
+    ranks read nothing but their slice of the train split."""
+    if not ranks.is_main:
+        return []
+    data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
+    windows = validation_windows(
+        data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
+    )
+    return [upload_tokens(w, device) for w in windows]
+
+
+def _device_budget(cfg: RunConfig, device: Device, ranks: Ranks) -> int | None:
+    """The resident corpus's cap in bytes (None: its default)."""
+    mb = cfg.data.device_budget_mb
+    if mb > 0:
+        return int(mb * 1e6)
+    if ranks.distributed:
+        # One budget for every rank (the least free memory), so that they all keep their
+        # slice resident or all stream the corpus in the same chunks.
+        return least(default_budget(device), ranks)
+    return None
+
+
+def _resident_io(cfg: RunConfig, path: DataPath, device: Device, managed: bool) -> IoChoice | None:
+    """How the resident corpus is read from disk (kvikio or pinned), and why; None where the
+    path has no resident corpus (where the settings about one are refused)."""
+    if managed and device.type != "cuda":
+        raise GpuflowError(f"data.placement=managed is CUDA's managed memory, not {device}'s")
+    resident = row(path).resident
+    for setting, asked in (("placement=managed", managed), ("io=kvikio", cfg.data.io == "kvikio")):
+        if asked and not resident:
+            raise GpuflowError(
+                f"data.{setting} is about the resident corpus; train.data_path "
+                f"{cfg.train.data_path!r} has none: use resident or resident-graph"
+            )
+    return choose_io(cfg.data.io, device, managed) if resident else None
+
+
+def _model(cfg: RunConfig, device: Device) -> GPT:
+    try:
+        return place(GPT(cfg.model), device.torch)
+    except RuntimeError as exc:  # the host's allocator refusing (a device's is below)
+        if "can't allocate memory" not in str(exc):
+            raise
+        m = cfg.model
+        raise GpuflowError(
+            f"the model does not fit in host memory (vocab {m.vocab_size:,} x d_model "
+            f"{m.d_model} for its token table alone); lower model.vocab_size, "
+            "model.d_model or model.n_layer"
+        ) from None
+
+
+def _check_same_data(run_dir: Path, data: TokenFolder, say: Callable[[str], None]) -> None:
+    """A resumed run must read the data it was trained on: same tokenizer."""
+    kept = run_dir / TOKENIZER_FILE
+    current = data.tokenizer_path
+    if kept.is_file() and current is not None and kept.read_bytes() != current.read_bytes():
+        raise GpuflowError(
+            f"{current} is not the tokenizer {run_dir} was trained with ({kept}); "
+            "point data.dir at the run's data, or start a new run"
+        )
+    if kept.is_file() and current is None:
+        say(f"{data.path} has no tokenizer.json: cannot check it is the run's data")
+
+
+def _warn_about_repeats(
+    cfg: RunConfig, tokens_per_step: int, data: TokenFolder, say: Callable[[str], None]
+) -> None:
+    """Say so when the run will read its training tokens many times over: validation loss
+    then rises as the model memorises them (the best checkpoint is kept apart)."""
+    tc = cfg.train
+    tokens = data.train_tokens
+    passes = tc.steps * tokens_per_step / max(tokens, 1)
+    if passes > MANY_PASSES:
+        say(
+            f"note: {tc.steps:,} steps of {tokens_per_step:,} tokens read the "
+            f"{tokens:,} training tokens {passes:.0f} times over; validation loss "
+            "usually rises after a few passes, so checkpoints/best keeps the best one. "
+            "More text (gpuflow prepare --data ...) or fewer --steps avoids it"
+        )

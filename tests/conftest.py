@@ -1,21 +1,25 @@
-"""Shared fixtures: a small real corpus, a prepared token folder, and the gpu marker."""
+"""Fixtures for the tests of every layer: a small real corpus, a prepared token folder, the
+accelerator; and the gpu marker's skip.
+
+A test that needs an accelerator carries the ``gpu`` marker: a module of them sets
+``pytestmark = pytest.mark.gpu`` and is named ``test_<name>_gpu.py``, beside the cpu tests of
+its layer (a single test elsewhere is decorated with ``@pytest.mark.gpu``). Without an
+accelerator each one is skipped; ``python -m pytest -m gpu`` selects exactly them. Helpers that
+are no fixtures are in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpuflow.data.corpus import default_corpus
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.device.accelerator import Device
-
-SMALL_VOCAB = 512
+from tests.helpers import SMALL_VOCAB
 
 pytest_plugins = ["pytester"]  # runs pytest on generated test files (the budget marker)
 
@@ -25,12 +29,43 @@ def _has_accelerator() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = sorted(
+        {i.nodeid.split("::")[0] for i in items if i.path.name.endswith("_gpu.py")}
+        - {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("gpu")}
+    )
+    if unmarked:  # a test in a _gpu.py module that would run, and fail, on every cpu machine
+        raise pytest.UsageError(
+            f"{', '.join(unmarked)}: a *_gpu.py module needs pytestmark = pytest.mark.gpu"
+        )
     if _has_accelerator():
         return
     skip = pytest.mark.skip(reason="needs an accelerator (cuda, xpu or mps)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def accel() -> Device:
+    """The accelerator a gpu test runs on (the best device here: cuda, xpu or mps)."""
+    return Device.resolve("auto")
+
+
+@pytest.fixture
+def gpu0(accel: Device) -> Device:
+    """The first cuda device (skips on another accelerator)."""
+    if accel.type != "cuda":
+        pytest.skip(f"peer copies are between cuda devices; this accelerator is {accel.type}")
+    return Device("cuda", 0)
+
+
+@pytest.fixture
+def gpu1(gpu0: Device) -> Device:
+    """The second cuda device (skips where there is only one)."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"a copy between two GPUs needs 2 cuda devices; this machine has {count}")
+    return Device("cuda", 1)
 
 
 @pytest.fixture(scope="session")
@@ -96,85 +131,10 @@ def data_copy(prepared: Path, workdir: Path) -> Path:
     return target
 
 
-# Settings that make a run take a few seconds on 2 cores while still learning.
-FAST = (
-    "model.vocab_size=512",
-    "model.n_layer=2",
-    "model.n_head=2",
-    "model.d_model=64",
-    "model.max_len=32",
-    "train.batch_size=8",
-    "train.warmup_steps=5",
-    "train.eval_batches=2",
-    "train.lr=0.003",
-    "train.compile=false",  # compiling takes longer than these runs (tests/gpu check it)
-)
-
-
-def gpuflow_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run ``python -m gpuflow ARGS`` in a subprocess, as a user would from a shell (``env``:
-    extra environment variables)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "gpuflow", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def torchrun_cli(*args: str, cwd: Path, nproc: int = 2) -> subprocess.Popen:
-    """``torchrun -m gpuflow train ARGS``, started, its output into ``cwd/torchrun.log`` (a
-    pipe nobody reads while the job runs would fill and stall it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "gpuflow", "train", *args,
-    ]  # fmt: skip
-    with open(cwd / "torchrun.log", "w") as log:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def torchrun_ended(job: subprocess.Popen, cwd: Path, timeout: float = 180) -> str:
-    """Wait for a ``torchrun_cli`` job to end (at most ``timeout`` s); its output."""
-    job.wait(timeout=timeout)
-    return (cwd / "torchrun.log").read_text()
-
-
-def torchrun_workers(job: subprocess.Popen) -> dict[int, int]:
-    """A running ``torchrun_cli`` job's worker processes: pid by rank (from /proc)."""
-    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True)
-    ranks = {}
-    for pid in map(int, workers.stdout.split()):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = next(v for v in environ if v.startswith(b"RANK="))
-        ranks[int(rank.split(b"=")[1])] = pid
-    return ranks
-
-
-def line_holding(file: str, marker: str) -> int:
-    """The line of ``file`` that holds ``marker``, other than a ``_line(...)`` call naming it
-    (tests check the locations a ledger reports against it)."""
-    for number, text in enumerate(Path(file).read_text().splitlines(), start=1):
-        if marker in text and "_line(" not in text:
-            return number
-    raise AssertionError(marker)
-
-
-def random_shards(folder: Path, sizes, dtype, high: int, seed: int = 0) -> list:
-    """``train_*.bin`` shards of uniformly random ids below ``high``, opened."""
-    import numpy as np
-
-    from gpuflow.data.shards import Shard, write_shard
-
-    rng = np.random.default_rng(seed)
-    shards = []
-    for i, n in enumerate(sizes):
-        path = Path(folder) / f"train_{i:06d}.bin"
-        write_shard(path, rng.integers(0, high, size=n).astype(dtype))
-        shards.append(Shard.open(path))
-    return shards
+@pytest.fixture
+def piped(monkeypatch, capsys):
+    """stdout and stderr are pipes, and COLUMNS says 80, as some CI runners do."""
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    return capsys

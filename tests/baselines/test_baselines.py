@@ -1,0 +1,54 @@
+"""The baseline data paths on the cpu: ``standard`` hands the step the batch the sampler drew,
+as int64 shifted by one; ``naive`` keeps it on the host and its per-sequence gradients are the
+model's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpuflow.baselines.naive import NaiveBatches, naive_gradients
+from gpuflow.baselines.standard import StandardBatches
+from gpuflow.data.batches import WindowSampler
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT, ModelConfig
+from tests.helpers import random_shards
+
+CPU = Device("cpu")
+
+
+def _sampler(tmp_path, batch_size: int = 4, seq_len: int = 16) -> WindowSampler:
+    shards = random_shards(tmp_path, [500, 300], np.uint16, 64)
+    return WindowSampler(tuple(shards), batch_size, seq_len, seed=3)
+
+
+def test_standard_batches_are_the_samplers_windows_as_int64_inputs_and_targets(tmp_path):
+    sampler = _sampler(tmp_path)
+    batches = StandardBatches(sampler, CPU)
+    assert batches.reads_loss_each_log  # a logging step reads its loss with .item()
+    for step in (0, 1, 7):
+        x, y = batches.inputs(step)
+        window = torch.from_numpy(sampler.batch(step).astype(np.int64))  # (B, T+1)
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 16)
+        assert torch.equal(x, window[:, :-1]) and torch.equal(y, window[:, 1:])
+    x0, _ = batches.inputs(0)
+    assert torch.equal(x0, batches.inputs(0)[0])  # a step's batch is fixed by the seed
+    assert not torch.equal(x0, batches.inputs(1)[0])
+
+
+def test_naive_batches_stay_on_the_host_and_its_gradients_are_the_models_own(tmp_path):
+    torch.manual_seed(0)
+    sampler = _sampler(tmp_path, batch_size=3, seq_len=8)
+    host = NaiveBatches(sampler).host_tokens(5)
+    assert isinstance(host, np.ndarray) and host.dtype == np.int64 and host.shape == (3, 9)
+    model = GPT(ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, max_len=8))
+    reference = GPT(model.config)
+    reference.load_state_dict(model.state_dict())
+
+    loss = naive_gradients(model, CPU, host)  # each sequence alone, embedded on the host
+    tokens = torch.from_numpy(host)
+    expected = reference(tokens[:, :-1], tokens[:, 1:])  # the whole batch at once
+    expected.backward()
+    assert torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-4, atol=1e-6), name

@@ -1,0 +1,156 @@
+"""What the tests of every layer share besides fixtures (those are in tests/conftest.py): the
+repository's places, the settings of a fast run, and the ways to start gpuflow in a child
+process. Import it absolutely (``from tests.helpers import FAST``): pytest puts the folder
+above ``tests/`` on the path whatever the current directory.
+
+Children find gpuflow through ``PYTHONPATH`` (the ``src`` folder first), so a test passes
+whether or not gpuflow is installed and from any working directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+SRC = ROOT / "src"
+PACKAGE = SRC / "gpuflow"
+EXAMPLES = ROOT / "examples"
+README = ROOT / "README.md"
+
+SMALL_VOCAB = 512  # the vocabulary of the ``prepared`` fixture's token folder
+
+# Settings that make a run take a few seconds on 2 cores while still learning.
+FAST = (
+    "model.vocab_size=512",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.d_model=64",
+    "model.max_len=32",
+    "train.batch_size=8",
+    "train.warmup_steps=5",
+    "train.eval_batches=2",
+    "train.lr=0.003",
+    "train.compile=false",  # compiling takes longer than these runs (the gpu tests check it)
+)
+
+
+def child_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict:
+    """The environment for a child Python process: ``base`` (this process's by default) with
+    ``extra`` on top, and ``src`` first on ``PYTHONPATH``: the child imports this checkout's
+    gpuflow whether or not it is installed."""
+    env = {**(os.environ if base is None else base), **(extra or {})}
+    paths = [str(SRC), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def plugin_args() -> list[str]:
+    """pytest options that load gpuflow's pytest plugin: none when gpuflow is installed (its
+    entry point loads it), ``-p gpuflow.accounting.testing`` when it is only on the path."""
+    from importlib.metadata import entry_points
+
+    installed = any(e.value == "gpuflow.accounting.testing" for e in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "gpuflow.accounting.testing"]
+
+
+def gpuflow_cli(
+    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -m gpuflow ARGS`` in a subprocess, as a user would from a shell (``env``:
+    extra environment variables)."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpuflow", *args],
+        cwd=cwd,
+        env=child_env({"PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def torchrun_cli(*args: str, cwd: Path, nproc: int = 2) -> subprocess.Popen:
+    """``torchrun -m gpuflow train ARGS``, started, its output into ``cwd/torchrun.log`` (a
+    pipe nobody reads while the job runs would fill and stall it)."""
+    env = child_env({"PYTHONUNBUFFERED": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "-m", "gpuflow", "train", *args,
+    ]  # fmt: skip
+    with open(cwd / "torchrun.log", "w") as log:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def torchrun_ended(job: subprocess.Popen, cwd: Path, timeout: float = 180) -> str:
+    """Wait for a ``torchrun_cli`` job to end (at most ``timeout`` s); its output."""
+    job.wait(timeout=timeout)
+    return (cwd / "torchrun.log").read_text()
+
+
+def torchrun_workers(job: subprocess.Popen) -> dict[int, int]:
+    """A running ``torchrun_cli`` job's worker processes: pid by rank (from /proc)."""
+    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True)
+    ranks = {}
+    for pid in map(int, workers.stdout.split()):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next(v for v in environ if v.startswith(b"RANK="))
+        ranks[int(rank.split(b"=")[1])] = pid
+    return ranks
+
+
+def line_holding(file: str, marker: str) -> int:
+    """The line of ``file`` that holds ``marker``, other than a ``_line(...)`` call naming it
+    (tests check the locations a ledger reports against it)."""
+    for number, text in enumerate(Path(file).read_text().splitlines(), start=1):
+        if marker in text and "_line(" not in text:
+            return number
+    raise AssertionError(marker)
+
+
+def random_shards(folder: Path, sizes, dtype, high: int, seed: int = 0) -> list:
+    """``train_*.bin`` shards of uniformly random ids below ``high``, opened."""
+    import numpy as np
+
+    from gpuflow.data.shards import Shard, write_shard
+
+    rng = np.random.default_rng(seed)
+    shards = []
+    for i, n in enumerate(sizes):
+        path = Path(folder) / f"train_{i:06d}.bin"
+        write_shard(path, rng.integers(0, high, size=n).astype(dtype))
+        shards.append(Shard.open(path))
+    return shards
+
+
+def mixed_state() -> dict:
+    """A state of every kind of tensor a checkpoint holds, in two groups: float32, bfloat16,
+    int64 and bool weights, and an optimizer's moments and step."""
+    import torch
+
+    return {
+        "model": {
+            "w": torch.randn(3, 5),
+            "half": torch.randn(7).to(torch.bfloat16),
+            "ids": torch.arange(9),
+            "flag": torch.tensor([True, False, True]),
+        },
+        "optimizer": {"m": torch.randn(11), "step": torch.tensor(4.0)},
+    }
+
+
+def tiny_runs(accel, prepared, folder, setting: str, values) -> dict[str, tuple]:
+    """20 steps of the tiny preset on ``prepared`` for each value of ``setting``, by value:
+    (the train loss of every step, the run's ``TrainResult``)."""
+    from gpuflow.train.config import resolve_config
+    from gpuflow.train.runfolder import read_metrics
+    from gpuflow.train.trainer import Trainer
+
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=20", "train.log_interval=1"]
+    runs = {}
+    for value in values:
+        config = resolve_config("tiny", None, [*sets, f"{setting}={value}"])
+        result = Trainer(config, folder / "runs" / value, accel).run()
+        losses = [r["loss"] for r in read_metrics(result.run_dir) if "loss" in r]
+        runs[value] = (losses, result)
+    return runs

@@ -1,0 +1,486 @@
+"""The gpuflow command end to end, as a user runs it from a shell."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpuflow.data.shards import HEADER_BYTES, Shard, write_shard
+from gpuflow.interface.cli.main import main
+from gpuflow.train.runfolder import read_metrics
+from tests.helpers import FAST, child_env, gpuflow_cli
+
+
+def test_help_lists_every_command(workdir):
+    result = gpuflow_cli("--help", cwd=workdir)
+    assert result.returncode == 0
+    for command in ("info", "prepare", "train", "sample"):
+        assert command in result.stdout
+
+
+def test_info_json_describes_the_machine(workdir):
+    result = gpuflow_cli("info", "--json", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["devices"][-1]["type"] == "cpu"
+    assert info["software"]["torch"]
+    if info["selected"] == "cpu":
+        assert info["data_io"]["path"] == "pinned"
+        assert info["link_probe"]["gb_per_s"] == {}
+        assert "skipped" in info["link_probe"]["note"]
+    else:
+        assert set(info["link_probe"]["gb_per_s"]) == {
+            "h2d_pinned",
+            "h2d_pageable",
+            "d2h_pinned",
+            "d2h_pageable",
+            "d2d",
+        }
+
+
+def test_info_prints_a_readable_summary(workdir):
+    result = gpuflow_cli("info", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "devices" in result.stdout and "link probe" in result.stdout
+    assert "data.io auto takes " in result.stdout
+
+
+def test_train_from_nothing_then_sample(workdir):
+    """No data prepared: train prepares the built-in corpus, trains, reports; sample reads it."""
+    args = (
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "12",
+        "--set",
+        "train.eval_interval=6",
+        "--set",
+        "train.log_interval=3",
+        "--device",
+        "cpu",
+    )
+    result = gpuflow_cli(*args, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "preparing the built-in corpus into data/stdlib-v4096" in result.stderr
+    run = workdir / "runs" / "tiny"
+    report = json.loads((run / "report.json").read_text())
+    assert report["steps_done"] == 12 and report["preset"] == "tiny"
+    why = "kvikio reads into CUDA memory, and the device is cpu"
+    assert report["data_io"] == {"path": "pinned", "mode": None, "reason": why}
+    assert "data.io" not in result.stderr + result.stdout  # a GPU-only choice: not shown
+    assert report["final_val_loss"] < report["first_train_loss"]
+    assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [0, 6, 12]
+    assert "finished at step 12" in result.stdout
+
+    again = gpuflow_cli(*args, cwd=workdir)  # never overwrites: a second run gets a new folder
+    assert again.returncode == 0, again.stderr
+    assert (workdir / "runs" / "tiny-2" / "report.json").is_file()
+    assert json.loads((run / "report.json").read_text()) == report
+
+    sampled = gpuflow_cli(
+        "sample",
+        "--run",
+        "runs/tiny",
+        "--prompt",
+        "The list",
+        "--max-tokens",
+        "30",
+        "--device",
+        "cpu",
+        cwd=workdir,
+    )
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("The list")
+    assert len(sampled.stdout) > len("The list") + 10
+
+
+def test_prepare_prints_a_summary(workdir, small_corpus):
+    result = gpuflow_cli(
+        "prepare",
+        "--data",
+        str(small_corpus),
+        "--vocab-size",
+        "300",
+        "--out",
+        "data/mine",
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((workdir / "data" / "mine" / "meta.json").read_text())
+    assert f"{meta['documents']:,} documents" in result.stdout
+    assert f"{meta['train_tokens']:,} train" in result.stdout
+    assert "tokens/s" in result.stdout
+
+
+def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared):
+    sets = [
+        a
+        for s in (
+            *FAST,
+            f"data.dir={prepared}",
+            "train.log_interval=1",
+            "train.eval_interval=1000",
+            "train.checkpoint_interval=1000",
+        )
+        for a in ("--set", s)
+    ]
+    base = ["-m", "gpuflow", "train", "--steps", "150", "--device", "cpu", *sets]
+    env = child_env({"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, *base, "--name", "cut"],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = workdir / "runs" / "cut" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted: saved" in err and "--resume" in err
+    # The validation loss reported is the last one measured, and says when that was: step 0.
+    assert re.search(r"stopped at step \d+: train loss [\d.]+, val loss [\d.]+ at step 0,", out)
+    stopped_at = max(r["step"] for r in read_metrics(workdir / "runs" / "cut"))
+    assert 5 <= stopped_at < 150
+
+    resumed = gpuflow_cli(*base[2:], "--name", "cut", "--resume", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed runs/cut at step {stopped_at}" in resumed.stderr
+    straight = gpuflow_cli(*base[2:], "--name", "straight", cwd=workdir)
+    assert straight.returncode == 0, straight.stderr
+
+    def losses(name):
+        return [
+            (r["step"], r["loss"]) for r in read_metrics(workdir / "runs" / name) if "loss" in r
+        ]
+
+    cut, straight = losses("cut"), losses("straight")
+    assert [step for step, _ in cut] == list(range(1, 151))  # every step once, none lost
+    # Three processes with the same number of threads: the cpu kernels give the same bits.
+    assert [loss for _, loss in cut] == [loss for _, loss in straight]
+
+
+# ---- bad input: one line, exit status 2, nothing half-written -----------------------------
+
+
+def _bad_shard_folder(folder, damage):
+    shard = next(folder.glob("train_*.bin"))
+    data = bytearray(shard.read_bytes())
+    if damage == "magic":
+        data[:4] = (1234).to_bytes(4, "little")
+    elif damage == "version":
+        data[4:8] = (9).to_bytes(4, "little")
+    elif damage == "truncated":
+        data = data[: HEADER_BYTES + 100]
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("setup", "argv", "message"),
+    [
+        (None, ["prepare", "--data", "missing.txt"], "corpus path missing.txt does not exist"),
+        ("empty", ["prepare", "--data", "empty.txt"], "corpus file empty.txt is empty"),
+        ("binary", ["prepare", "--data", "photo.txt"], "photo.txt is not UTF-8 text"),
+        ("magic", ["train", "--set", "data.dir=tokens"], "is not a token shard: magic 1234"),
+        ("version", ["train", "--set", "data.dir=tokens"], "has version 9 for magic 20240520"),
+        ("truncated", ["train", "--set", "data.dir=tokens"], "is truncated"),
+        (
+            "big-id",
+            ["train", "--set", "data.dir=tokens", "--set", "model.vocab_size=600"],
+            "holds token id 4000 but model.vocab_size is 600",
+        ),
+        (None, ["train", "--set", "model.flavour=1"], "unknown key model.flavour"),
+        (None, ["train", "--set", "model.n_head=3"], "must be divisible by model.n_head"),
+        (None, ["train", "--set", "train.batch_size=-1"], "train.batch_size must be > 0"),
+        (
+            None,
+            ["train", "--set", "data.dir=tokens", "--set", "model.max_len=40000"],
+            "has no run of 40001 tokens",
+        ),
+        ("toml", ["train", "--config", "run.toml"], "unknown key train.epochs"),
+        ("not-a-run", ["sample", "--run", "notes"], "notes is not a gpuflow run"),
+        (None, ["sample", "--run", "runs/nothing"], "run folder runs/nothing does not exist"),
+        (None, ["train", "--resume"], "there is no run in runs/ to resume"),
+        (None, ["train", "--resume", "--preset", "tiny"], "there is no run in runs/ to resume"),
+        (None, ["train", "--device", "cuda:7"], "cuda:7"),
+        (None, ["train", "--set", "data.io=gds"], "data.io must be one of auto, kvikio, pinned"),
+        (None, ["bench", "io", "--device", "cpu"], "bench io reads into CUDA memory"),
+        (None, ["bench", "io", "--repeats", "0"], "--mib and --repeats must be >= 1"),
+        (
+            None,
+            ["train", "--set", "data.dir=tokens", "--set", "data.io=kvikio", "--device", "cpu"],
+            "data.io=kvikio cannot run: kvikio reads into CUDA memory, and the device is cpu",
+        ),
+        (
+            None,
+            [
+                "train",
+                "--set",
+                "data.dir=tokens",
+                "--set",
+                "data.io=kvikio",
+                "--set",
+                "train.data_path=standard",
+                "--device",
+                "cpu",
+            ],
+            "data.io=kvikio is about the resident corpus; train.data_path 'standard' has none",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(workdir, data_copy, capsys, setup, argv, message):
+    if setup == "empty":
+        (workdir / "empty.txt").write_text("")
+    elif setup == "binary":
+        (workdir / "photo.txt").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF")
+    elif setup in ("magic", "version", "truncated"):
+        _bad_shard_folder(data_copy, setup)
+    elif setup == "big-id":
+        shard = Shard.open(next(data_copy.glob("val_*.bin")))
+        tokens = np.array(shard.tokens)
+        tokens[0] = 4000
+        write_shard(shard.path, tokens)
+        (data_copy / "meta.json").unlink()
+    elif setup == "toml":
+        (workdir / "run.toml").write_text("[train]\nepochs = 3\n")
+    elif setup == "not-a-run":
+        (workdir / "notes").mkdir()
+    before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    # Nothing was written: no run folder, no data folder, no stray files.
+    assert sorted(p.relative_to(workdir) for p in workdir.rglob("*")) == before
+
+
+def test_bad_input_from_a_real_process_has_no_traceback(workdir):
+    (workdir / "notes").mkdir()
+    result = gpuflow_cli("sample", "--run", "notes", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: notes is not a gpuflow run")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_of_another_shape_via_the_cli(workdir, prepared, capsys):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    assert main(["train", "--steps", "2", "--name", "a", "--device", "cpu", *sets]) == 0
+    capsys.readouterr()
+    config_before = (workdir / "runs" / "a" / "config.toml").read_text()
+    metrics_before = (workdir / "runs" / "a" / "metrics.jsonl").read_text()
+    code = main(["train", "--steps", "4", "--name", "a", "--resume", "--set", "model.n_layer=3"])
+    assert code == 2
+    assert "does not fit this model: it lacks blocks.2." in capsys.readouterr().err
+    assert (workdir / "runs" / "a" / "config.toml").read_text() == config_before
+    assert (workdir / "runs" / "a" / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_resume_without_a_name_continues_the_most_recent_run(workdir, prepared, capsys):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    assert main(["train", "--steps", "2", "--name", "older", "--device", "cpu", *sets]) == 0
+    assert main(["train", "--steps", "2", "--name", "newer", "--device", "cpu", *sets]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--steps", "3", "--device", "cpu"]) == 0
+    assert "resumed runs/newer at step 2" in capsys.readouterr().err
+    assert max(r["step"] for r in read_metrics(workdir / "runs" / "newer")) == 3
+    assert max(r["step"] for r in read_metrics(workdir / "runs" / "older")) == 2
+
+
+def test_bench_transfer_runs_and_writes_json(workdir):
+    result = gpuflow_cli("bench", "transfer", "--quick", "--device", "cpu", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert not (workdir / "benchmarks").exists()  # never into a checkout's tracked results
+    files = list((workdir / "runs" / "bench").glob("*-transfer-quick-cpu.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["benchmark"] == "transfer" and record["machine"]["type"] == "cpu"
+    assert {row["memory"] for row in record["memory_kinds"]} == {
+        "pageable",
+        "fresh_pinned",
+        "pooled",
+    }
+    assert record["small_tensors"]["tensors"] == 200
+    assert record["flat_memory"]["flat"] is True
+    assert "targets" in result.stdout and str(files[0].relative_to(workdir)) in result.stdout
+
+
+def test_bench_train_measures_each_data_path_and_writes_json(workdir, prepared):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    result = gpuflow_cli(
+        "bench", "train", "--preset", "tiny", "--modes", "streamed,resident",
+        "--steps", "3", "--warmup", "1", "--device", "cpu", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [path] = (workdir / "runs" / "bench").glob("*-train-*-cpu.json")
+    record = json.loads(path.read_text())
+    rows = {row["mode"]: row for row in record["rows"]}
+    assert set(rows) == {"streamed", "resident", "resident (synthetic batch)"}
+    ids = 8 * 33  # FAST: batch 8, windows of 32 + 1
+    assert rows["streamed"]["h2d_bytes_per_step"] == 2 * ids
+    assert rows["resident"]["h2d_bytes_per_step"] == 0
+    assert all(row["tokens_per_s"] > 0 and row["syncs_per_step"] == 0 for row in rows.values())
+    assert str(path.relative_to(workdir)) in result.stdout
+
+
+def test_bench_train_refuses_an_unknown_mode(workdir):
+    result = gpuflow_cli("bench", "train", "--modes", "teleport", "--device", "cpu", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: unknown data path 'teleport' in --modes; choose from naive, standard, streamed, "
+        "resident, resident-graph"
+    )
+
+
+def test_profile_writes_trace_timeline_and_counts(workdir, prepared):
+    sets = [
+        a for s in (*FAST, f"data.dir={prepared}", "train.data_path=streamed") for a in ("--set", s)
+    ]
+    result = gpuflow_cli(
+        "profile", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu",
+        "--out", "prof", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # The profile folder holds the profile and nothing a run would: it is not a run.
+    assert sorted(p.name for p in (workdir / "prof").iterdir()) == ["profile.json", "trace.json"]
+    assert (workdir / "prof" / "trace.json").stat().st_size > 0
+    record = json.loads((workdir / "prof" / "profile.json").read_text())
+    assert record["data_path"] == "streamed" and record["steps"] == 2
+    assert record["metrics"]["h2d_bytes_per_batch"] == 2 * 8 * 33  # uint16 ids, one batch
+    assert record["metrics"]["syncs_per_batch"] == 0
+    # The cpu has no device to trace: the step is timed by the host clock, and it says so.
+    assert record["step_clock"] == "host" and record["metrics"]["step_ms"] > 0
+    assert "no device to trace" in result.stdout and "0.00 ms" not in result.stdout
+
+
+def test_profile_refuses_a_folder_it_did_not_write(workdir, prepared):
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "trace.json").write_text("my own trace")
+    result = gpuflow_cli(
+        "profile", "--steps", "1", "--warmup", "0", "--device", "cpu", "--out", "mine",
+        "--set", f"data.dir={prepared}", *[a for s in FAST for a in ("--set", s)], cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "mine exists and is not a gpuflow profile folder" in result.stderr
+    assert (workdir / "mine" / "trace.json").read_text() == "my own trace"
+
+
+def test_bench_checkpoint_compares_blocking_and_async_saves(workdir, prepared):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    result = gpuflow_cli(
+        "bench", "checkpoint", "--preset", "tiny", "--rounds", "1", "--window", "3",
+        "--device", "cpu", "--out", "res", *sets, cwd=workdir,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [path] = (workdir / "res").glob("*-checkpoint-*-cpu.json")
+    record = json.loads(path.read_text())
+    assert [row["kind"] for row in record["rows"]] == ["pytorch", "blocking", "async"]
+    assert all(len(row["stall_ms_rounds"]) == 1 for row in record["rows"])
+    assert record["step_ms"] > 0 and record["async_write_s"] > 0
+    # model + optimizer files: the fp32 weights and two moments, and their headers.
+    assert record["file_bytes"] > 3 * 4 * 60_000 and record["state_bytes"] < record["file_bytes"]
+    assert "async write took" in result.stdout
+    assert not list(workdir.glob("gpuflow-bench-checkpoint-*"))  # scratch removed
+
+
+def test_bench_soak_samples_memory_over_a_run(workdir, prepared):
+    sets = [
+        a
+        for s in (*FAST, f"data.dir={prepared}", "train.log_interval=2", "train.eval_interval=4")
+        for a in ("--set", s)
+    ]
+    result = gpuflow_cli(
+        "bench", "soak", "--steps", "24", "--device", "cpu", "--out", "res",
+        "--set", "train.checkpoint_interval=4", *sets, cwd=workdir,
+    )  # fmt: skip
+    [path] = (workdir / "res").glob("*-soak-*-cpu.json")
+    record = json.loads(path.read_text())
+    assert result.returncode == (0 if record["flat"] else 1), result.stderr
+    assert record["steps"] == 24 and record["warmup_steps"] == 6
+    rss = record["samples"]["rss_bytes"]
+    assert [step for step, _ in rss] == list(range(2, 25, 2)) and all(v > 0 for _, v in rss)
+    assert set(record["verdicts"]) == {"rss_bytes"}  # the cpu reports no pinned or device memory
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_bench_whose_results_cannot_be_written_says_so_before_it_runs(tmp_path, capsys):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the results folder would go")
+    started = time.perf_counter()
+    assert main(["bench", "transfer", "--quick", "--device", "cpu", "--out", str(blocker)]) == 2
+    assert time.perf_counter() - started < 5  # refused before measuring anything
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write bench results into") and "\n" not in err
+    assert blocker.read_text() == "a file where the results folder would go"
+
+
+def test_an_os_error_any_command_meets_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "runs"))
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gpuflow.train.runfolder.RunFolder.start", read_only)
+    assert main(["train", "--preset", "tiny", "--device", "cpu", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "Read-only file system" in line and str(tmp_path / "runs") in line
+    assert "choose a writable place" in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "setup,said",
+    [("long name", "choose a shorter one"), ("runs is a file", "move it away")],
+)
+def test_a_run_folder_the_file_system_refuses_is_one_line(workdir, prepared, capsys, setup, said):
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    name = "x" * 300 if setup == "long name" else "r"
+    if setup == "runs is a file":
+        (workdir / "runs").write_text("not a folder")
+    assert main(["train", "--device", "cpu", "--steps", "1", "--name", name, *sets]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert said in line and "Traceback" not in err
+    if setup == "runs is a file":
+        assert (workdir / "runs").read_text() == "not a folder"
+
+
+def test_version_names_the_package_version(capsys):
+    import gpuflow
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpuflow {gpuflow.__version__}"
+
+
+def test_train_ends_naming_how_to_sample_and_sample_says_which_checkpoint_it_used(
+    workdir, prepared, capsys
+):
+    sets = [
+        a for s in (*FAST, f"data.dir={prepared}", "train.eval_interval=1000") for a in ("--set", s)
+    ]
+    # (the end of a run evaluates, so it has a best: removed below, as before any evaluation)
+    assert main(["train", "--device", "cpu", "--steps", "2", "--name", "s", *sets]) == 0
+    assert "sample from it: gpuflow sample --run runs/s" in capsys.readouterr().out
+    best = workdir / "runs" / "s" / "checkpoints" / "best"
+    shutil.rmtree(best)  # as if no validation pass had run yet
+    assert main(["sample", "--run", "runs/s", "--max-tokens", "3", "--device", "cpu"]) == 0
+    assert "has no best checkpoint yet (no validation pass): using step_000002" in (
+        capsys.readouterr().err
+    )

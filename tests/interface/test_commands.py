@@ -1,0 +1,135 @@
+"""Each command module of ``gpuflow``, called in this process: the subcommand it adds, its
+defaults, and its ``run`` on the cpu (the command as a user runs it, in a shell:
+test_cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.interface.cli import bench, info, prepare, profile, sample, train
+from gpuflow.interface.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    add_corpus_arguments,
+    unescape,
+)
+from gpuflow.interface.cli.main import COMMANDS, build_parser
+from tests.helpers import FAST
+
+SETS = [a for s in FAST for a in ("--set", s)]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+@pytest.mark.parametrize("module", [info, prepare, train, bench, profile, sample])
+def test_each_command_module_adds_its_own_subcommand_and_runs_it(module):
+    name = module.__name__.rsplit(".", 1)[1]
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    module.add_parser(sub)
+    assert list(sub.choices) == [name]
+    if module is not bench:  # bench's run is set on each of its benches
+        assert sub.choices[name].get_default("func") is module.run
+
+
+def test_main_lists_the_commands_in_helps_order():
+    assert (info, prepare, train, bench, profile, sample) == COMMANDS
+    assert EXIT_BAD_INPUT == 2 and EXIT_INTERRUPTED == 130
+
+
+def test_escapes_in_an_argument_mean_what_a_shell_user_means():
+    assert unescape(r"\n\n") == "\n\n"
+    assert unescape(r"a\tb\rc") == "a\tb\rc"
+    assert unescape(r"C:\\path\x") == "C:\\path\\x"  # only \n \r \t \\ are escapes
+    assert unescape("<|endoftext|> é") == "<|endoftext|> é"
+
+
+def test_the_corpus_arguments_default_to_one_document_per_file_and_the_text_field():
+    parser = argparse.ArgumentParser()
+    add_corpus_arguments(parser, data_help="the corpus")
+    args = parser.parse_args(["--data", "a.txt", "b/"])
+    assert (args.data, args.separator, args.text_field) == (["a.txt", "b/"], None, "text")
+
+
+def test_info_reports_the_cpu_as_json_and_as_tables(capsys):
+    assert info.run(parse("info", "--json", "--device", "cpu")) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["selected"] == "cpu"
+    assert not facts["link_probe"]["gb_per_s"] and facts["link_probe"]["bytes"] is None
+    assert facts["link_probe"]["note"].startswith("skipped: the cpu has no host-device link")
+    assert {"software", "devices", "allocator", "data_io", "peers"} <= set(facts)
+    assert info.run(parse("info", "--device", "cpu")) == 0
+    assert "gpuflow info" in capsys.readouterr().out
+
+
+def test_prepare_turns_its_arguments_into_a_token_folder(workdir, small_corpus, capsys):
+    notes = str(small_corpus / "notes")
+    base = ("prepare", "--data", notes, "--vocab-size", "300", "--workers", "1")
+    assert prepare.run(parse(*base, "--out", "whole")) == 0
+    assert prepare.run(parse(*base, "--out", "paragraphs", "--separator", r"\n\n")) == 0
+    out = capsys.readouterr().out
+    assert "train on it: " in out and "whole" in out
+    whole = json.loads((workdir / "whole" / "meta.json").read_text())
+    split = json.loads((workdir / "paragraphs" / "meta.json").read_text())
+    assert whole["documents"] == 20  # one document per file
+    assert split["documents"] > whole["documents"]  # \n\n reached prepare as a blank line
+
+
+def test_train_then_sample_through_their_command_modules(workdir, prepared, capsys):
+    args = parse("train", "--steps", "4", "--device", "cpu", "--name", "cli", *SETS,
+                 "--set", f"data.dir={prepared}", "--set", "train.log_interval=2")  # fmt: skip
+    assert train.run(args) == 0
+    report = json.loads((workdir / "runs" / "cli" / "report.json").read_text())
+    assert report["steps_done"] == 4 and report["config"]["model"]["d_model"] == 64
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse("sample")  # --run is required
+    defaults = parse("sample", "--run", "runs/cli")
+    assert (defaults.checkpoint, defaults.temperature, defaults.top_k) == ("best", 0.8, 50)
+    args = parse("sample", "--run", "runs/cli", "--prompt", "The", "--max-tokens", "5",
+                 "--device", "cpu")  # fmt: skip
+    assert sample.run(args) == 0
+    assert capsys.readouterr().out.startswith("The")
+
+
+def test_profile_writes_its_files_where_it_is_told(workdir, prepared, capsys):
+    args = parse("profile", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--device",
+                 "cpu", "--out", "prof", *SETS, "--set", f"data.dir={prepared}")  # fmt: skip
+    assert (parse("profile").steps, parse("profile").warmup) == (10, 5)
+    assert profile.run(args) == 0
+    out = capsys.readouterr().out
+    assert "profiling 2 steps of tiny on cpu into prof" in out
+    wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
+    assert sorted(wrote.removeprefix("wrote ").split(", ")) == [
+        "prof/profile.json",
+        "prof/trace.json",
+    ]
+    assert (workdir / "prof" / "profile.json").is_file()
+
+
+def test_bench_has_one_subcommand_per_bench_and_checks_its_folder_first(tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    benches = parser._subparsers._group_actions[0].choices["bench"]._subparsers
+    assert set(benches._group_actions[0].choices) == set(bench.BENCHES)
+    args = parse("bench", "train")
+    assert (args.preset, args.steps, args.warmup, args.func) == ("seed-d384", 50, 10, bench.run)
+    (tmp_path / "results").write_text("a file")
+    measured = []
+    monkeypatch.setitem(
+        bench.BENCHES,
+        "transfer",
+        bench.Bench("stand-in", lambda p: None, lambda args, device: measured.append(args)),
+    )
+    args = parse("bench", "transfer", "--device", "cpu", "--out", str(tmp_path / "results"))
+    with pytest.raises(GpuflowError, match="is a file, not a folder"):
+        bench.run(args)
+    assert measured == []  # refused before the bench spent its time

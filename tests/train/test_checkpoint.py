@@ -1,0 +1,123 @@
+"""The checkpoint writer: files written on a thread from one snapshot, standard safetensors
+out, and nothing half-written on failure (the snapshot itself: tests/transfer/test_snapshot.py)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.device.accelerator import Device
+from gpuflow.model.gpt import GPT, ModelConfig
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import TrainConfig
+from gpuflow.train.optim.adamw import build_optimizer
+from gpuflow.transfer.snapshot import StateSnapshot
+from tests.helpers import mixed_state
+
+
+def test_written_files_are_standard_safetensors(tmp_path):
+    snap = StateSnapshot("cpu").capture(mixed_state())
+    snap.wait()
+    path = tmp_path / "model.safetensors"
+    written = ckpt.write_safetensors(path, snap.layout.groups["model"], snap.group_bytes("model"))
+    assert written["bytes"] == path.stat().st_size
+    assert written["sha256"] == ckpt.file_digest(path)
+    loaded = load_file(str(path))
+    for name, tensor in mixed_state()["model"].items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape
+    assert torch.equal(loaded["w"], snap.tensors("model")["w"])
+    assert torch.equal(loaded["flag"], torch.tensor([True, False, True]))
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=16, max_len=8)
+    model = GPT(config)
+    optimizer = build_optimizer(model, TrainConfig(), Device("cpu"))
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, ids).backward()
+    optimizer.step()
+    return config, model, optimizer
+
+
+def test_save_returns_while_the_files_are_written(tmp_path, monkeypatch):
+    _, model, optimizer = _model_and_optimizer()
+    writing, go_on = threading.Event(), threading.Event()
+    real_write = ckpt.write_safetensors
+
+    def slow_write(*args):
+        writing.set()
+        go_on.wait(timeout=10)
+        return real_write(*args)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", slow_write)
+    checkpointer = ckpt.Checkpointer(tmp_path, Device("cpu"), keep=2)
+    checkpointer.save(5, model, optimizer, {"note": "x"})
+    assert writing.wait(timeout=10)
+    assert ckpt.latest_checkpoint(tmp_path) is None  # training goes on; nothing renamed yet
+    with torch.no_grad():
+        model.ln_f.weight.add_(1.0)  # the next steps change the weights meanwhile
+    go_on.set()
+    checkpointer.close()
+    [saved] = ckpt.list_checkpoints(tmp_path)
+    assert saved.name == "step_000005"
+    weights = load_file(str(saved / "model.safetensors"))
+    assert torch.equal(weights["ln_f.weight"] + 1.0, model.ln_f.weight)  # as when saved
+    record = json.loads((saved / "state.json").read_text())
+    model_file = saved / "model.safetensors"
+    assert record["files"]["model.safetensors"] == {
+        "bytes": model_file.stat().st_size, "sha256": ckpt.file_digest(model_file)
+    }  # fmt: skip
+    assert checkpointer.write_seconds and checkpointer.written == [saved]
+
+
+def test_a_failed_write_is_reported_and_leaves_the_earlier_checkpoints(tmp_path, monkeypatch):
+    config, model, optimizer = _model_and_optimizer()
+    checkpointer = ckpt.Checkpointer(tmp_path, Device("cpu"), keep=2)
+    checkpointer.save(1, model, optimizer, {})
+    checkpointer.wait()
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_safetensors", full_disk)
+    checkpointer.save(2, model, optimizer, {})
+    with pytest.raises(GpuflowError, match=r"No space left on device.*earlier checkpoints are"):
+        checkpointer.wait()
+    folder = ckpt.checkpoint_dir(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000001"]  # no temporary left
+    again = GPT(config)
+    ckpt.load_checkpoint(
+        folder / "step_000001", again, build_optimizer(again, TrainConfig(), Device("cpu"))
+    )
+
+
+def test_best_shares_the_files_of_its_step_and_outlives_pruning(tmp_path):
+    _, model, optimizer = _model_and_optimizer()
+    checkpointer = ckpt.Checkpointer(tmp_path, Device("cpu"), keep=1)
+    checkpointer.save(1, model, optimizer, {"val_loss": 3.0}, ("step_000001", ckpt.BEST))
+    checkpointer.save(2, model, optimizer, {"val_loss": 3.5})
+    checkpointer.close()
+    folder = ckpt.checkpoint_dir(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["best", "step_000002"]
+    assert ckpt.read_record(folder / "best")["step"] == 1
+
+
+def test_a_replacement_cut_short_gives_the_old_checkpoint_back(tmp_path):
+    _, model, optimizer = _model_and_optimizer()
+    path = ckpt.save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)
+    retired = path.with_name(".step_000003.old-4242")  # moved aside, its successor lost
+    path.rename(retired)
+    (path.parent / ".step_000004.tmp-4242").mkdir()
+    assert ckpt.remove_stale_temporaries(tmp_path) == [
+        ".step_000003.old-4242",
+        ".step_000004.tmp-4242",
+    ]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_000003"]

@@ -1,0 +1,133 @@
+"""Config resolution: presets, TOML files, --set, and the errors for bad values."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.model.gpt import GPT
+from gpuflow.train.config import PRESETS, parse_set, resolve_config, to_toml
+from tests.helpers import ROOT
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_its_model(name):
+    config = resolve_config(name)
+    assert config.preset == name
+    GPT(config.model)  # shapes are consistent
+    assert config.model.d_model % config.model.n_head == 0
+
+
+def test_the_seed_presets_match_the_seed_documents():
+    d384 = resolve_config("seed-d384")
+    assert (d384.model.d_model, d384.model.n_head, d384.model.n_layer) == (384, 6, 6)
+    assert (d384.train.batch_size, d384.model.max_len, d384.model.vocab_size) == (32, 128, 16000)
+    d512 = resolve_config("seed-d512")
+    assert (d512.model.d_model, d512.train.batch_size, d512.model.max_len) == (512, 64, 512)
+    d256 = resolve_config("seed-d256")
+    assert (d256.model.d_model, d256.model.n_head) == (256, 8)
+    gpt2 = resolve_config("gpt2-124m")
+    assert (gpt2.model.n_layer, gpt2.model.n_head, gpt2.model.d_model) == (12, 12, 768)
+    assert (gpt2.model.max_len, gpt2.model.vocab_size) == (1024, 50304)
+
+
+def test_file_then_set_override_the_preset(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "seed-d256"\n[model]\nn_layer = 3\n[train]\nlr = 1\nsteps = 50\n')
+    config = resolve_config(None, str(path), ["train.steps=70", "data.dir=data/my corpus"])
+    assert config.preset == "seed-d256"
+    assert config.model.n_layer == 3 and config.model.d_model == 256
+    assert config.train.lr == 1.0 and isinstance(config.train.lr, float)
+    assert config.train.steps == 70
+    assert config.data.dir == "data/my corpus"
+
+
+def test_written_config_reads_back_identically(tmp_path):
+    config = resolve_config("tiny", None, ["train.lr=2.5e-4", 'data.dir="a \\"quoted\\" path"'])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config))
+    assert tomllib.loads(path.read_text())["train"]["lr"] == 2.5e-4
+    assert resolve_config(None, str(path)) == config
+
+
+def test_parse_set_reads_toml_values_and_bare_words():
+    assert parse_set("train.lr=3e-4") == {"train": {"lr": 3e-4}}
+    assert parse_set("data.dir=data/x") == {"data": {"dir": "data/x"}}
+    assert parse_set("train.steps = 10") == {"train": {"steps": 10}}
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["model.widht=3"], "unknown key model.widht; valid keys are vocab_size"),
+        (["optim.lr=3"], "unknown section 'optim'"),
+        (["model.n_head=5"], r"d_model \(128\) must be divisible by model.n_head \(5\)"),
+        (["train.batch_size=0"], "train.batch_size must be > 0"),
+        (["model.d_model=-64"], "model.d_model must be a positive integer"),
+        (["train.steps=1.5"], "train.steps must be an int"),
+        (["train.lr=nan"], "train.lr must be a finite number"),
+        (["train.beta2=1.0"], r"train.beta2 must be in \[0, 1\)"),
+        (["lr=3"], "is not SECTION.KEY=VALUE"),
+    ],
+)
+def test_bad_settings_name_the_key(sets, message):
+    with pytest.raises(GpuflowError, match=message):
+        resolve_config("tiny", None, sets)
+
+
+def test_bad_files_are_refused(tmp_path):
+    with pytest.raises(GpuflowError, match="does not exist"):
+        resolve_config(None, str(tmp_path / "missing.toml"))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    with pytest.raises(GpuflowError, match="not valid TOML"):
+        resolve_config(None, str(broken))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nepochs = 3\n")
+    with pytest.raises(GpuflowError, match=r"unknown key train\.epochs"):
+        resolve_config(None, str(unknown))
+    with pytest.raises(GpuflowError, match="unknown preset 'huge'"):
+        resolve_config("huge")
+
+
+def test_shipped_config_files_resolve():
+    folder = ROOT / "configs"
+    files = sorted(folder.glob("*.toml"))
+    assert files
+    for path in files:
+        config = resolve_config(None, str(path))
+        assert config.train.steps > 0
+
+
+def test_data_placement_is_device_or_managed():
+    assert resolve_config("tiny", None, ["data.placement=managed"]).data.placement == "managed"
+    with pytest.raises(GpuflowError, match=r"data\.placement must be device or managed"):
+        resolve_config("tiny", None, ["data.placement=host"])
+
+
+def test_a_managed_corpus_off_cuda_is_refused_before_the_run_starts(prepared, workdir):
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.trainer import Trainer
+
+    config = resolve_config("tiny", None, [f"data.dir={prepared}", "data.placement=managed"])
+    trainer = Trainer(config, workdir / "runs" / "m", Device("cpu"))
+    with pytest.raises(GpuflowError, match="managed memory, not cpu's"):
+        trainer.build(resume=False)
+    assert not (workdir / "runs" / "m").exists()
+
+
+@pytest.mark.parametrize(
+    "setting,said",
+    [
+        ("train.lr=1e308", "train.lr must be a finite number within fp32's range"),
+        ("train.lr=nan", "train.lr must be a finite number"),
+        ("train.weight_decay=inf", "train.weight_decay must be a finite number"),
+        ("train.seed=18446744073709551616", "train.seed must be below 2**64"),
+    ],
+)
+def test_absurd_numbers_are_one_line_errors(setting, said):
+    with pytest.raises(GpuflowError, match=re.escape(said)):
+        resolve_config("tiny", None, [setting])

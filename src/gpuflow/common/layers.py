@@ -1,6 +1,6 @@
 """gpuflow's layers, bottom first: the folders of ``src/gpuflow``, in the order data flows.
 
-A module imports only from its own layer and those below it (``tests/test_architecture.py``
+A module imports only from its own layer and those below it (``tests/project/test_architecture.py``
 checks this), and only the layers in ``CROSSING`` move bytes between host and device.
 ``bench`` and ``interface`` sit on top: they measure and drive everything else.
 """

@@ -154,3 +154,24 @@ def tiny_runs(accel, prepared, folder, setting: str, values) -> dict[str, tuple]
         losses = [r["loss"] for r in read_metrics(result.run_dir) if "loss" in r]
         runs[value] = (losses, result)
     return runs
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
+    """Write ``step_<step>`` in the foreground and prune to the newest ``keep``."""
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.checkpoint import Checkpointer
+
+    device = Device.of(next(model.parameters()).device)
+    checkpointer = Checkpointer(run_dir, device, keep, background=False)
+    checkpointer.save(step, model, optimizer, state)
+    checkpointer.close()
+    return checkpointer.written[-1]
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Restore weights and optimizer from ``path``; the JSON trainer state."""
+    from gpuflow.train.checkpoint import apply_checkpoint, read_checkpoint
+
+    data = read_checkpoint(path)
+    apply_checkpoint(data, model, optimizer)
+    return data.record

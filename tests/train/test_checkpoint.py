@@ -18,7 +18,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.transfer.snapshot import StateSnapshot
-from tests.helpers import mixed_state
+from tests.helpers import load_checkpoint, mixed_state, save_checkpoint
 
 
 def test_written_files_are_standard_safetensors(tmp_path):
@@ -93,7 +93,7 @@ def test_a_failed_write_is_reported_and_leaves_the_earlier_checkpoints(tmp_path,
     folder = ckpt.checkpoint_dir(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == ["step_000001"]  # no temporary left
     again = GPT(config)
-    ckpt.load_checkpoint(
+    load_checkpoint(
         folder / "step_000001", again, build_optimizer(again, TrainConfig(), Device("cpu"))
     )
 
@@ -111,7 +111,7 @@ def test_best_shares_the_files_of_its_step_and_outlives_pruning(tmp_path):
 
 def test_a_replacement_cut_short_gives_the_old_checkpoint_back(tmp_path):
     _, model, optimizer = _model_and_optimizer()
-    path = ckpt.save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)
+    path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)
     retired = path.with_name(".step_000003.old-4242")  # moved aside, its successor lost
     path.rename(retired)
     (path.parent / ".step_000004.tmp-4242").mkdir()

@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT, ModelConfig
-from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.optim.adamw import build_optimizer, decay_groups
 from gpuflow.train.optim.master_adamw import MasterAdamW
+from tests.helpers import load_checkpoint, save_checkpoint
 
 SHAPES = [(40, 24), (24,), (7, 9)]  # 63 elements: a size that is not a multiple of 8
 
@@ -74,7 +74,7 @@ def test_checkpoints_keep_the_masters_and_resume_the_same_run(tmp_path):
     model = GPT(config)
     opt = MasterAdamW(build_optimizer(model, train, cpu))
     _train(model, opt, batches[:2])
-    saved = ckpt.save_checkpoint(tmp_path, 2, model, opt, {"note": "test"}, keep=2)
+    saved = save_checkpoint(tmp_path, 2, model, opt, {"note": "test"}, keep=2)
     masters = {n: t.clone() for n, t in opt.full_precision_state(model).items()}
     _train(model, opt, batches[2:])
 
@@ -88,7 +88,7 @@ def test_checkpoints_keep_the_masters_and_resume_the_same_run(tmp_path):
     torch.manual_seed(0)
     again = GPT(config)
     adamw = build_optimizer(again, train, cpu)
-    ckpt.load_checkpoint(saved, again, adamw)
+    load_checkpoint(saved, again, adamw)
     assert float(adamw.state[again.wte.weight]["step"]) == 2.0
     resumed = MasterAdamW(adamw)
     _train(again, resumed, batches[2:])

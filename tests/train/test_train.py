@@ -21,7 +21,7 @@ from gpuflow.train.config import resolve_config
 from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.trainer import Trainer
-from tests.helpers import FAST
+from tests.helpers import FAST, load_checkpoint
 
 
 def _config(data: Path, *sets: str):
@@ -204,7 +204,7 @@ def test_optimizer_state_survives_the_round_trip(prepared, workdir):
     _train(config, run_dir)
     model = GPT(config.model)
     optimizer = build_optimizer(model, config.train, Device("cpu"))
-    record = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir), model, optimizer)
+    record = load_checkpoint(ckpt.latest_checkpoint(run_dir), model, optimizer)
     assert record["step"] == 3
     state = optimizer.state[model.wte.weight]
     assert float(state["step"]) == 3.0

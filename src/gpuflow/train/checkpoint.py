@@ -471,22 +471,6 @@ def _linked_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    keep: int,
-) -> Path:
-    """Write ``step_<step>`` before returning and prune to the newest ``keep``."""
-    device = Device.of(next(model.parameters()).device)
-    checkpointer = Checkpointer(run_dir, device, keep, background=False)
-    checkpointer.save(step, model, optimizer, state)
-    checkpointer.close()
-    return checkpointer.written[-1]
-
-
 # ---- reading --------------------------------------------------------------------------------
 
 
@@ -615,12 +599,3 @@ def apply_checkpoint(
     ]
     model.load_state_dict(data.weights)
     optimizer.load_state_dict({"state": slots, "param_groups": groups})
-
-
-def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Restore weights and optimizer from ``path``; return the JSON trainer state."""
-    data = read_checkpoint(path)
-    apply_checkpoint(data, model, optimizer)
-    return data.record

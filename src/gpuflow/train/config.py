@@ -129,11 +129,27 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    # Where each metrics.jsonl record also goes (gpuflow.train.trackers): TensorBoard event
+    # files in runs/<name>/tensorboard/, and a Weights & Biases run (WANDB_MODE=offline
+    # keeps it on disk); each needs its extra: pip install 'gpuflow[tensorboard]'.
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "gpuflow"
+    wandb_run: str = ""  # the W&B run's name; empty: the run folder's
+
+    def __post_init__(self) -> None:
+        if self.wandb and not self.wandb_project.strip():
+            raise GpuflowError("log.wandb_project must name a W&B project, got an empty name")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     preset: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 _FP32_MAX = 3.4028234663852886e38  # the step computes in fp32: a larger setting overflows
@@ -209,7 +225,7 @@ def preset(name: str) -> RunConfig:
 
 # ---- building from mappings -----------------------------------------------------------------
 
-_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "log": LogConfig}
 
 
 def _coerce(value: Any, kind: type, key: str) -> Any:

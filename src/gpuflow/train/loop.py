@@ -26,6 +26,7 @@ from gpuflow.train.meter import BusMeter, Throughput
 from gpuflow.train.runfolder import MetricsLog
 from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import TrainStep
+from gpuflow.train.trackers import Tracker, open_trackers
 
 if TYPE_CHECKING:
     from gpuflow.device.accelerator import Device
@@ -155,6 +156,7 @@ class TrainLoop:
         self.bus = BusMeter(trainer.device, self.config.log_interval, first_sampled)
         # Per logging step, its lr and timing, held until its scalars land on the host.
         self.pending: dict[int, dict[str, Any]] = {}
+        self.trackers: list[Tracker] = []  # TensorBoard, W&B: opened by run (rank 0)
 
     def run(self, latest: Path | None) -> int:
         """Steps from ``start_step`` until the end or a stop request; returns the step reached."""
@@ -167,6 +169,7 @@ class TrainLoop:
         with (
             TrainDisplay(tc.steps, step, self.show_bus) if main else _Quiet() as self.display,
             MetricsLog(trainer.run_dir) if main else _Quiet() as self.metrics,
+            self._tracking(main),
             stop.installed(),
         ):
             why = f" ({setup.path_note})" if setup.path_note else ""
@@ -206,8 +209,22 @@ class TrainLoop:
                     break
         return step
 
+    @contextmanager
+    def _tracking(self, main: bool) -> Iterator[None]:
+        """The trackers ``log`` asks for (rank 0's), open while the loop runs."""
+        host = self.trainer
+        if main:
+            self.trackers = open_trackers(host.config, host.run_dir, host.device.describe())
+        try:
+            yield
+        finally:
+            for tracker in self.trackers:
+                tracker.close()
+
     def emit(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
+        for tracker in self.trackers:
+            tracker.record(record)
         self.display.record(record)
 
     def evaluate(self, step: int) -> float:

@@ -35,6 +35,7 @@ from gpuflow.train.paths import BatchPlan, optimizer_for, row
 from gpuflow.train.runfolder import TOKENIZER_FILE
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import StepOptions, compiled_forward
+from gpuflow.train.trackers import check_trackers
 from gpuflow.transfer.diskread import IoChoice, choose_io
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.upload import place
@@ -86,6 +87,8 @@ def build_setup(
     if not ranks.is_main:
         say = _silent  # rank 0 speaks for the job
     path, path_note = resolve_data_path(cfg.train.data_path, device, cfg.train.allocator)
+    if ranks.is_main:
+        check_trackers(cfg)  # rank 0 alone tracks
     # Data-parallel: the eager paths leave the gradients to DDP, the others average them in
     # the step (the captured one inside its graph).
     ddp = ranks.distributed and row(path).ddp

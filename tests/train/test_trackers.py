@@ -50,6 +50,10 @@ def test_tensorboard_event_files_hold_every_metric_of_every_record(prepared, wor
             assert logged[step] == pytest.approx(value, rel=1e-6, abs=1e-30), (name, step)
     text = events.Tensors("run/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"preset": "tiny"' in text and '"device": "cpu"' in text
+    # Nothing added to the step: the ledger's counts are those of a run without tracking.
+    plain = _expected(_run(prepared, workdir / "runs" / "plain"))
+    for field in ("syncs_per_step", "d2h_bytes_per_step", "h2d_bytes_per_step"):
+        assert expected[field] == plain[field], field
 
 
 def _log_records(path: Path) -> list[bytes]:

@@ -261,6 +261,19 @@ def test_train_command_fits_the_prepared_vocabulary(vocab_size, out_dir, command
     assert train_command(summary.vocab_size, summary.out_dir) == (f"gpuflow train {command}")
 
 
+@pytest.mark.parametrize(
+    ("vocab_size", "command"),
+    [
+        (16000, "--preset tiny --set data.dir=d --set model.vocab_size=16000"),
+        (50304, "--preset tiny --set data.dir=d --set model.vocab_size=50304"),
+        (4096, "--preset tiny --set data.dir=d"),
+    ],
+)
+def test_without_a_gpu_the_suggestion_is_the_tiny_preset(vocab_size, command):
+    """Not a GPU preset's hours on a CPU: tiny, at the folder's vocabulary."""
+    assert train_command(vocab_size, "d", gpu=False) == f"gpuflow train {command}"
+
+
 def test_the_suggested_command_trains_on_the_prepared_folder(prepared):
     from gpuflow.train.config import resolve_config
 

@@ -70,6 +70,18 @@ def test_info_reports_the_cpu_as_json_and_as_tables(capsys):
     assert "gpuflow info" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("gpu", [True, False])
+def test_prepare_suggests_a_preset_that_suits_the_machine(
+    workdir, small_corpus, capsys, monkeypatch, gpu
+):  # fmt: skip
+    monkeypatch.setattr("gpuflow.train.suggest.gpu_present", lambda: gpu)
+    args = ("prepare", "--data", str(small_corpus / "notes"), "--vocab-size", "4096")
+    assert prepare.run(parse(*args, "--workers", "1", "--out", "t")) == 0
+    out = capsys.readouterr().out
+    assert "train on it: gpuflow train --preset tiny" in out
+    assert ("no GPU here" in out and "about 70 seconds" in out) is not gpu
+
+
 def test_prepare_turns_its_arguments_into_a_token_folder(workdir, small_corpus, capsys):
     notes = str(small_corpus / "notes")
     base = ("prepare", "--data", notes, "--vocab-size", "300", "--workers", "1")

@@ -88,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
     )
     summary = prepare(config)
     out_console.print(summary.describe())
-    from gpuflow.train.suggest import train_command  # (train/config.py would load torch)
+    # (train/config.py would load torch)
+    from gpuflow.train.suggest import TINY_ON_CPU, gpu_present, train_command
 
-    out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir)}")
+    gpu = gpu_present()
+    out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir, gpu)}")
+    if not gpu:
+        out_console.print(f"(no GPU here: the preset suits a CPU; {TINY_ON_CPU})")
     return 0

@@ -263,8 +263,10 @@ def test_bad_input_is_one_line_and_exit_2(workdir, data_copy, capsys, setup, arg
         (workdir / "notes").mkdir()
     before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert said.out == ""  # nothing said before the error (no "run folder" line)
     # Nothing was written: no run folder, no data folder, no stray files.
     assert sorted(p.relative_to(workdir) for p in workdir.rglob("*")) == before
 

@@ -116,9 +116,13 @@ def _corpus_of(built: Any) -> torch.Tensor:
     return torch.cat([t.view(torch.uint8) for t in built])
 
 
-def run_io_bench(device: Device, config: IoBenchConfig) -> dict[str, Any]:
+def check_io_device(device: Device) -> None:
     if device.type != "cuda":
         raise GpuflowError(f"bench io reads into CUDA memory; the device is {device}")
+
+
+def run_io_bench(device: Device, config: IoBenchConfig) -> dict[str, Any]:
+    check_io_device(device)
     scratch = None
     if config.data:
         shards = list(TokenFolder.open(config.data).train)

@@ -172,6 +172,12 @@ class TrainLoop:
             self._tracking(main),
             stop.installed(),
         ):
+            # Said once the run is built: a run refused while building says only why.
+            job = f", {ranks.world_size} ranks" if ranks.distributed else ""
+            self.display.note(
+                f"run folder {trainer.run_dir}, preset {trainer.config.preset}, "
+                f"device {trainer.device}{job}"
+            )
             why = f" ({setup.path_note})" if setup.path_note else ""
             self.display.note(f"data path: {setup.path}{why}")
             if setup.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)

@@ -27,6 +27,8 @@ class Bench:
     # what names the result file (YYYY-MM-DD-<bench>-<name>-<device>.json)
     name: Callable[[argparse.Namespace], str] = lambda args: args.preset
     overrides: bool = True  # takes --set
+    # (args, device) -> None, raising for arguments the bench refuses, before anything is said
+    check: Callable[[argparse.Namespace, Any], None] = lambda args, device: None
 
 
 # ---- transfer -----------------------------------------------------------------------------------
@@ -151,6 +153,13 @@ def _io(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     return results
 
 
+def _io_check(args: argparse.Namespace, device: Any) -> None:
+    from gpuflow.bench.io import IoBenchConfig, check_io_device
+
+    IoBenchConfig(mib=args.mib, repeats=args.repeats, data=args.data or "")
+    check_io_device(device)
+
+
 def _io_name(args: argparse.Namespace) -> str:
     return os.path.basename(os.path.normpath(args.data)) if args.data else "generated"
 
@@ -237,7 +246,7 @@ BENCHES: dict[str, Bench] = {
     "io": Bench(
         "token shards into device memory through kvikio, gpuflow's pinned reads and memmap + "
         ".to(), cold and warm, beside the link's peak",
-        _io_arguments, _io, _io_name, overrides=False,
+        _io_arguments, _io, _io_name, overrides=False, check=_io_check,
     ),
     "prepare": Bench(
         "gpuflow prepare beside the script a user would write with the same tokenizers "
@@ -284,8 +293,9 @@ def run(args: argparse.Namespace) -> int:
 
         use_allocator(resolve_config(args.preset, None, args.set or ()), args.device, args.argv)
     device = Device.resolve(args.device)
-    out_console.print(f"bench {args.bench} on {device} ({device.name()})")
     bench = BENCHES[args.bench]
+    bench.check(args, device)
+    out_console.print(f"bench {args.bench} on {device} ({device.name()})")
     results = bench.measure(args, device)
     gpus = results.get("nproc", 1) if args.bench == "scale" else 1
     path = write_result(args.bench, device, results, args.out, preset=bench.name(args), gpus=gpus)

@@ -122,9 +122,6 @@ def _train(
         chosen = (run_dir, config)
     run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
 
-    if ranks.is_main:
-        job = f", {ranks.world_size} ranks" if ranks.distributed else ""
-        out_console.print(f"run folder {run_dir}, preset {config.preset}, device {device}{job}")
     trainer = Trainer(config, run_dir, device, ranks=ranks)
     result = trainer.run(resume=args.resume, show_bus=args.bus)
     if not ranks.is_main:

@@ -306,6 +306,7 @@ def test_resume_without_a_name_continues_the_most_recent_run(workdir, prepared, 
 def test_bench_transfer_runs_and_writes_json(workdir):
     result = gpuflow_cli("bench", "transfer", "--quick", "--device", "cpu", cwd=workdir)
     assert result.returncode == 0, result.stderr
+    assert "do not describe a GPU link" in result.stdout  # the cpu's figures are the host's
     assert not (workdir / "benchmarks").exists()  # never into a checkout's tracked results
     files = list((workdir / "runs" / "bench").glob("*-transfer-quick-cpu.json"))
     assert len(files) == 1

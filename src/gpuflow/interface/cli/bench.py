@@ -49,7 +49,18 @@ def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:
         device, TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
     )
     print_transfer_tables(results)
+    if device.type == "cpu":
+        from gpuflow.common.console import out_console
+
+        out_console.print(CPU_TRANSFER_NOTE)
     return results
+
+
+# The "device" of a CPU run is host memory: its copies say nothing of a GPU's link.
+CPU_TRANSFER_NOTE = (
+    "note: on the cpu every copy is within host memory, so these figures (and the targets "
+    "met or missed) do not describe a GPU link; run on a machine with a GPU to measure one"
+)
 
 
 # ---- train --------------------------------------------------------------------------------------

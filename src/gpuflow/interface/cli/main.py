@@ -7,10 +7,10 @@ import sys
 from collections.abc import Callable
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.interface.cli import bench, info, prepare, profile, sample, train
+from gpuflow.interface.cli import bench, export, info, prepare, profile, sample, train
 from gpuflow.interface.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
-COMMANDS = (info, prepare, train, bench, profile, sample)  # in --help's order
+COMMANDS = (info, prepare, train, bench, profile, sample, export)  # in --help's order
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,37 @@
+"""``gpuflow export``: a run's checkpoint as a folder another library loads."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a transformers GPT-2 folder",
+        description="Write a run's checkpoint as a folder that transformers loads as a GPT-2 "
+        "causal LM (AutoModelForCausalLM.from_pretrained(DIR)): config.json, "
+        "model.safetensors (biases gpuflow has not written as zeros) and the run's tokenizer.",
+    )
+    p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
+    p.add_argument("--format", default="hf", choices=("hf",), help="hf: transformers (default)")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder")
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        help="best (default: the lowest validation loss), latest, or a folder name such as "
+        "step_000300",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.common.console import out_console
+    from gpuflow.interface.export import export_hf
+
+    checkpoint = export_hf(args.run, args.out, args.checkpoint)
+    out_console.print(f"exported {checkpoint} to {args.out}")
+    out_console.print(
+        f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})"
+    )
+    return 0

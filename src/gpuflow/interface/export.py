@@ -1,0 +1,135 @@
+"""A run's checkpoint as a Hugging Face ``transformers`` GPT-2 folder (``gpuflow export``).
+
+gpuflow's GPT is GPT-2's architecture less its biases: learned positions, pre-LayerNorm
+blocks, exact GELU, a head tied to the token table. The folder holds ``config.json``
+(``GPT2LMHeadModel``, ``activation_function="gelu"``), ``model.safetensors`` (every bias
+written as zeros, the fused q/k/v and the MLP's weights transposed into GPT-2's ``Conv1D``
+layout) and the run's tokenizer (``tokenizer.json`` with a ``tokenizer_config.json``).
+Writing it needs no ``transformers``; loading it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.data.tokenizer import EOT, eot_id, load_tokenizer
+from gpuflow.interface.sample import check_finite, choose_checkpoint
+from gpuflow.model.gpt import GPT, ModelConfig
+from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
+
+FORMATS = ("hf",)
+
+
+def gpt2_config(model: ModelConfig, eot: int) -> dict:
+    """``config.json`` of the GPT-2 that computes what ``model`` does."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_positions": model.max_len,
+        "n_embd": model.d_model,
+        "n_layer": model.n_layer,
+        "n_head": model.n_head,
+        "n_inner": 4 * model.d_model,
+        "activation_function": "gelu",  # torch's exact GELU, as gpuflow's MLP
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+    }
+
+
+def gpt2_weights(model: GPT) -> dict[str, torch.Tensor]:
+    """GPT-2's tensors (``transformer.*``; the head is tied) from gpuflow's GPT."""
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    C = model.config.d_model
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n)
+
+    out = {
+        "transformer.wte.weight": state["wte.weight"],
+        "transformer.wpe.weight": state["wpe.weight"],
+        "transformer.ln_f.weight": state["ln_f.weight"],
+        "transformer.ln_f.bias": zeros(C),
+    }
+    for i in range(model.config.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        out |= {  # Conv1D keeps (in, out): nn.Linear's (out, in) transposed
+            theirs + "ln_1.weight": state[ours + "ln_1.weight"],
+            theirs + "ln_1.bias": zeros(C),
+            theirs + "attn.c_attn.weight": state[ours + "attn.qkv.weight"].t(),
+            theirs + "attn.c_attn.bias": zeros(3 * C),
+            theirs + "attn.c_proj.weight": state[ours + "attn.proj.weight"].t(),
+            theirs + "attn.c_proj.bias": zeros(C),
+            theirs + "ln_2.weight": state[ours + "ln_2.weight"],
+            theirs + "ln_2.bias": zeros(C),
+            theirs + "mlp.c_fc.weight": state[ours + "mlp.fc.weight"].t(),
+            theirs + "mlp.c_fc.bias": zeros(4 * C),
+            theirs + "mlp.c_proj.weight": state[ours + "mlp.proj.weight"].t(),
+            theirs + "mlp.c_proj.bias": zeros(C),
+        }
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _check_out(out: Path) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise GpuflowError(f"{out} is not a folder; pass --out a new or empty folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise GpuflowError(f"{out} is not empty; pass --out a new or empty folder")
+
+
+def export_hf(run: Path | str, out: Path | str, which: str = "best") -> Path:
+    """Write the run's checkpoint ``which`` as a ``transformers`` GPT-2 folder at ``out``
+    (new or empty); built beside it and renamed into place, so ``out`` is whole or absent.
+    Returns the checkpoint exported."""
+    run_dir, config = open_run(run)
+    out = Path(out)
+    _check_out(out)
+    checkpoint = choose_checkpoint(run_dir, which)
+    tokenizer_path = run_dir / TOKENIZER_FILE
+    if not tokenizer_path.is_file():
+        raise GpuflowError(
+            f"{run_dir} has no {TOKENIZER_FILE}: a transformers folder needs the run's "
+            f"tokenizer; copy the data's tokenizer.json to {tokenizer_path}"
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = GPT(config.model)
+    record = ckpt.load_weights(checkpoint, model)
+    check_finite(model, checkpoint, record)
+    eot = eot_id(tokenizer)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # our own, from a killed export of this pid
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(gpt2_config(config.model, eot), indent=2))
+        save_file(gpt2_weights(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": EOT,
+            "eos_token": EOT,
+            "unk_token": EOT,
+            "model_max_length": config.model.max_len,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        if out.is_dir():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return checkpoint

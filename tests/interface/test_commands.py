@@ -10,7 +10,7 @@ import json
 import pytest
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.interface.cli import bench, info, prepare, profile, sample, train
+from gpuflow.interface.cli import bench, export, info, prepare, profile, sample, train
 from gpuflow.interface.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -41,7 +41,7 @@ def test_each_command_module_adds_its_own_subcommand_and_runs_it(module):
 
 
 def test_main_lists_the_commands_in_helps_order():
-    assert (info, prepare, train, bench, profile, sample) == COMMANDS
+    assert (info, prepare, train, bench, profile, sample, export) == COMMANDS
     assert EXIT_BAD_INPUT == 2 and EXIT_INTERRUPTED == 130
 
 

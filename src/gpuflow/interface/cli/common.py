@@ -45,3 +45,13 @@ def use_allocator(config: RunConfig, device_name: str, argv: list[str]) -> None:
 
     if Device.resolve(device_name).type == "cuda":
         restart_with(config.train.allocator, argv)
+
+
+def add_checkpoint_argument(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint``: which of a run's checkpoints a command reads."""
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        help="best (default: the lowest validation loss), latest, or a folder name such as "
+        "step_000300",
+    )

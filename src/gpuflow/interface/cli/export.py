@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gpuflow.interface.cli.common import add_checkpoint_argument
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,12 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
     p.add_argument("--format", default="hf", choices=("hf",), help="hf: transformers (default)")
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder")
-    p.add_argument(
-        "--checkpoint",
-        default="best",
-        help="best (default: the lowest validation loss), latest, or a folder name such as "
-        "step_000300",
-    )
+    add_checkpoint_argument(p)
     p.set_defaults(func=run)
 
 

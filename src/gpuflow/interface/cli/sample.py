@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from gpuflow.interface.cli.common import DEVICE_HELP
+from gpuflow.interface.cli.common import DEVICE_HELP, add_checkpoint_argument
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sample", help="generate text from a run's best checkpoint")
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
-    p.add_argument(
-        "--checkpoint",
-        default="best",
-        help="best (default: the lowest validation loss), latest, or a folder name such as "
-        "step_000300",
-    )
+    add_checkpoint_argument(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
     p.add_argument(

@@ -13,7 +13,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a run's checkpoint as a transformers GPT-2 folder",
         description="Write a run's checkpoint as a folder that transformers loads as a GPT-2 "
         "causal LM (AutoModelForCausalLM.from_pretrained(DIR)): config.json, "
-        "model.safetensors (biases gpuflow has not written as zeros) and the run's tokenizer.",
+        "model.safetensors (GPT-2's biases, which gpuflow's model lacks, as zeros) and the "
+        "run's tokenizer.",
     )
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
     p.add_argument("--format", default="hf", choices=("hf",), help="hf: transformers (default)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,10 +21,9 @@ from safetensors.torch import save_file
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.tokenizer import EOT, eot_id, load_tokenizer
-from gpuflow.interface.sample import check_finite, choose_checkpoint
+from gpuflow.interface.sample import open_trained
 from gpuflow.model.gpt import GPT, ModelConfig
-from gpuflow.train import checkpoint as ckpt
-from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
+from gpuflow.train.runfolder import TOKENIZER_FILE
 
 FORMATS = ("hf",)
 
@@ -92,24 +92,17 @@ def _check_out(out: Path) -> None:
         raise GpuflowError(f"{out} is not empty; pass --out a new or empty folder")
 
 
-def export_hf(run: Path | str, out: Path | str, which: str = "best") -> Path:
+def export_hf(
+    run: Path | str, out: Path | str, which: str = "best", say: Callable[[str], None] = print
+) -> Path:
     """Write the run's checkpoint ``which`` as a ``transformers`` GPT-2 folder at ``out``
     (new or empty); built beside it and renamed into place, so ``out`` is whole or absent.
     Returns the checkpoint exported."""
-    run_dir, config = open_run(run)
     out = Path(out)
     _check_out(out)
-    checkpoint = choose_checkpoint(run_dir, which)
+    run_dir, config, checkpoint, model = open_trained(run, which, say)
     tokenizer_path = run_dir / TOKENIZER_FILE
-    if not tokenizer_path.is_file():
-        raise GpuflowError(
-            f"{run_dir} has no {TOKENIZER_FILE}: a transformers folder needs the run's "
-            f"tokenizer; copy the data's tokenizer.json to {tokenizer_path}"
-        )
     tokenizer = load_tokenizer(tokenizer_path)
-    model = GPT(config.model)
-    record = ckpt.load_weights(checkpoint, model)
-    check_finite(model, checkpoint, record)
     eot = eot_id(tokenizer)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # our own, from a killed export of this pid

@@ -20,6 +20,7 @@ from gpuflow.data.tokenizer import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.config import RunConfig
 from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
@@ -94,16 +95,17 @@ def check_finite(model: GPT, checkpoint: Path, record: dict) -> None:
         )
 
 
-def sample(
-    run: Path | str, config: SampleConfig, device: Device, say: Callable[[str], None] = print
-) -> str:
-    """Generated text (the prompt first), cut at the first end-of-text token. ``say`` hears
-    which checkpoint was used when it is not the one asked for."""
+def open_trained(
+    run: Path | str, which: str, say: Callable[[str], None]
+) -> tuple[Path, RunConfig, Path, GPT]:
+    """A run's folder, config, checkpoint ``which`` (``say`` hears it when it is not the one
+    asked for) and model with its weights, on the host; refused when the run has no
+    tokenizer (its tokens could not be turned into text) or its weights are not numbers."""
     run_dir, run_config = open_run(run)
-    checkpoint = choose_checkpoint(run_dir, config.checkpoint)
-    if config.checkpoint == "best" and checkpoint.name != ckpt.BEST:
+    checkpoint = choose_checkpoint(run_dir, which)
+    if which == "best" and checkpoint.name != ckpt.BEST:
         say(f"{run_dir} has no best checkpoint yet (no validation pass): using {checkpoint.name}")
-    elif config.checkpoint == "latest" and checkpoint.name == ckpt.BEST:
+    elif which == "latest" and checkpoint.name == ckpt.BEST:
         say(f"{run_dir} has no step checkpoint: using its best one")
     tokenizer_path = run_dir / TOKENIZER_FILE
     if not tokenizer_path.is_file():
@@ -111,10 +113,19 @@ def sample(
             f"{run_dir} has no {TOKENIZER_FILE} (its data came without one), so its tokens "
             f"cannot be turned into text; copy the data's tokenizer.json to {tokenizer_path}"
         )
-    tokenizer = load_tokenizer(tokenizer_path)
     model = GPT(run_config.model)
     record = ckpt.load_weights(checkpoint, model)
     check_finite(model, checkpoint, record)
+    return run_dir, run_config, checkpoint, model
+
+
+def sample(
+    run: Path | str, config: SampleConfig, device: Device, say: Callable[[str], None] = print
+) -> str:
+    """Generated text (the prompt first), cut at the first end-of-text token. ``say`` hears
+    which checkpoint was used when it is not the one asked for."""
+    run_dir, run_config, _, model = open_trained(run, config.checkpoint, say)
+    tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
     place(model, device.torch).eval()
 
     eot = eot_id(tokenizer)

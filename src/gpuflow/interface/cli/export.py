@@ -24,10 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.common.console import out_console
+    from gpuflow.common.console import err_console, out_console
     from gpuflow.interface.export import export_hf
 
-    checkpoint = export_hf(args.run, args.out, args.checkpoint)
+    checkpoint = export_hf(args.run, args.out, args.checkpoint, say=err_console.print)
     out_console.print(f"exported {checkpoint} to {args.out}")
     out_console.print(
         f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})"

@@ -121,10 +121,10 @@ def run_steps(
     """Steps ``first`` to ``stop`` as ``TrainLoop`` runs them, less its records, evaluations
     and checkpoints: each step, the readback a logging step makes where one ends an
     interval, then ``after_step(step)``. What the benches and ``profile`` measure."""
-    log_interval = train_step.config.log_interval
+    when = Cadence(train_step.config)
     for step in range(first, stop):
         train_step(step)
-        if (step + 1) % log_interval == 0:
+        if when.logs(step + 1):
             train_step.readback(step + 1)
         if after_step is not None:
             after_step(step)

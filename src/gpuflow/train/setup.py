@@ -58,11 +58,15 @@ class RunSetup:
     forward: torch.nn.Module  # the training step's forward: compiled, DDP-wrapped, or the model
     optimizer: StepOptimizer
     averager: Averager | None  # data-parallel: how the step averages over ranks
-    tokens_per_step: int  # of the whole job: every rank trains its own batch
     start_step: int  # 0, or the restored checkpoint's step
     tokens_seen: int  # by the restored checkpoint: its steps may have run on other ranks
     best_val: float  # the best checkpoint's validation loss (inf: none yet)
     checkpoint: Path | None  # the checkpoint restored, if any
+
+
+def job_tokens_per_step(config: RunConfig, world_size: int) -> int:
+    """Tokens one step of the whole job trains: every rank trains its own batch."""
+    return config.train.batch_size * config.model.max_len * world_size
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -118,7 +122,7 @@ def build_setup(
         )
     forward = compiled_forward(trained, device, options) if cfg.train.compile else trained
     adamw = build_optimizer(model, cfg.train, device)
-    tokens_per_step = cfg.train.batch_size * cfg.model.max_len * ranks.world_size
+    tokens_per_step = job_tokens_per_step(cfg, ranks.world_size)
     start_step, tokens_seen, best_val, checkpoint = 0, 0, math.inf, None
     if resume:
         _check_same_data(run_dir, data, say)
@@ -148,7 +152,7 @@ def build_setup(
     _warn_about_repeats(cfg, tokens_per_step, data, say)
     return RunSetup(
         path, path_note, data, val_batches, plan, io, model, forward, optimizer, averager,
-        tokens_per_step, start_step, tokens_seen, best_val,
+        start_step, tokens_seen, best_val,
         checkpoint.path if checkpoint is not None else None,
     )  # fmt: skip
 

@@ -46,8 +46,7 @@ class ShardedAverager:
         )  # fmt: skip
         self._weights = _shared(n, device)
         if self._weights is not None:
-            optimizer.place_weights(self._weights.local)
-            optimizer.write_peers(self._weights.peers)
+            optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]
         self._met = torch.zeros(1, device=device)  # all-reduced only to make the ranks meet
         self._norm = torch.zeros((), device=self._flat.device)

@@ -40,13 +40,8 @@ class TensorBoardTracker:
     """Scalars in TensorBoard event files under ``runs/<name>/tensorboard/``."""
 
     def __init__(self, run_dir: Path, about: Mapping[str, Any]) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise GpuflowError(
-                "log.tensorboard needs the tensorboard package: pip install "
-                "'gpuflow[tensorboard]' (or set log.tensorboard=false)"
-            ) from None
+        from torch.utils.tensorboard import SummaryWriter  # (check_trackers found the package)
+
         self._writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
         self._writer.add_text("run", f"```\n{json.dumps(about, indent=2)}\n```", 0)
 
@@ -64,13 +59,8 @@ class WandbTracker:
     path). ``WANDB_MODE=offline`` keeps it on disk, under the run folder."""
 
     def __init__(self, run_dir: Path, about: Mapping[str, Any], project: str, name: str) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise GpuflowError(
-                "log.wandb needs the wandb package: pip install 'gpuflow[wandb]' "
-                "(or set log.wandb=false)"
-            ) from None
+        import wandb  # (check_trackers found the package)
+
         run_dir = Path(run_dir).absolute()
         run_id = f"{run_dir.name[:40]}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}"
         self._run = wandb.init(
@@ -103,8 +93,7 @@ def check_trackers(config: RunConfig) -> None:
 
 
 def open_trackers(config: RunConfig, run_dir: Path, device: Mapping[str, Any]) -> list[Tracker]:
-    """The trackers ``config.log`` asks for, opened (each refused with one line if its
-    package is missing)."""
+    """The trackers ``config.log`` asks for, opened (``check_trackers`` first)."""
     about = {"config": to_dict(config), "device": dict(device)}
     trackers: list[Tracker] = []
     try:

@@ -32,7 +32,7 @@ from gpuflow.train.distributed import (
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.paths import build_step, open_batches
 from gpuflow.train.runfolder import RunFolder, truncate_metrics
-from gpuflow.train.setup import RunSetup, build_setup
+from gpuflow.train.setup import RunSetup, build_setup, job_tokens_per_step
 from gpuflow.train.step import StepOptions, StepParts, TrainStep
 from gpuflow.transfer.diskread import IoChoice
 from gpuflow.transfer.mirror import read_now
@@ -74,9 +74,7 @@ class Trainer:
         self.options = options or StepOptions()
         self.ranks = ranks or Ranks()
         # Tokens of one step of the whole job: every rank trains on its own batch.
-        self.tokens_per_step = (
-            config.train.batch_size * config.model.max_len * self.ranks.world_size
-        )
+        self.tokens_per_step = job_tokens_per_step(config, self.ranks.world_size)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
         self.setup: RunSetup  # the run's parts: ``build`` makes them
         self._flops_per_token = flops_per_token(config.model)

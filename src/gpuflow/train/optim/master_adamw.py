@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
+from gpuflow.train.peer_memory import SharedBuffer
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.upload import DeviceTable, upload_values
 
@@ -180,7 +181,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self._grad_addrs = DeviceTable(len(numels), device)
         self._captured: list[int] | None = None
         self._sizes_aligned = all(n % ALIGN == 0 for n in numels)
-        self._peer_weights = DeviceTable(max(world_size - 1, 1), device)
+        self._shared: SharedBuffer | None = None  # the weights, where every rank maps them
 
     def place_weights(self, buffer: torch.Tensor) -> None:
         """Move the bf16 weights into ``buffer`` (N,) (memory other ranks can write, say);
@@ -193,14 +194,14 @@ class MasterAdamW(torch.optim.Optimizer):
             for i, p in enumerate(self._params):
                 p.data = self._view(buffer, i)
 
-    def write_peers(self, peers: list[torch.Tensor]) -> None:
-        """From now on the kernel also writes this rank's part of the new weights into each
-        of ``peers`` (the other ranks' weight buffers, mapped into this process), so that no
-        all-gather is needed; the caller makes the ranks wait for each other after a step."""
-        if len(peers) != self.world_size - 1 or not self.runs_on(self.master.device):
+    def share_weights(self, shared: SharedBuffer) -> None:
+        """Move the bf16 weights into ``shared`` (a buffer every rank maps): from now on the
+        kernel also writes this rank's part of the new weights into the other ranks' copies,
+        so that no all-gather is needed; the caller makes the ranks meet after a step."""
+        if len(shared.peers) != self.world_size - 1 or not self.runs_on(self.master.device):
             raise ValueError("peer writes need the CUDA kernel and every other rank's buffer")
-        self._peers = peers  # their mappings stay while the kernel writes through them
-        self._peer_weights.write([t.data_ptr() for t in peers])
+        self.place_weights(shared.local)
+        self._shared = shared
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -293,7 +294,8 @@ class MasterAdamW(torch.optim.Optimizer):
             self.exp_avg,
             self.exp_avg_sq,
             self.weights,
-            self._peer_weights.tensor,
+            # (any int64 table where no rank shares the weights: N_PEERS=0 reads none of it)
+            self._grad_addrs.tensor if self._shared is None else self._shared.peer_table.tensor,
             lr,
             self.step_count,
             scale,
@@ -306,7 +308,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.defaults["eps"],
             BLOCK=BLOCK,
             ALIGNED=aligned,
-            N_PEERS=len(self._peer_weights.values or ()),
+            N_PEERS=0 if self._shared is None else len(self._shared.peers),
         )
 
     def after_capture(self) -> None:

@@ -23,6 +23,8 @@ _EXPORTS = {
     "HostMirror": "gpuflow.transfer.mirror",
     "PinnedPool": "gpuflow.transfer.pinned",
     "Ragged": "gpuflow.transfer.packing",
+    "ResidentDataset": "gpuflow.data.resident_dataset",
+    "ResidentLoader": "gpuflow.data.resident_loader",
     "ResidentTokens": "gpuflow.data.resident",
     "StateSnapshot": "gpuflow.transfer.snapshot",
     "TransferLedger": "gpuflow.accounting.ledger",
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     )
     from gpuflow.common.errors import GpuflowError as GpuflowError
     from gpuflow.data.resident import ResidentTokens as ResidentTokens
+    from gpuflow.data.resident_dataset import ResidentDataset as ResidentDataset
+    from gpuflow.data.resident_loader import ResidentLoader as ResidentLoader
     from gpuflow.device.accelerator import Device as Device
     from gpuflow.transfer.loader import DeviceLoader as DeviceLoader
     from gpuflow.transfer.loader import LoaderStats as LoaderStats

@@ -25,6 +25,7 @@ from rich.progress import DownloadColumn
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.keyed import MASK32, STREAMS, hash32
 from gpuflow.data.shards import HEADER_BYTES, Shard
 from gpuflow.data.tokens import check_ids
 from gpuflow.device.accelerator import Device
@@ -34,21 +35,8 @@ from gpuflow.transfer.pinned import PinnedPool
 UPLOAD_CHUNK_BYTES = 64 << 20
 KVIKIO_REQUEST_BYTES = 1 << 30  # kvikio splits a request among its threads itself
 _PROGRESS_MIN_BYTES = 256 << 20  # smaller corpora upload too fast for a bar to help
-_MASK32 = 0xFFFFFFFF
-# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, no overflow.
-_MIX = (0x7FEB352D, 0x2C1B3C6D)
-_STREAMS = (0x9E3779B1, 0x85EBCA77)  # two independent hash streams, for high and low bits
 # (shard, offset in the chunk, first token, end token in the shard)
 Piece = tuple[Shard, int, int, int]
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = (x * _MIX[0]) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MIX[1]) & _MASK32
-    return x ^ (x >> 16)
 
 
 def window_starts(
@@ -58,10 +46,10 @@ def window_starts(
 
     A pure function of its inputs, so eager, captured and resumed runs draw the same windows.
     """
-    key = (step * rows.numel() + rows) & _MASK32  # (B,)
-    base = _hash32(torch.full_like(key, seed & _MASK32) ^ _STREAMS[0])
-    high = _hash32(_hash32(key ^ base) ^ _STREAMS[0]) >> 1  # 31 bits: keeps the sum < 2**63
-    low = _hash32(_hash32(key ^ base) ^ _STREAMS[1])
+    key = (step * rows.numel() + rows) & MASK32  # (B,)
+    base = hash32(torch.full_like(key, seed & MASK32) ^ STREAMS[0])
+    high = hash32(hash32(key ^ base) ^ STREAMS[0]) >> 1  # 31 bits: keeps the sum < 2**63
+    low = hash32(hash32(key ^ base) ^ STREAMS[1])
     return ((high << 32) | low) % n_starts
 
 
@@ -89,7 +77,7 @@ class ResidentTokens:
         self.device = Device.resolve(device)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         # Each rank its own draws: equal slices must not be read at the same offsets.
-        self._draw_seed = seed if world_size == 1 else (seed + rank * _STREAMS[1]) & _MASK32
+        self._draw_seed = seed if world_size == 1 else (seed + rank * STREAMS[1]) & MASK32
         self.vocab_size = vocab_size  # ids at or past it are refused as they upload
         self.window = seq_len + 1
         dtypes = {s.dtype for s in shards}

@@ -1,0 +1,199 @@
+"""Image augmentation on the device, per sample, from each sample's key.
+
+    augment = Compose(RandomCrop(32, padding=4), HorizontalFlip(), Cutout(8),
+                      Normalize(CIFAR_MEAN, CIFAR_STD, dtype=torch.bfloat16, channels_last=True))
+    x = augment(images, keys)       # images (B, C, H, W), keys (B,) from ``data/keyed.py``
+
+Each transform draws what it needs from the keys (``ResidentLoader`` derives them from
+(seed, epoch, position)), so a sample gets the same augmentation on every run and after a
+resume. Fixed shapes, device work only, no host sync: a draw, its augmentation and the
+training step can be captured in one CUDA graph. Any dtype goes in; ``Normalize`` makes floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.data.keyed import below, stream_keys, uniform
+
+
+class Transform(Protocol):
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``images`` (B, C, H, W) with one key per sample (B,) int64 -> (B, C, H', W')."""
+        ...
+
+
+def _check_images(images: torch.Tensor, what: str) -> None:
+    if images.dim() != 4:
+        raise GpuflowError(f"{what} takes (B, C, H, W) images, got shape {tuple(images.shape)}")
+
+
+class RandomCrop:
+    """A ``size`` x ``size`` window at a random place in the image padded by ``padding`` on
+    each side; the padding reflects the image (``fill="reflect"``) or is zeros."""
+
+    def __init__(self, size: int, padding: int = 0, fill: str = "reflect") -> None:
+        if size < 1 or padding < 0:
+            raise GpuflowError(
+                f"RandomCrop needs size >= 1 and padding >= 0, got {size} and {padding}"
+            )
+        if fill not in ("reflect", "zeros"):
+            raise GpuflowError(f"RandomCrop fills with 'reflect' or 'zeros', got {fill!r}")
+        self.size, self.padding, self.fill = size, padding, fill
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        _check_images(images, "RandomCrop")
+        _, _, H, W = images.shape
+        p, s = self.padding, self.size
+        if s > H + 2 * p or s > W + 2 * p:
+            raise GpuflowError(f"RandomCrop({s}, padding={p}) does not fit {H}x{W} images")
+        if self.fill == "reflect" and p >= min(H, W):
+            raise GpuflowError(f"reflect padding must be below the image side, got {p}")
+        window = torch.arange(s, device=images.device)  # (s,)
+        rows = below(keys, 0, H + 2 * p - s + 1)[:, None] + window - p  # (B, s), may be < 0
+        cols = below(keys, 1, W + 2 * p - s + 1)[:, None] + window - p  # (B, s)
+        return _gather_window(images, rows, cols, self.fill)
+
+
+class Translate(RandomCrop):
+    """The image moved by up to ``pixels`` in each direction; what it leaves is zeros."""
+
+    def __init__(self, pixels: int) -> None:
+        super().__init__(size=1, padding=pixels, fill="zeros")
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        _check_images(images, "Translate")
+        p = self.padding
+        _, _, H, W = images.shape
+        rows = below(keys, 0, 2 * p + 1)[:, None] + torch.arange(H, device=images.device) - p
+        cols = below(keys, 1, 2 * p + 1)[:, None] + torch.arange(W, device=images.device) - p
+        return _gather_window(images, rows, cols, "zeros")
+
+
+def _gather_window(
+    images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, fill: str
+) -> torch.Tensor:
+    """``images[b, :, rows[b], cols[b]]`` for each b, with rows and cols outside the image
+    reflected back into it or read as zeros: (B, C, len(rows), len(cols))."""
+    B, _, H, W = images.shape
+    if fill == "reflect":
+        rows = _reflect(rows, H)
+        cols = _reflect(cols, W)
+        inside = None
+    else:
+        inside = ((rows >= 0) & (rows < H))[:, :, None] & ((cols >= 0) & (cols < W))[:, None, :]
+        rows, cols = rows.clamp(0, H - 1), cols.clamp(0, W - 1)
+    batch = torch.arange(B, device=images.device)[:, None, None]  # (B, 1, 1)
+    out = images[batch, :, rows[:, :, None], cols[:, None, :]]  # (B, h, w, C)
+    if inside is not None:
+        out = out * inside[..., None].to(out.dtype)
+    return out.permute(0, 3, 1, 2)  # (B, C, h, w), channels-last in memory
+
+
+def _reflect(index: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices outside [0, n) mirrored back in, the edge not repeated (``F.pad``'s reflect)."""
+    index = index.abs()
+    return torch.where(index >= n, 2 * (n - 1) - index, index)
+
+
+class HorizontalFlip:
+    """Each image mirrored left to right with probability ``p``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise GpuflowError(f"HorizontalFlip needs p in [0, 1], got {p}")
+        self.p = p
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        _check_images(images, "HorizontalFlip")
+        flip = (uniform(keys, 2) < self.p)[:, None, None, None]  # (B, 1, 1, 1)
+        return torch.where(flip, images.flip(-1), images)
+
+
+class Cutout:
+    """A ``size`` x ``size`` square of each image set to zero, centred anywhere in it (the
+    square may reach past the edge)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise GpuflowError(f"Cutout needs size >= 1, got {size}")
+        self.size = size
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        _check_images(images, "Cutout")
+        _, _, H, W = images.shape
+        top = below(keys, 3, H)[:, None] - self.size // 2  # (B, 1)
+        left = below(keys, 4, W)[:, None] - self.size // 2
+        rows = torch.arange(H, device=images.device)  # (H,)
+        cols = torch.arange(W, device=images.device)
+        in_rows = (rows >= top) & (rows < top + self.size)  # (B, H)
+        in_cols = (cols >= left) & (cols < left + self.size)  # (B, W)
+        hole = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]  # (B, 1, H, W)
+        return images.masked_fill(hole, 0)
+
+
+class Normalize:
+    """``(images * scale - mean) / std`` per channel, as ``dtype``; ``scale`` defaults to
+    1/255 for uint8 images (pixels to [0, 1]) and 1 otherwise. ``channels_last`` sets the
+    memory layout that convolutions on the GPU prefer."""
+
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        channels_last: bool = False,
+    ) -> None:
+        if len(mean) != len(std) or any(s <= 0 for s in std):
+            raise GpuflowError("Normalize needs one mean and one positive std per channel")
+        if not dtype.is_floating_point:
+            raise GpuflowError(f"Normalize makes floats, got dtype {dtype}")
+        self.mean, self.std, self.dtype, self.scale = tuple(mean), tuple(std), dtype, scale
+        self.channels_last = channels_last
+        self._tables: dict[tuple[torch.device, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        _check_images(images, "Normalize")
+        if images.shape[1] != len(self.mean):
+            raise GpuflowError(
+                f"Normalize has {len(self.mean)} channels' means, the images {images.shape[1]}"
+            )
+        scale = self.scale
+        if scale is None:
+            scale = 1 / 255 if images.dtype == torch.uint8 else 1.0
+        mul, add = self._affine(images.device, scale)
+        out = torch.addcmul(add, images.to(torch.float32), mul)  # (B, C, H, W) float32
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return out.to(self.dtype, memory_format=layout)
+
+    def _affine(self, device: torch.device, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(C, 1, 1) factor and offset: x * scale / std - mean / std, made once per device and
+        scale, by fills (no copy from the host, so a first call inside a capture is safe)."""
+        key = (device, scale)
+        if key not in self._tables:
+            mul = torch.empty(len(self.std), 1, 1, device=device)  # (C, 1, 1)
+            add = torch.empty_like(mul)
+            for c, (m, s) in enumerate(zip(self.mean, self.std, strict=True)):
+                mul[c].fill_(scale / s)
+                add[c].fill_(-m / s)
+            self._tables[key] = (mul, add)
+        return self._tables[key]
+
+
+class Compose:
+    """Transforms applied in order, each with keys of its own."""
+
+    def __init__(self, *transforms: Transform) -> None:
+        if len(transforms) == 1 and isinstance(transforms[0], (list, tuple)):
+            transforms = tuple(transforms[0])
+        self.transforms = transforms
+
+    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        for i, transform in enumerate(self.transforms):
+            images = transform(images, stream_keys(keys, 16 + i))
+        return images

@@ -1,0 +1,372 @@
+"""``ResidentLoader``: shuffled batches of a ``ResidentDataset``, drawn and augmented on the
+device, resumable.
+
+    loader = ResidentLoader(data, batch_size=512, drop_last=True, seed=0,
+                            transform=Compose(RandomCrop(32, 4), HorizontalFlip()))
+    for epoch in range(epochs):
+        for images, labels in loader:        # each iter() is the next epoch, as with DataLoader
+            ...
+
+Epoch e's order is a permutation drawn on the device from (seed, e); under ``torchrun`` rank r
+takes every world_size-th place of it, so ranks' samples are disjoint (an epoch drops up to
+world_size - 1 samples to keep them so). Each sample's augmentation comes from (seed, e, its
+place). ``state_dict`` / ``load_state_dict`` carry the position; a resumed run draws the same
+batches. ``cursor()`` draws full batches from a position held on the device, for a step
+captured in a CUDA graph. A dataset that stays on the host streams through in chunks of
+``chunk_bytes`` (gathered in the epoch's order on a helper thread, then copied), with the same
+batches as if it were resident.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.data.augment import Transform
+from gpuflow.data.keyed import order_keys, sample_keys
+from gpuflow.data.resident_dataset import ResidentDataset
+from gpuflow.transfer.pinned import PinnedPool
+
+Batch = tuple[torch.Tensor, ...]
+_STATE_KEYS = ("samples", "batch_size", "world_size", "seed", "shuffle", "drop_last")
+
+
+def _ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The given rank and world size, else torch.distributed's, else one process."""
+    if rank is None and world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise GpuflowError("give both rank and world_size, or neither")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise GpuflowError(f"rank must be in [0, world_size), got {rank} of {world_size}")
+    return rank, world_size
+
+
+class ResidentLoader:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        dataset: ResidentDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        transform: Transform | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        chunk_bytes: int = 256 << 20,
+    ) -> None:
+        if not isinstance(dataset, ResidentDataset):
+            raise GpuflowError(
+                f"ResidentLoader takes a ResidentDataset, got {type(dataset).__name__}; "
+                "wrap tensors with ResidentDataset(...) or a Dataset with "
+                "ResidentDataset.from_dataset(...)"
+            )
+        if batch_size < 1:
+            raise GpuflowError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.transform = transform
+        self.rank, self.world_size = _ranks(rank, world_size)
+        # This rank's samples per epoch: every world_size-th place of the epoch's order.
+        self.samples = len(dataset) // self.world_size if self.world_size > 1 else len(dataset)
+        if self.samples == 0 or (drop_last and self.samples < batch_size):
+            raise GpuflowError(
+                f"{len(dataset)} samples over {self.world_size} ranks give rank {self.rank} "
+                f"{self.samples}, fewer than one batch of {batch_size} with drop_last"
+            )
+        self.device = dataset.device
+        self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
+        self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)
+        self._next = (0, 0)  # (epoch, step) the next iter() starts at
+        self._position: tuple[int, int] | None = None  # after the last batch handed out
+        self._reader: ThreadPoolExecutor | None = None  # streaming: gathers the next chunk
+        self._pool: PinnedPool | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Batches per epoch (on this rank)."""
+        if self.drop_last:
+            return self.samples // self.batch_size
+        return math.ceil(self.samples / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch, step = self._next
+        if step >= len(self):
+            epoch, step = epoch + 1, 0
+        self._next = (epoch + 1, 0)
+        if self.dataset.resident:
+            return _ResidentEpoch(self, epoch, step)
+        return _StreamedEpoch(self, epoch, step)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next ``iter()`` starts, from its first batch."""
+        self._next = (epoch, 0)
+
+    # ---- position ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: after the last batch handed out (or where the next
+        ``iter()`` starts, before any), with what it was made with."""
+        epoch, step = self._position if self._position is not None else self._next
+        return {"epoch": epoch, "step": step, **self._settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next ``iter()`` carries on after the batch ``state`` was taken at."""
+        mine = self._settings()
+        changed = [k for k in _STATE_KEYS if k in state and state[k] != mine[k]]
+        if changed:
+            saved = ", ".join(f"{k} {state[k]} (now {mine[k]})" for k in changed)
+            raise GpuflowError(
+                f"the saved loader position was taken with {saved}: it would not continue the "
+                "same batches; make the loader as it was, or start its epochs afresh"
+            )
+        self._next = (int(state["epoch"]), int(state["step"]))
+        self._position = None
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "samples": len(self.dataset),
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    # ---- drawing ----------------------------------------------------------------------------
+
+    def order(self, epoch: int, device: torch.device | None = None) -> torch.Tensor:
+        """Epoch ``epoch``'s order of all samples: (N,) int64, on ``device`` (the dataset's
+        by default). The same on every device: a stable sort of integer keys."""
+        device = device or self.device.torch
+        n = len(self.dataset)
+        if not self.shuffle:
+            return torch.arange(n, device=device)
+        return torch.argsort(order_keys(self.seed, epoch, n, device), stable=True)
+
+    def places(self, step: int | torch.Tensor, size: int) -> torch.Tensor:
+        """Places in the epoch's order of batch ``step``'s ``size`` samples on this rank."""
+        rows = self._rows[:size] + step * self.batch_size  # (size,) this rank's positions
+        return rows * self.world_size + self.rank
+
+    def finish(self, fields: Batch, epoch: int | torch.Tensor, places: torch.Tensor) -> Batch:
+        """The transform applied to the first field, keyed by (seed, epoch, place)."""
+        if self.transform is None:
+            return fields
+        keys = sample_keys(self.seed, epoch, places)  # (size,)
+        return (self.transform(fields[0], keys), *fields[1:])
+
+    def cursor(self) -> BatchCursor:
+        """Full batches from a position on the device, for a captured step."""
+        return BatchCursor(self)
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    def _streaming_parts(self) -> tuple[ThreadPoolExecutor, PinnedPool]:
+        with self._lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="gpuflow-chunks")
+                chunk = self.chunk_steps * self.batch_size * self.dataset.sample_bytes
+                fields = len(self.dataset.fields)
+                self._pool = PinnedPool(self.device, max_bytes=max(1 << 20, 4 * fields * chunk))
+            return self._reader, self._pool
+
+    def close(self) -> None:
+        """Stop the streaming thread and free its pinned buffers (a resident loader holds
+        neither)."""
+        with self._lock:
+            reader, pool, self._reader, self._pool = self._reader, self._pool, None, None
+        if reader is not None:
+            reader.shutdown(wait=True)
+        if pool is not None:
+            self.device.synchronize()
+            pool.close()
+
+    def __enter__(self) -> ResidentLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ResidentEpoch:
+    """One epoch of a resident dataset from ``step`` on: device work only per batch."""
+
+    def __init__(self, loader: ResidentLoader, epoch: int, step: int) -> None:
+        self.loader, self.epoch, self.step = loader, epoch, step
+        self.steps = len(loader)
+        self._order = loader.order(epoch) if step < self.steps else None
+
+    def __iter__(self) -> _ResidentEpoch:
+        return self
+
+    def __next__(self) -> Batch:
+        loader = self.loader
+        if self.step >= self.steps:
+            raise StopIteration
+        size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
+        places = loader.places(self.step, size)  # (size,)
+        batch = loader.finish(loader.dataset.gather(self._order[places]), self.epoch, places)
+        self.step += 1
+        loader._position = (self.epoch, self.step)
+        return batch
+
+
+class _StreamedEpoch:
+    """One epoch of a dataset held on the host: the samples of ``chunk_steps`` batches are
+    gathered in the epoch's order into pinned memory on a helper thread and copied while
+    the batches before them are used; batches are cut from the chunk on the device."""
+
+    def __init__(self, loader: ResidentLoader, epoch: int, step: int) -> None:
+        self.loader, self.epoch, self.step = loader, epoch, step
+        self.steps = len(loader)
+        self._device = loader.device
+        self._order = loader.order(epoch, torch.device("cpu")) if step < self.steps else None
+        self._stream = self._device.new_stream()
+        self._chunks: dict[int, Future] = {}
+        self._current: tuple[int, Batch] | None = None  # (chunk index, its device fields)
+
+    def __iter__(self) -> _StreamedEpoch:
+        return self
+
+    def _chunk_range(self, chunk: int) -> tuple[int, int]:
+        first = chunk * self.loader.chunk_steps
+        return first, min(self.steps, first + self.loader.chunk_steps)
+
+    def _start(self, chunk: int) -> None:
+        if chunk in self._chunks or self._chunk_range(chunk)[0] >= self.steps:
+            return
+        reader, pool = self.loader._streaming_parts()
+        self._chunks[chunk] = reader.submit(self._load, chunk, pool)
+
+    def _load(self, chunk: int, pool: PinnedPool) -> tuple[Batch, Any]:
+        """(helper thread) The chunk's samples, in order, copied to fresh device tensors on
+        the epoch's copy stream; returns them and the event of the last copy."""
+        loader, data = self.loader, self.loader.dataset
+        first, end = self._chunk_range(chunk)
+        start = first * loader.batch_size
+        count = min(loader.samples, end * loader.batch_size) - start
+        places = torch.arange(start, start + count) * loader.world_size + loader.rank
+        index = self._order[places]  # (count,) host
+        out = []
+        with self._device.use_stream(self._stream):
+            for host, field in zip(data.tensors, data.fields, strict=True):
+                buffer = pool.acquire(count * field.sample_bytes, timeout=None)
+                staged = buffer.view(field.stored, (count, *field.shape))
+                torch.index_select(host, 0, index, out=staged)  # (count, ...) pinned
+                on_device = torch.empty_like(staged, device=self._device.torch)
+                on_device.copy_(staged, non_blocking=True)
+                copied = self._device.new_event()
+                copied.record(self._stream)
+                pool.release(buffer, after=copied)
+                out.append(on_device)
+            done = self._device.new_event()
+            done.record(self._stream)
+        return tuple(out), done
+
+    def __next__(self) -> Batch:
+        loader = self.loader
+        if self.step >= self.steps:
+            self._current = None
+            raise StopIteration
+        chunk = self.step // loader.chunk_steps
+        if self._current is None or self._current[0] != chunk:
+            self._start(chunk)
+            fields, done = self._chunks.pop(chunk).result()
+            self._device.current_stream().wait_event(done)
+            if self._device.type == "cuda":
+                for t in fields:  # made on the copy stream, read on this one from here
+                    t.record_stream(self._device.current_stream())
+            self._current = (chunk, fields)
+            self._start(chunk + 1)  # the next chunk is gathered and copied meanwhile
+        first = self._chunk_range(chunk)[0]
+        size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
+        local = loader._rows[:size] + (self.step - first) * loader.batch_size  # (size,)
+        stored = tuple(t[local] for t in self._current[1])  # fresh tensors
+        places = loader.places(self.step, size)
+        batch = loader.finish(loader.dataset.widen(stored), self.epoch, places)
+        self.step += 1
+        loader._position = (self.epoch, self.step)
+        return batch
+
+
+class BatchCursor:
+    """Full batches of a resident dataset at a position held on the device.
+
+        cursor = loader.cursor()
+        cursor.start_epoch(0)                     # host calls between epochs, no sync
+        with torch.cuda.graph(graph):
+            images, labels = cursor.draw()        # reads and advances the device position
+            ...                                   # the step
+        for epoch in range(epochs):
+            cursor.start_epoch(epoch)
+            for _ in range(len(cursor)):
+                graph.replay()
+
+    ``draw`` gives the batches ``iter(loader)`` gives for the same epoch and step.
+    """
+
+    def __init__(self, loader: ResidentLoader) -> None:
+        if not loader.dataset.resident:
+            raise GpuflowError(
+                "this dataset is larger than the device budget and streams from the host; "
+                "its batches cannot be drawn inside a captured step: iterate the loader"
+            )
+        self.loader = loader
+        device = loader.device.torch
+        self.order = torch.empty(len(loader.dataset), dtype=torch.int64, device=device)  # (N,)
+        self.epoch_number = torch.zeros((), dtype=torch.int64, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.epoch: int | None = None
+
+    def __len__(self) -> int:
+        """Full batches per epoch: the last partial one is never drawn."""
+        return self.loader.samples // self.loader.batch_size
+
+    def start_epoch(self, epoch: int, step: int = 0) -> None:
+        """Draw epoch ``epoch``'s order into the cursor's buffer and point it at ``step``.
+        Device work only; outside any captured graph."""
+        self.order.copy_(self.loader.order(epoch))
+        self.epoch_number.fill_(epoch)
+        self.step.fill_(step)
+        self.epoch = epoch
+
+    def draw(self) -> Batch:
+        """The batch at the cursor's position, then the position moves on. Fixed shapes,
+        device work only, no sync: safe inside a CUDA graph."""
+        if self.epoch is None:
+            raise GpuflowError("call cursor.start_epoch(epoch) before the first draw")
+        loader = self.loader
+        places = loader.places(self.step, loader.batch_size)  # (B,)
+        batch = loader.dataset.gather(self.order[places])
+        self.step += 1
+        return loader.finish(batch, self.epoch_number, places)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, read from the device (one wait: call it at checkpoints)."""
+        if self.epoch is None:
+            raise GpuflowError("the cursor has no position before start_epoch")
+        from gpuflow.transfer.mirror import read_now
+
+        return {"epoch": self.epoch, "step": read_now(self.step)[0], **self.loader._settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position (the cursor's or the loader's)."""
+        self.loader.load_state_dict(state)  # checks the settings match
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if step >= len(self):
+            epoch, step = epoch + 1, 0
+        self.start_epoch(epoch, step)

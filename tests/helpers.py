@@ -18,6 +18,7 @@ SRC = ROOT / "src"
 PACKAGE = SRC / "gpuflow"
 EXAMPLES = ROOT / "examples"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"  # the reference pages, docs/*.md
 
 SMALL_VOCAB = 512  # the vocabulary of the ``prepared`` fixture's token folder
 

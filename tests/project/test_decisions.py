@@ -1,6 +1,6 @@
-"""The decision files that code, probes and README cite exist, one per number, and the
-index lists every one; every result file in benchmarks/results is named by one scheme, is
-cited, and every citation of one names a file that is there."""
+"""The decision files that code, probes, README and the docs pages cite exist, one per
+number, and the index lists every one; every result file in benchmarks/results is named by
+one scheme, is cited, and every citation of one names a file that is there."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_every_cited_decision_is_one_file():
         *ROOT.glob("src/**/*.py"),
         *ROOT.glob("benchmarks/probes/*.py"),
         *ROOT.glob("docs/architecture/*.md"),
+        *ROOT.glob("docs/*.md"),
         ROOT / "README.md",
     ]
     cited = {n for path in sources for n in CITED.findall(path.read_text())}
@@ -55,12 +56,13 @@ def test_the_index_lists_every_decision():
 
 
 def _citing_sources() -> list[Path]:
-    """What may cite a result file: the decisions, the architecture notes, README and
-    CHANGELOG, benchmark and probe scripts, the package's comments, the examples (a result
-    file citing another does not count)."""
+    """What may cite a result file: the decisions, the architecture notes, the docs pages,
+    README and CHANGELOG, benchmark and probe scripts, the package's comments, the examples
+    (a result file citing another does not count)."""
     return [
         *ROOT.glob("docs/decisions/*.md"),
         *ROOT.glob("docs/architecture/*.md"),
+        *ROOT.glob("docs/*.md"),
         ROOT / "README.md",
         ROOT / "CHANGELOG.md",
         *(p for p in ROOT.glob("benchmarks/**/*.py") if RESULTS not in p.parents),

@@ -1,5 +1,5 @@
 """The example nets in examples/ learn their known solutions through the transfer layer,
-and the README's library examples run as written.
+and the library examples of the README and docs/ run as written.
 
 XOR must round to the truth table, sine must fit a held-out grid and the image classifier
 must label held-out images; batches must have crossed through a DeviceLoader, losses come
@@ -25,7 +25,7 @@ import torch
 from gpuflow.accounting.budgets import BudgetExceeded
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.mirror import MirrorStats
-from tests.helpers import EXAMPLES, README, child_env, plugin_args
+from tests.helpers import DOCS, EXAMPLES, README, ROOT, child_env, plugin_args
 
 
 def load_example(name: str) -> ModuleType:
@@ -360,49 +360,66 @@ def test_the_budget_tests_example_passes_under_pytest(tmp_path):
     assert "2 passed" in done.stdout
 
 
-# ---- the README's library examples, each run as written -------------------------------------
+# ---- the documented library examples, each run as written where it stands ----------------
 
 # A marker line, then the Python block it marks.
-README_EXAMPLE = re.compile(r"<!-- (library-example[\w-]*) -->\n```python\n(.*?)```", re.DOTALL)
-TESTED_README_EXAMPLES = {"library-example", "library-example-pack", "library-example-ledger"}
+MARKED_EXAMPLE = re.compile(r"<!-- (library-example[\w-]*) -->\n```python\n(.*?)```", re.DOTALL)
+# Each marked block and the page it stands in, relative to the repository.
+DOCUMENTED_EXAMPLES = {
+    "library-example": "README.md",
+    "library-example-pack": "docs/library.md",
+    "library-example-ledger": "docs/accounting.md",
+}
 
 
-def readme_examples() -> dict[str, str]:
-    """The code of each marked block in the README, by its marker."""
-    return {marker: code for marker, code in README_EXAMPLE.findall(README.read_text())}
+def documented_examples() -> dict[tuple[str, str], str]:
+    """The code of each marked block in the README and the pages under docs/, by (marker,
+    page), with as many blank lines before it as the page has: its line numbers are the
+    page's."""
+    found = {}
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        text, name = page.read_text(), page.relative_to(ROOT).as_posix()
+        for match in MARKED_EXAMPLE.finditer(text):
+            assert (match[1], name) not in found, f"{match[1]} twice in {name}"
+            found[match[1], name] = "\n" * text.count("\n", 0, match.start(2)) + match[2]
+    return found
 
 
-def run_readme_example(marker: str, capsys) -> str:
-    """Run one marked block as a reader would paste it; what it printed."""
-    code = readme_examples()[marker]
-    exec(compile(code, "README.md", "exec"), {})
+def example_code(marker: str) -> str:
+    return documented_examples()[marker, DOCUMENTED_EXAMPLES[marker]]
+
+
+def run_documented_example(marker: str, capsys) -> str:
+    """Run one marked block as a reader would paste it, named by its page; what it printed."""
+    exec(compile(example_code(marker), DOCUMENTED_EXAMPLES[marker], "exec"), {})
     return capsys.readouterr().out
 
 
-def test_every_marked_readme_example_is_run_here():
-    assert set(readme_examples()) == TESTED_README_EXAMPLES
+def test_every_marked_example_is_run_here():
+    assert sorted(documented_examples()) == sorted(DOCUMENTED_EXAMPLES.items())  # on its page
 
 
 def test_the_readmes_library_example_runs_as_written(capsys):
-    out = run_readme_example("library-example", capsys)
+    out = run_documented_example("library-example", capsys)
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "loss" in line]
     assert len(losses) == 4  # 2 epochs x 2 flushes (on a cpu, drain finds nothing left)
     assert losses[-1] < losses[0]
     assert "weights, row 0:" in out
 
 
-def test_the_readmes_pack_example_runs_as_written(capsys):
-    out = run_readme_example("library-example-pack", capsys)
+def test_the_pack_example_runs_as_written(capsys):
+    out = run_documented_example("library-example-pack", capsys)
     assert "18,496 B as given, 6,208 B copied" in out  # ids narrowed from 8 bytes to 2
     shapes = "{'ids': (torch.int64, (16, 128)), 'mask': (torch.bool, (16, 128)), "
     assert shapes + "'weights': (torch.float32, (16,))}" in out
 
 
-def test_the_readmes_ledger_example_runs_as_written(capsys):
-    out = run_readme_example("library-example-ledger", capsys)
+def test_the_ledger_example_runs_as_written(capsys):
+    out = run_documented_example("library-example-ledger", capsys)
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert steps == [f"step {n}: 1,040 B in 1 copy, 0 syncs" for n in range(3)]
     assert "transfer budget exceeded:\n  syncs: 1 > 0" in out
-    code = readme_examples()["library-example-ledger"].splitlines()
-    wait = next(n for n, line in enumerate(code, start=1) if "device.synchronize()" in line)
-    assert f"Device.synchronize  at README.md:{wait}" in out  # the budget names the line
+    page = DOCUMENTED_EXAMPLES["library-example-ledger"]
+    lines = (ROOT / page).read_text().splitlines()
+    wait = next(n for n, line in enumerate(lines, 1) if "device.synchronize()  #" in line)
+    assert f"Device.synchronize  at {page}:{wait}" in out  # the budget names the page's line

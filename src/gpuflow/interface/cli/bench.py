@@ -230,6 +230,32 @@ def _scale(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     return results
 
 
+# ---- images -------------------------------------------------------------------------------------
+
+
+def _images_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny images: a smoke run in seconds")
+    p.add_argument("--batch-size", type=int, default=512, help="images per step (default 512)")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per round (default 100)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of every feed (default 5)")
+
+
+def _images(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.images import print_images_table, run_images_bench
+
+    results = run_images_bench(device, _images_config(args))
+    print_images_table(results)
+    return results
+
+
+def _images_config(args: argparse.Namespace) -> Any:
+    from gpuflow.bench.images import ImagesBenchConfig
+
+    if args.quick:
+        return ImagesBenchConfig.quick()
+    return ImagesBenchConfig(batch_size=args.batch_size, steps=args.steps, rounds=args.rounds)
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
 BENCHES: dict[str, Bench] = {
@@ -268,6 +294,12 @@ BENCHES: dict[str, Bench] = {
         "the same training run as a plain process, under torchrun with 1 process and with N "
         "(one per GPU), each in a child process: tokens/s, speedup, scaling efficiency",
         _scale_arguments, _scale,
+    ),
+    "images": Bench(
+        "an image classifier fed by DataLoader (transforms on the host, or on the device "
+        "after the copy), by ResidentLoader, and on one fixed batch: images/s",
+        _images_arguments, _images, lambda args: "quick" if args.quick else "cifar",
+        overrides=False, check=lambda args, device: _images_config(args),
     ),
 }  # fmt: skip
 

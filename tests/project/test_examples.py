@@ -124,6 +124,7 @@ def test_digits_classifies_held_out_scans_from_a_resident_dataset(digits_cpu):
 
 @pytest.mark.gpu
 def test_digits_on_the_accelerator(accel):
+    pytest.importorskip("sklearn")  # the digits ship with scikit-learn
     result = digits.train(accel, epochs=12, seed=0)
     assert result.test_accuracy > 0.95
     assert (result.h2d_bytes_per_step, result.syncs_per_step) == (0, 0)

@@ -32,6 +32,7 @@ CROSSING_ALLOWED = {
     "device/linkprobe.py": "measures the link by copying across it",
     "bench/transfer.py": "times the PyTorch idioms it compares the transfer layer with",
     "bench/loaders.py": "times the loading idioms DeviceLoader replaces, and their .to()",
+    "bench/images.py": "times the DataLoader + .to() loop that a resident dataset replaces",
     "bench/io.py": "times memmap + .to(), the idiom kvikio and the pinned reads compete with",
     "bench/checkpoint.py": "times the usual checkpoint save (every tensor .cpu()) as a baseline",
     "device/managed.py::torch.as_tensor(..., device=...)": "wraps managed memory: no copy",

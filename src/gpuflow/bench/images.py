@@ -33,6 +33,7 @@ from gpuflow.data.augment import Compose, HorizontalFlip, Normalize, RandomCrop
 from gpuflow.data.resident_dataset import ResidentDataset
 from gpuflow.data.resident_loader import ResidentLoader
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer.upload import place
 
 MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)  # CIFAR-10's, near enough
 PATHS = ("dataloader_cpu_aug", "dataloader_gpu_aug", "resident", "data_free")
@@ -148,7 +149,8 @@ class _Trainer:
     def __init__(self, device: Device, side: int, widths: tuple[int, int, int, int]) -> None:
         self.device = device
         torch.manual_seed(0)
-        self.model = resnet_cifar(side, widths).to(device.torch, memory_format=torch.channels_last)
+        model = place(resnet_cifar(side, widths), device.torch)
+        self.model = model.to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4
         )

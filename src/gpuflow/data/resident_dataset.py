@@ -66,14 +66,24 @@ def narrowest(values: torch.Tensor) -> torch.dtype:
     return values.dtype
 
 
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _host_tensor(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise GpuflowError(f"{what} is on {value.device}; give the dataset host tensors")
-        return value
+        if value.dtype not in _WIDE_UNSIGNED:
+            return value
+        value = value.numpy()  # torch finds no min or max of these: through NumPy
     if isinstance(value, np.ndarray):
-        if value.dtype == np.uint16 or value.dtype == np.uint32 or value.dtype == np.uint64:
-            value = value.astype(np.int64)  # torch indexes no unsigned type but uint8
+        if value.dtype.kind == "u" and value.itemsize > 1:
+            # torch indexes no unsigned type but uint8: held as int64, which must hold them
+            if value.size and value.max() > np.iinfo(np.int64).max:
+                raise GpuflowError(
+                    f"{what} holds unsigned values from 2**63 up, which no signed type holds"
+                )
+            value = value.astype(np.int64)
         return torch.from_numpy(np.ascontiguousarray(value))
     raise GpuflowError(f"{what} is a {type(value).__name__}; give tensors or NumPy arrays")
 
@@ -259,7 +269,7 @@ def _sample_fields(item: Any, index: int) -> list[torch.Tensor]:
         elif hasattr(value, "getbands"):  # a PIL image: (H, W[, C]) -> (C, H, W) uint8
             pixels = np.asarray(value)
             pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
-            out.append(torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1))))
+            out.append(torch.from_numpy(pixels.transpose(2, 0, 1).copy()))  # writable
         else:
             raise GpuflowError(
                 f"field {field} of item {index} is a {type(value).__name__}; a resident dataset "

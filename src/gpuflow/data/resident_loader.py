@@ -32,6 +32,7 @@ from gpuflow.data.augment import Transform
 from gpuflow.data.keyed import order_keys, sample_keys
 from gpuflow.data.resident_dataset import ResidentDataset
 from gpuflow.transfer.pinned import PinnedPool
+from gpuflow.transfer.tally import report_copy
 
 Batch = tuple[torch.Tensor, ...]
 _STATE_KEYS = ("samples", "batch_size", "world_size", "seed", "shuffle", "drop_last")
@@ -107,13 +108,18 @@ class ResidentLoader:
         if step >= len(self):
             epoch, step = epoch + 1, 0
         self._next = (epoch + 1, 0)
+        self._position = (epoch, step)  # a checkpoint before its first batch resumes here
         if self.dataset.resident:
             return _ResidentEpoch(self, epoch, step)
         return _StreamedEpoch(self, epoch, step)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` starts, from its first batch."""
-        self._next = (epoch, 0)
+        """The epoch the next ``iter()`` starts, from its first batch; or, after
+        ``load_state_dict`` of a position inside that epoch, from where it stopped (the
+        usual ``set_epoch`` at the top of each epoch keeps a resumed position)."""
+        if self._next[0] != epoch:
+            self._next = (epoch, 0)
+        self._position = None
 
     # ---- position ---------------------------------------------------------------------------
 
@@ -125,6 +131,12 @@ class ResidentLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next ``iter()`` carries on after the batch ``state`` was taken at."""
+        self.check_state(state)
+        self._next = (int(state["epoch"]), int(state["step"]))
+        self._position = None
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a position taken with other settings: it would not continue the batches."""
         mine = self._settings()
         changed = [k for k in _STATE_KEYS if k in state and state[k] != mine[k]]
         if changed:
@@ -133,8 +145,6 @@ class ResidentLoader:
                 f"the saved loader position was taken with {saved}: it would not continue the "
                 "same batches; make the loader as it was, or start its epochs afresh"
             )
-        self._next = (int(state["epoch"]), int(state["step"]))
-        self._position = None
 
     def _settings(self) -> dict[str, Any]:
         return {
@@ -286,6 +296,8 @@ class _StreamedEpoch:
         if self._current is None or self._current[0] != chunk:
             self._start(chunk)
             fields, done = self._chunks.pop(chunk).result()
+            for t in fields:  # copied on the helper thread: counted where they are used
+                report_copy("h2d", t.nbytes, "ResidentLoader chunk", str(t.dtype)[6:], True)
             self._device.current_stream().wait_event(done)
             if self._device.type == "cuda":
                 for t in fields:  # made on the copy stream, read on this one from here
@@ -365,7 +377,7 @@ class BatchCursor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position (the cursor's or the loader's)."""
-        self.loader.load_state_dict(state)  # checks the settings match
+        self.loader.check_state(state)
         epoch, step = int(state["epoch"]), int(state["step"])
         if step >= len(self):
             epoch, step = epoch + 1, 0

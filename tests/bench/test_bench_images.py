@@ -37,6 +37,7 @@ def test_every_feed_is_timed_beside_the_baseline(quick, capsys):
         assert len(rates) == 1 and all(r > 0 for r in rates)
         assert row[f"{path}_images_s"] == rates[0]
     assert "resident_graph_images_s" not in row  # CUDA graphs only on CUDA
+    assert "resident_uncompiled_images_s" not in row and not row["transform_compiled"]
     tried = row["baseline_images_s_by_workers"]
     assert set(tried) == {"0", "1"}
     assert tried[str(row["baseline_workers"])] == max(tried.values())
@@ -91,3 +92,16 @@ def test_the_cli_writes_its_result_file(tmp_path):
     record = json.loads(path.read_text())
     assert record["benchmark"] == "images" and len(record["rows"]) == 1
     assert record["config"]["batch_size"] == 16
+
+
+def test_widths_that_are_not_four_channel_counts_are_refused_in_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "bench", "images", "--widths", "16,32", "--device",
+         "cpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --widths takes four positive channel counts, like 32,64,128,256; got '16,32'"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -93,6 +93,22 @@ def test_the_device_loader_gives_the_cpu_loaders_batches(cuda):
         torch.testing.assert_close(xb, xa.to(cuda.torch))
 
 
+def test_the_compiled_transform_gives_the_eager_ones_batches(cuda):
+    data = _dataset(cuda)
+    compiled = ResidentLoader(data, B, seed=3, transform=_augment())
+    assert compiled.compiled  # on cuda by default
+    eager = ResidentLoader(data, B, seed=3, transform=_augment(), compile=False)
+    for _ in range(2):  # two epochs, the partial last batch of each included
+        for (xa, ya), (xb, yb) in zip(eager, compiled, strict=True):
+            assert torch.equal(ya, yb)
+            torch.testing.assert_close(xb, xa)  # fused arithmetic may round by an ulp
+    pixels_only = ResidentLoader(data, B, seed=3, transform=_pixels())
+    _assert_same(
+        _batches(pixels_only),
+        _batches(ResidentLoader(data, B, seed=3, transform=_pixels(), compile=False)),
+    )
+
+
 def _captured_step(loader: ResidentLoader, cuda):
     """A model, its optimizer and a graph whose replay draws a batch from ``loader``'s cursor,
     keeps a copy of it in static buffers and trains one step on it (torch.cuda.graphs'

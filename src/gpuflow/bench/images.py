@@ -8,8 +8,9 @@
 - ``resident``: ``ResidentLoader`` over the dataset in device memory, augmented there;
 - ``data_free``: the same step on one fixed batch, the ceiling of any feed.
 
-On CUDA two more rows capture the step in one CUDA graph: the resident cursor's draw with it,
-and the data-free step. The net is a small ResNet-style CIFAR net (a 64x64 variant pools once
+On CUDA, where the resident transform is compiled by default, a row leaves it uncompiled,
+and two more capture the step in one CUDA graph: with the resident cursor's draw, and on the
+fixed batch. The net is a small ResNet-style CIFAR net (a 64x64 variant pools once
 more); the data is CIFAR-shaped uint8 images made here. Paths alternate in rounds; the median
 round counts. What it compares and why: docs/architecture/benches.md (The images bench).
 """
@@ -37,7 +38,8 @@ from gpuflow.transfer.upload import place
 
 MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)  # CIFAR-10's, near enough
 PATHS = ("dataloader_cpu_aug", "dataloader_gpu_aug", "resident", "data_free")
-GRAPH_PATHS = ("resident_graph", "data_free_graph")
+# CUDA only: the resident draw with its transform left uncompiled, and the captured steps
+CUDA_PATHS = ("resident_uncompiled", "resident_graph", "data_free_graph")
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,12 @@ class _Side:
         self.resident = ResidentDataset(images, labels, device=device, show_progress=False)
         self.normalize = _normalize(device)
         self.gpu_augment = _gpu_augment(device, side)
+        self.resident_loader = self._resident_loader()
+        started = time.perf_counter()  # the first draw compiles the transform (on CUDA)
+        next(iter(self.resident_loader))
+        device.synchronize()
+        self.first_draw_s = time.perf_counter() - started
+        self.uncompiled_loader = self._resident_loader(compile=False)
         self.loaders: dict[tuple[int, bool], torch.utils.data.DataLoader] = {}
         self.fixed = self._fixed_batch()
         self.graphs: dict[str, Callable[[], None]] = {}
@@ -204,14 +212,18 @@ class _Side:
         keys = torch.zeros(len(y), dtype=torch.int64, device=self.device.torch)
         return self.normalize(x, keys), y
 
+    def _resident_loader(self, compile: bool | None = None) -> ResidentLoader:
+        return ResidentLoader(
+            self.resident, self.cfg.batch_size, drop_last=True, transform=self.gpu_augment,
+            compile=compile,
+        )  # fmt: skip
+
     def dataloader(self, workers: int, augment: bool) -> torch.utils.data.DataLoader:
+        """Workers that start with each round's first batch and end with the round, so that
+        none is still making batches while another feed is timed."""
         key = (workers, augment)
         if key not in self.loaders:
-            extra = (
-                {"persistent_workers": True, "prefetch_factor": self.cfg.prefetch_factor}
-                if workers
-                else {}
-            )
+            extra = {"prefetch_factor": self.cfg.prefetch_factor} if workers else {}
             self.loaders[key] = torch.utils.data.DataLoader(
                 HostAugmented(*self.host, augment), batch_size=self.cfg.batch_size,
                 shuffle=True, drop_last=True, num_workers=workers,
@@ -220,7 +232,8 @@ class _Side:
         return self.loaders[key]
 
     def close(self) -> None:
-        self.loaders.clear()  # persistent workers end with their loader
+        self.loaders.clear()
+        self.resident_loader.close()
 
     # ---- one round of each path -------------------------------------------------------------
 
@@ -249,8 +262,8 @@ class _Side:
                 return len(y)
 
             batches = _endless(lambda: self.dataloader(workers, augment=False))
-        elif path == "resident":
-            loader = ResidentLoader(self.resident, B, drop_last=True, transform=self.gpu_augment)
+        elif path in ("resident", "resident_uncompiled"):
+            loader = self.resident_loader if path == "resident" else self.uncompiled_loader
 
             def step(batch: Any) -> int:
                 trainer.step(*batch)
@@ -277,10 +290,9 @@ class _Side:
     def _capture(self, path: str) -> Callable[[], None]:
         """The step (with the resident cursor's draw, for ``resident_graph``) as one CUDA
         graph, warmed up on a side stream first; returns what runs one step."""
-        trainer, B = self.trainer, self.cfg.batch_size
+        trainer = self.trainer
         if path == "resident_graph":
-            loader = ResidentLoader(self.resident, B, drop_last=True, transform=self.gpu_augment)
-            cursor = loader.cursor()
+            cursor = self.resident_loader.cursor()
             cursor.start_epoch(0)
 
             def body() -> None:
@@ -324,9 +336,7 @@ def _ledger_per_step(side: _Side, steps: int = 20) -> dict[str, float]:
     """H2D bytes and host syncs per steady step of the resident path, from the ledger."""
     from gpuflow.accounting.ledger import TransferLedger
 
-    loader = ResidentLoader(side.resident, side.cfg.batch_size, drop_last=True,
-                            transform=side.gpu_augment)  # fmt: skip
-    batches = _endless(lambda: loader)
+    batches = _endless(lambda: side.resident_loader)
     for _ in range(3):
         side.trainer.step(*next(batches))
     side.device.synchronize()
@@ -345,7 +355,7 @@ def run_images_bench(device: Device, cfg: ImagesBenchConfig) -> dict[str, Any]:
         try:
             tried = {w: side.run("dataloader_cpu_aug", w) for w in cfg.workers}
             workers = max(tried, key=tried.get)
-            paths = PATHS + (GRAPH_PATHS if device.type == "cuda" else ())
+            paths = PATHS + (CUDA_PATHS if device.type == "cuda" else ())
             rates: dict[str, list[float]] = {p: [] for p in paths}
             for _ in range(cfg.rounds):
                 for path in paths:
@@ -357,6 +367,8 @@ def run_images_bench(device: Device, cfg: ImagesBenchConfig) -> dict[str, Any]:
                 "baseline_workers": workers,
                 "baseline_images_s_by_workers": {str(w): r for w, r in tried.items()},
                 "dataset_device_bytes": side.resident.nbytes,
+                "transform_compiled": side.resident_loader.compiled,
+                "first_draw_s": side.first_draw_s,  # with the compile, where there is one
                 "ledger_resident": _ledger_per_step(side),
             }
             for path, values in rates.items():
@@ -388,7 +400,7 @@ def print_images_table(results: dict[str, Any]) -> None:
             ),
         )  # fmt: skip
         base = row["dataloader_cpu_aug_images_s"]
-        for path in (*PATHS, *GRAPH_PATHS):
+        for path in (*PATHS, *CUDA_PATHS):
             if f"{path}_images_s" in row:
                 rate = row[f"{path}_images_s"]
                 out.add_row(path.replace("_", " "), f"{rate:,.0f}", f"{rate / base:.2f}x")

@@ -19,6 +19,7 @@ batches as if it were resident.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -68,6 +69,7 @@ class ResidentLoader:
         rank: int | None = None,
         world_size: int | None = None,
         chunk_bytes: int = 256 << 20,
+        compile: bool | None = None,
     ) -> None:
         if not isinstance(dataset, ResidentDataset):
             raise GpuflowError(
@@ -81,6 +83,13 @@ class ResidentLoader:
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.transform = transform
         self.rank, self.world_size = _ranks(rank, world_size)
+        self.device = dataset.device
+        # The transform and its keys as a few fused kernels instead of dozens of small ones
+        # (docs/decisions/036); by default where torch.compile makes GPU kernels.
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.compiled = bool(compile and transform is not None)
+        self._traced = False
         # This rank's samples per epoch: every world_size-th place of the epoch's order.
         self.samples = len(dataset) // self.world_size if self.world_size > 1 else len(dataset)
         if self.samples == 0 or (drop_last and self.samples < batch_size):
@@ -88,7 +97,6 @@ class ResidentLoader:
                 f"{len(dataset)} samples over {self.world_size} ranks give rank {self.rank} "
                 f"{self.samples}, fewer than one batch of {batch_size} with drop_last"
             )
-        self.device = dataset.device
         self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
         self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)
         self._next = (0, 0)  # (epoch, step) the next iter() starts at
@@ -172,12 +180,22 @@ class ResidentLoader:
         rows = self._rows[:size] + step * self.batch_size  # (size,) this rank's positions
         return rows * self.world_size + self.rank
 
-    def finish(self, fields: Batch, epoch: int | torch.Tensor, places: torch.Tensor) -> Batch:
-        """The transform applied to the first field, keyed by (seed, epoch, place)."""
+    def finish(self, fields: Batch, epoch: torch.Tensor, places: torch.Tensor) -> Batch:
+        """The transform applied to the first field, keyed by (seed, epoch, place); ``epoch``
+        a 0-dim device tensor (a compiled transform is not compiled again each epoch)."""
         if self.transform is None:
             return fields
-        keys = sample_keys(self.seed, epoch, places)  # (size,)
-        return (self.transform(fields[0], keys), *fields[1:])
+        apply = keyed_transform
+        if self.compiled:
+            if not self._traced:  # what transforms build at their first call, built eagerly
+                keyed_transform(self.transform, self.seed, fields[0][:1], epoch, places[:1])
+                self._traced = True
+            apply = _compiled_keyed_transform()
+        return (apply(self.transform, self.seed, fields[0], epoch, places), *fields[1:])
+
+    def epoch_tensor(self, epoch: int) -> torch.Tensor:
+        """``epoch`` as a 0-dim int64 device tensor, made by a fill (no copy, no wait)."""
+        return torch.full((), epoch, dtype=torch.int64, device=self.device.torch)
 
     def cursor(self) -> BatchCursor:
         """Full batches from a position on the device, for a captured step."""
@@ -212,6 +230,21 @@ class ResidentLoader:
         self.close()
 
 
+def keyed_transform(
+    transform: Transform, seed: int, images: torch.Tensor, epoch: torch.Tensor,
+    places: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``transform`` of ``images`` with each sample's key from (seed, epoch, place)."""
+    return transform(images, sample_keys(seed, epoch, places))
+
+
+@functools.cache
+def _compiled_keyed_transform() -> Any:
+    """``keyed_transform`` compiled once per process: loaders made anew each epoch reuse the
+    code compiled for a transform like theirs instead of compiling it again."""
+    return torch.compile(keyed_transform, dynamic=False)
+
+
 class _ResidentEpoch:
     """One epoch of a resident dataset from ``step`` on: device work only per batch."""
 
@@ -219,6 +252,7 @@ class _ResidentEpoch:
         self.loader, self.epoch, self.step = loader, epoch, step
         self.steps = len(loader)
         self._order = loader.order(epoch) if step < self.steps else None
+        self._epoch = loader.epoch_tensor(epoch)
 
     def __iter__(self) -> _ResidentEpoch:
         return self
@@ -229,7 +263,7 @@ class _ResidentEpoch:
             raise StopIteration
         size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
         places = loader.places(self.step, size)  # (size,)
-        batch = loader.finish(loader.dataset.gather(self._order[places]), self.epoch, places)
+        batch = loader.finish(loader.dataset.gather(self._order[places]), self._epoch, places)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch
@@ -243,6 +277,7 @@ class _StreamedEpoch:
     def __init__(self, loader: ResidentLoader, epoch: int, step: int) -> None:
         self.loader, self.epoch, self.step = loader, epoch, step
         self.steps = len(loader)
+        self._epoch = loader.epoch_tensor(epoch)
         self._device = loader.device
         self._order = loader.order(epoch, torch.device("cpu")) if step < self.steps else None
         self._stream = self._device.new_stream()
@@ -309,7 +344,7 @@ class _StreamedEpoch:
         local = loader._rows[:size] + (self.step - first) * loader.batch_size  # (size,)
         stored = tuple(t[local] for t in self._current[1])  # fresh tensors
         places = loader.places(self.step, size)
-        batch = loader.finish(loader.dataset.widen(stored), self.epoch, places)
+        batch = loader.finish(loader.dataset.widen(stored), self._epoch, places)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch

@@ -238,6 +238,11 @@ def _images_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=512, help="images per step (default 512)")
     p.add_argument("--steps", type=int, default=100, help="timed steps per round (default 100)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of every feed (default 5)")
+    p.add_argument(
+        "--widths", default="32,64,128,256", metavar="A,B,C,D",
+        help="the net's channels per stage (default 32,64,128,256; narrower nets train faster "
+        "and so ask more of the feed)",
+    )  # fmt: skip
 
 
 def _images(args: argparse.Namespace, device: Any) -> dict[str, Any]:
@@ -253,7 +258,29 @@ def _images_config(args: argparse.Namespace) -> Any:
 
     if args.quick:
         return ImagesBenchConfig.quick()
-    return ImagesBenchConfig(batch_size=args.batch_size, steps=args.steps, rounds=args.rounds)
+    return ImagesBenchConfig(
+        batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
+        widths=_widths(args.widths),
+    )  # fmt: skip
+
+
+def _widths(text: str) -> tuple[int, int, int, int]:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if len(widths) != 4 or min(widths) < 1:
+        raise GpuflowError(
+            f"--widths takes four positive channel counts, like 32,64,128,256; got {text!r}"
+        )
+    return widths
+
+
+def _images_name(args: argparse.Namespace) -> str:
+    if args.quick:
+        return "quick"
+    widths = _widths(args.widths)
+    return "cifar" if widths == (32, 64, 128, 256) else f"cifar-w{widths[0]}"
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -298,7 +325,7 @@ BENCHES: dict[str, Bench] = {
     "images": Bench(
         "an image classifier fed by DataLoader (transforms on the host, or on the device "
         "after the copy), by ResidentLoader, and on one fixed batch: images/s",
-        _images_arguments, _images, lambda args: "quick" if args.quick else "cifar",
+        _images_arguments, _images, _images_name,
         overrides=False, check=lambda args, device: _images_config(args),
     ),
 }  # fmt: skip

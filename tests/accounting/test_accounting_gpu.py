@@ -84,7 +84,7 @@ def test_a_stray_item_in_a_training_step_is_caught_at_its_line(accel, prepared, 
         for n, text in enumerate(Path(__file__).read_text().splitlines(), start=1)
         if "# the stray read" in text and "text" not in text
     )
-    assert f"test_accounting.py:{line}" in str(caught.value)
+    assert f"{Path(__file__).name}:{line}" in str(caught.value)
     assert caught.value.over == {"syncs": (1, 0)}
 
 
@@ -143,8 +143,8 @@ def test_an_item_in_a_gradient_hook_is_counted_at_its_line(accel):
     wait_line = next(n for n, t in enumerate(lines, 1) if "# hook-wait" in t and "next(" not in t)
     syncs = [e for e in ledger.events if e.kind == "sync"]
     assert [e.op for e in syncs] == ["blocking d2h item", "torch.cuda.synchronize"], syncs
-    assert syncs[0].location.endswith(f"test_accounting.py:{item_line}")
-    assert syncs[1].location.endswith(f"test_accounting.py:{wait_line}")
+    assert syncs[0].location.endswith(f"{Path(__file__).name}:{item_line}")
+    assert syncs[1].location.endswith(f"{Path(__file__).name}:{wait_line}")
     assert norms == [pytest.approx(3 * 8**0.5)]
 
 
@@ -201,5 +201,5 @@ def test_a_tensor_made_on_the_device_from_host_data_is_a_counted_blocking_copy(a
     lines = Path(__file__).read_text().splitlines()
     for marker, event in zip(("# from-list", "# from-array"), copies, strict=True):
         line = next(n for n, t in enumerate(lines, 1) if marker in t and "zip(" not in t)
-        assert event.location.endswith(f"test_accounting.py:{line}")
+        assert event.location.endswith(f"{Path(__file__).name}:{line}")
     assert sum(e.kind == "sync" for e in ledger.events) == 2

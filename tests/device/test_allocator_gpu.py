@@ -29,7 +29,7 @@ def test_each_allocator_runs_the_captured_step_without_allocating(
         "--out", str(workdir / "out"), *(a for s in sets for a in ("--set", s)), cwd=workdir,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    (result_file,) = (workdir / "out").glob("train-*.json")
+    (result_file,) = (workdir / "out").glob("*-train-*.json")
     result = json.loads(result_file.read_text())
     assert result["allocator"] == allocator
     rows = {r["mode"]: r for r in result["rows"]}

@@ -123,8 +123,9 @@ def test_captured_and_eager_steps_give_the_same_losses(accel, prepared, workdir)
     if accel.type == "cuda":  # the captured step took bf16 weights over fp32 masters
         from gpuflow.train.optim.master_adamw import MasterAdamW
 
-        assert isinstance(runs["resident-graph"].optimizer, MasterAdamW)
-        assert all(p.dtype == torch.bfloat16 for p in runs["resident-graph"].model.parameters())
+        graph_run = runs["resident-graph"].setup
+        assert isinstance(graph_run.optimizer, MasterAdamW)
+        assert all(p.dtype == torch.bfloat16 for p in graph_run.model.parameters())
         # The schedule kept moving inside the graph: the device learning rate is the last
         # step's. (Elsewhere resident-graph runs as resident: there is no graph.)
         graph_step = steps["resident-graph"]

@@ -113,14 +113,14 @@ def _late_copies(loader: DeviceLoader) -> DeviceLoader:
     stream after its wait for the consumer, or the consumer's own), so that a consumer
     reading before a copy finished would see the memory's previous contents: garbage, or a
     batch the allocator handed back."""
-    pipeline = loader._pipeline
-    copy = pipeline._copy
+    issuer = loader._pipeline.issuer
+    copy = issuer._copy
 
     def late(crossing, stream):
-        _busy(pipeline.device, 5.0)
+        _busy(loader._pipeline.device, 5.0)
         return copy(crossing, stream)
 
-    pipeline._copy = late
+    issuer._copy = late
     return loader
 
 

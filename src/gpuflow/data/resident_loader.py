@@ -185,13 +185,18 @@ class ResidentLoader:
         a 0-dim device tensor (a compiled transform is not compiled again each epoch)."""
         if self.transform is None:
             return fields
-        apply = keyed_transform
-        if self.compiled:
-            if not self._traced:  # what transforms build at their first call, built eagerly
-                keyed_transform(self.transform, self.seed, fields[0][:1], epoch, places[:1])
-                self._traced = True
-            apply = _compiled_keyed_transform()
-        return (apply(self.transform, self.seed, fields[0], epoch, places), *fields[1:])
+        images, size = fields[0], fields[0].shape[0]
+        if not self.compiled:
+            return (keyed_transform(self.transform, self.seed, images, epoch, places), *fields[1:])
+        if not self._traced:  # what transforms build at their first call, built eagerly
+            keyed_transform(self.transform, self.seed, images[:1], epoch, places[:1])
+            self._traced = True
+        if size < self.batch_size:  # the last partial batch padded: one shape, one compile
+            pad = self.batch_size - size
+            images = torch.cat([images, images[-1:].expand(pad, *images.shape[1:])])
+            places = torch.cat([places, places[-1:].expand(pad)])
+        out = _compiled_keyed_transform()(self.transform, self.seed, images, epoch, places)
+        return (out[:size], *fields[1:])
 
     def epoch_tensor(self, epoch: int) -> torch.Tensor:
         """``epoch`` as a 0-dim int64 device tensor, made by a fill (no copy, no wait)."""

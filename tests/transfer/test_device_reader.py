@@ -20,7 +20,10 @@ CPU = Device("cpu")
 
 
 def _reader(source, ahead: int = 2) -> DeviceReader:
-    return DeviceReader(iter(source), CPU, Planner(True, None), ahead, owned=False, coalesce=False)
+    return DeviceReader(
+        iter(source), CPU, Planner(True, None), ahead, owned=False, coalesce=False,
+        stream=CPU.new_stream(),
+    )  # fmt: skip
 
 
 def _all(reader: DeviceReader) -> list:

@@ -1,9 +1,9 @@
 """A worker-fed source taken all the way to the device on a thread of its own.
 
-``DeviceReader``'s thread runs the whole crossing of a ``DataLoader`` with workers on a
-stream of its own, through a ``Pipeline`` of its own, and queues finished device batches
-(at most ``ahead``); the training thread takes one and makes its stream wait for the copy,
-with no host wait. ``close()`` returns at once.
+``DeviceReader``'s thread runs the whole crossing of a ``DataLoader`` with workers on the
+stream its loader keeps for its readers, through a ``Pipeline`` of its own, and queues
+finished device batches (at most ``ahead``); the training thread takes one and makes its
+stream wait for the copy, with no host wait. ``close()`` returns at once.
 
 Why the whole crossing moves to the thread, how a batch is handed over, and how the thread
 ends: docs/architecture/transfer-pipeline.md (The whole crossing on the reader's thread).
@@ -36,7 +36,7 @@ class DeviceReader:
 
     def __init__(
         self, source: Iterator[Any], device: Device, planner: Planner, ahead: int, owned: bool,
-        coalesce: bool,
+        coalesce: bool, stream: Any,
     ) -> None:  # fmt: skip
         self.device = device
         self.ended = False
@@ -49,20 +49,22 @@ class DeviceReader:
         )
         self.counts = pipeline.counts
         self._thread = threading.Thread(
-            target=self._run, args=(Epoch(source, owned), pipeline, self._queue, self._stop),
+            target=self._run,
+            args=(Epoch(source, owned), pipeline, stream, self._queue, self._stop),
             daemon=True, name="gpuflow-read",
         )  # fmt: skip
         self._thread.start()
 
     @staticmethod
-    def _run(ep: Epoch, pipeline: Pipeline, out: queue.Queue, stop: threading.Event) -> None:
+    def _run(
+        ep: Epoch, pipeline: Pipeline, stream: Any, out: queue.Queue, stop: threading.Event
+    ) -> None:
         # A static method: the thread holds nothing of the DeviceReader, so that one dropped
         # without close() is still collected (and stops this thread).
         device = pipeline.device
         if device.type == "cuda":
             torch.cuda.set_device(device.index)
         pipeline.epochs.append(ep)
-        stream = device.new_stream()
         counts = pipeline.counts
         try:
             with device.use_stream(stream):

@@ -143,6 +143,7 @@ class DeviceLoader:
         self._closed = False
         # Epochs of a worker-fed source, each made on a thread of its own, and their counts.
         self._readers: weakref.WeakSet[DeviceReader] = weakref.WeakSet()
+        self._reader_stream: Any = None  # the worker-fed epochs' copy stream, made once
         self._reader_counts: list[dict[str, int]] = []
 
     def __len__(self) -> int:
@@ -170,9 +171,14 @@ class DeviceLoader:
         self._epochs += 1
         if self.depth > 0 and reads_slowly(self._source):
             if not self._pipeline.timing:  # (the reader's copies are not timed)
+                if self._reader_stream is None:
+                    # One for every epoch's reader: the device memory cached for the
+                    # batches of one epoch serves the next (a stream per epoch kept each
+                    # epoch's blocks apart, and the next one allocated anew).
+                    self._reader_stream = self.device.new_stream()
                 reader = DeviceReader(
                     batches, self.device, Planner(*self._codecs), self.depth, owned,
-                    self._pipeline.coalesce,
+                    self._pipeline.coalesce, self._reader_stream,
                 )  # fmt: skip
                 self._readers.add(reader)
                 self._reader_counts.append(reader.counts)

@@ -14,7 +14,8 @@ place). ``state_dict`` / ``load_state_dict`` carry the position; a resumed run d
 batches. ``cursor()`` draws full batches from a position held on the device, for a step
 captured in a CUDA graph. A dataset that stays on the host streams through in chunks of
 ``chunk_bytes`` (gathered in the epoch's order on a helper thread, then copied), with the same
-batches as if it were resident.
+batches as if it were resident. On CUDA the draw is compiled (``compile``): its first batch
+pays the compile.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ class ResidentLoader:
         self.transform = transform
         self.rank, self.world_size = _ranks(rank, world_size)
         self.device = dataset.device
-        # The transform and its keys as a few fused kernels instead of dozens of small ones
-        # (docs/decisions/036); by default where torch.compile makes GPU kernels.
+        # The draw (gather, widening, keys, transform) as a few fused kernels instead of
+        # dozens of small ones (docs/decisions/036); by default where torch.compile makes
+        # GPU kernels.
         if compile is None:
             compile = self.device.type == "cuda"
         self.compiled = bool(compile and transform is not None)
@@ -180,23 +182,26 @@ class ResidentLoader:
         rows = self._rows[:size] + step * self.batch_size  # (size,) this rank's positions
         return rows * self.world_size + self.rank
 
-    def finish(self, fields: Batch, epoch: torch.Tensor, places: torch.Tensor) -> Batch:
-        """The transform applied to the first field, keyed by (seed, epoch, place); ``epoch``
-        a 0-dim device tensor (a compiled transform is not compiled again each epoch)."""
-        if self.transform is None:
-            return fields
-        images, size = fields[0], fields[0].shape[0]
-        if not self.compiled:
-            return (keyed_transform(self.transform, self.seed, images, epoch, places), *fields[1:])
+    def draw(
+        self, stored: Batch, rows: torch.Tensor, epoch: torch.Tensor, places: torch.Tensor,
+        compiled: bool = True,
+    ) -> Batch:  # fmt: skip
+        """Rows ``rows`` of the ``stored`` fields, in their given types, the transform applied
+        to the first, keyed by (seed, ``epoch``, ``places``): ``epoch`` a 0-dim device tensor,
+        so compiled code is not compiled again each epoch. Device work only."""
+        dtypes = tuple(f.dtype for f in self.dataset.fields)
+        args = (self.transform, self.seed, epoch)
+        if not (compiled and self.compiled):
+            return draw_samples(stored, dtypes, rows, places, *args)
         if not self._traced:  # what transforms build at their first call, built eagerly
-            keyed_transform(self.transform, self.seed, images[:1], epoch, places[:1])
+            draw_samples(stored, dtypes, rows[:1], places[:1], *args)
             self._traced = True
+        size = rows.shape[0]
         if size < self.batch_size:  # the last partial batch padded: one shape, one compile
-            pad = self.batch_size - size
-            images = torch.cat([images, images[-1:].expand(pad, *images.shape[1:])])
-            places = torch.cat([places, places[-1:].expand(pad)])
-        out = _compiled_keyed_transform()(self.transform, self.seed, images, epoch, places)
-        return (out[:size], *fields[1:])
+            rows = torch.cat([rows, rows[-1:].expand(self.batch_size - size)])
+            places = torch.cat([places, places[-1:].expand(self.batch_size - size)])
+        batch = _compiled_draw_samples()(stored, dtypes, rows, places, *args)
+        return batch if size == self.batch_size else tuple(t[:size] for t in batch)
 
     def epoch_tensor(self, epoch: int) -> torch.Tensor:
         """``epoch`` as a 0-dim int64 device tensor, made by a fill (no copy, no wait)."""
@@ -235,19 +240,24 @@ class ResidentLoader:
         self.close()
 
 
-def keyed_transform(
-    transform: Transform, seed: int, images: torch.Tensor, epoch: torch.Tensor,
-    places: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """``transform`` of ``images`` with each sample's key from (seed, epoch, place)."""
-    return transform(images, sample_keys(seed, epoch, places))
+def draw_samples(
+    stored: Batch, dtypes: tuple[torch.dtype, ...], rows: torch.Tensor, places: torch.Tensor,
+    transform: Transform | None, seed: int, epoch: torch.Tensor,
+) -> Batch:  # fmt: skip
+    """``stored[rows]`` field by field, widened to ``dtypes``, the first through ``transform``
+    with each sample's key from (seed, epoch, place)."""
+    out = [t[rows] if t.dtype == d else t[rows].to(d) for t, d in zip(stored, dtypes, strict=True)]
+    if transform is not None:
+        out[0] = transform(out[0], sample_keys(seed, epoch, places))
+    return tuple(out)
 
 
 @functools.cache
-def _compiled_keyed_transform() -> Any:
-    """``keyed_transform`` compiled once per process: loaders made anew each epoch reuse the
-    code compiled for a transform like theirs instead of compiling it again."""
-    return torch.compile(keyed_transform, dynamic=False)
+def _compiled_draw_samples() -> Any:
+    """``draw_samples`` compiled once per process (the gather fused with the transform);
+    loaders made anew each epoch reuse the code compiled for a dataset and transform like
+    theirs instead of compiling it again."""
+    return torch.compile(draw_samples, dynamic=False)
 
 
 class _ResidentEpoch:
@@ -268,7 +278,7 @@ class _ResidentEpoch:
             raise StopIteration
         size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
         places = loader.places(self.step, size)  # (size,)
-        batch = loader.finish(loader.dataset.gather(self._order[places]), self._epoch, places)
+        batch = loader.draw(loader.dataset.tensors, self._order[places], self._epoch, places)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch
@@ -347,9 +357,9 @@ class _StreamedEpoch:
         first = self._chunk_range(chunk)[0]
         size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
         local = loader._rows[:size] + (self.step - first) * loader.batch_size  # (size,)
-        stored = tuple(t[local] for t in self._current[1])  # fresh tensors
         places = loader.places(self.step, size)
-        batch = loader.finish(loader.dataset.widen(stored), self._epoch, places)
+        # Uncompiled: each chunk's fields are of their own length.
+        batch = loader.draw(self._current[1], local, self._epoch, places, compiled=False)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch
@@ -403,9 +413,9 @@ class BatchCursor:
             raise GpuflowError("call cursor.start_epoch(epoch) before the first draw")
         loader = self.loader
         places = loader.places(self.step, loader.batch_size)  # (B,)
-        batch = loader.dataset.gather(self.order[places])
+        batch = loader.draw(loader.dataset.tensors, self.order[places], self.epoch_number, places)
         self.step += 1
-        return loader.finish(batch, self.epoch_number, places)
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position, read from the device (one wait: call it at checkpoints)."""

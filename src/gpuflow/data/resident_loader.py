@@ -180,6 +180,8 @@ class ResidentLoader:
     def places(self, step: int | torch.Tensor, size: int) -> torch.Tensor:
         """Places in the epoch's order of batch ``step``'s ``size`` samples on this rank."""
         rows = self._rows[:size] + step * self.batch_size  # (size,) this rank's positions
+        if self.world_size == 1:
+            return rows
         return rows * self.world_size + self.rank
 
     def draw(

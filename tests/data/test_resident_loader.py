@@ -403,3 +403,31 @@ def test_loading_a_cursor_leaves_the_loaders_own_position_alone():
     cursor.load_state_dict({**before, "epoch": 4, "step": 2})
     assert loader.state_dict() == before
     assert cursor.state_dict()["epoch"] == 4 and cursor.state_dict()["step"] == 2
+
+
+def _rank_takes(rank: int, world_size: int, folder: str) -> None:
+    """One process of a gloo group: its loader finds its rank by itself."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size
+    )
+    try:
+        loader = ResidentLoader(_ids(), 10, seed=4)  # no rank given: torch.distributed's
+        assert (loader.rank, loader.world_size) == (rank, world_size)
+        taken = torch.cat([ids for (ids,) in loader])
+        torch.save(taken, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_a_process_group_each_rank_takes_its_own_share(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_takes, args=(2, str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert len(first) == len(second) == N // 2
+    assert sorted(torch.cat([first, second]).tolist()) == list(range(N))
+    alone = [ResidentLoader(_ids(), 10, seed=4, rank=r, world_size=2) for r in range(2)]
+    assert torch.equal(first, torch.cat([ids for (ids,) in alone[0]]))
+    assert torch.equal(second, torch.cat([ids for (ids,) in alone[1]]))

@@ -286,8 +286,12 @@ def test_from_image_folder_resizes(tmp_path):
         assert images[i].flatten(1).unique(dim=1).flatten().tolist() == list(colour)
     tall = ResidentDataset.from_image_folder(tmp_path, (6, 3), device="cpu", show_progress=False)
     assert _all(tall)[0].shape == (4, 3, 6, 3)  # (height, width)
-    with pytest.raises(GpuflowError, match="of one shape"):
+    with pytest.raises(GpuflowError) as caught:
         ResidentDataset.from_image_folder(tmp_path, device="cpu", show_progress=False)
+    assert str(caught.value) == (
+        f"{tmp_path / 'a' / 'two.png'} is 12x4, {tmp_path / 'a' / 'one.png'} 7x9; pass size= "
+        "to from_image_folder to resize every image to one size"
+    )
 
 
 def test_from_image_folder_errors(tmp_path):

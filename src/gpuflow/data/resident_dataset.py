@@ -302,6 +302,7 @@ class ImageFolder:
         if not self.items:
             raise GpuflowError(f"{root} has no images in class folders ({root}/<class>/<image>)")
         self.size = (size, size) if isinstance(size, int) else size
+        self._first_size: tuple[tuple[int, int], Path] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -315,4 +316,12 @@ class ImageFolder:
             raise GpuflowError(f"{path}: not an image Pillow can read ({e})") from None
         if self.size is not None:
             image = image.resize((self.size[1], self.size[0]))  # PIL takes (width, height)
+        elif self._first_size is None:
+            self._first_size = (image.size, path)
+        elif image.size != self._first_size[0]:
+            (w, h), first = self._first_size
+            raise GpuflowError(
+                f"{path} is {image.size[0]}x{image.size[1]}, {first} {w}x{h}; pass size= "
+                "to from_image_folder to resize every image to one size"
+            )
         return image, label

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpuflow.baselines.naive import NaiveBatches, naive_gradients
+from gpuflow.baselines.naive import NaiveBatches, naive_gradients, naive_update
 from gpuflow.baselines.standard import StandardBatches
 from gpuflow.data.batches import WindowSampler
 from gpuflow.device.accelerator import Device
@@ -52,3 +52,22 @@ def test_naive_batches_stay_on_the_host_and_its_gradients_are_the_models_own(tmp
     assert torch.allclose(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(got.grad, want.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_the_naive_update_clips_steps_and_clears_as_a_plain_loop_does():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    for net in (model, twin):
+        (net(torch.ones(2, 4)).sum() * 100).backward()  # large gradients: the clip bites
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
+    torch.optim.SGD(twin.parameters(), lr=0.1).step()
+    norm = naive_update(model, optimizer, grad_clip=0.5)
+    assert torch.equal(norm, expected_norm) and norm > 0.5  # the norm before the clip
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+        assert mine.grad is None
+    (model(torch.ones(2, 4)).sum()).backward()
+    assert float(naive_update(model, optimizer, grad_clip=0.0)) == 0.0  # no clip: no norm

@@ -60,3 +60,16 @@ def naive_gradients(model: GPT, device: Device, host_tokens: np.ndarray) -> torc
         if device.type == "cuda":
             torch.cuda.empty_cache()  # no memory caching: the next sequence allocates anew
     return total
+
+
+def naive_update(model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float) -> torch.Tensor:
+    """The update a plain loop makes: ``clip_grad_norm_``, the optimizer's step, gradients
+    cleared; returns the grad norm (on the device). Nothing of the production step's update
+    (the clip folded into fused AdamW, gradients averaged over ranks) runs here."""
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.zeros((), device=next(model.parameters()).device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch._inductor import config as inductor_config
 
-from gpuflow.baselines.naive import NaiveBatches, naive_gradients
+from gpuflow.baselines.naive import NaiveBatches, naive_gradients, naive_update
 from gpuflow.data.sources import BatchSource, CapturableSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
@@ -189,12 +189,15 @@ class EagerStep(TrainStep):
 
 
 class NaiveStep(TrainStep):
+    """The naive baseline: its gradients and its update both from ``baselines/naive.py``."""
+
     batches: NaiveBatches
 
     def __call__(self, step: int) -> None:
         self.set_lr(step)
         self.last_loss = naive_gradients(self.model, self.device, self.batches.host_tokens(step))
-        self.scalars.add(loss=self.last_loss, grad_norm=self.update(self.last_loss))
+        grad_norm = naive_update(self.model, self.optimizer, self.config.grad_clip)
+        self.scalars.add(loss=self.last_loss, grad_norm=grad_norm)
 
 
 class GraphStep(TrainStep):

@@ -3,11 +3,14 @@
 For each feed, the training thread's time inside ``next(feed)`` and in the step, per step,
 and the loader's own ``stats`` (time waiting on its source, waiting for staging). Feeds, in
 alternating rounds: the idiom (``DataLoader(pin_memory=True)`` + ``.to()``); DeviceLoader
-as it is (each batch made on its reader thread, ``transfer.device_reader``); the same with
-the reader thread only taking batches from the workers and the rest on the training thread
-(the path before ``device_reader``); with ``narrow=False`` (labels cross as int64, no
-staging, no widening kernel); over ``DataLoader(pin_memory=True)`` (no reader thread of its
-own); and the source alone (the idiom's feed with no training: the workers' ceiling).
+as it is (each batch made on its reader thread, ``transfer.device_reader``); with
+``narrow=False`` (labels cross as int64, no staging, no widening kernel); over
+``DataLoader(pin_memory=True)`` (no reader thread of its own); and the source alone (the
+idiom's feed with no training: the workers' ceiling).
+
+The path before ``device_reader`` (the reader thread only taking batches from the workers,
+the rest on the training thread), measured in docs/decisions/033, was run by replacing a
+private method of DeviceLoader; that variant is in this file at commit bc04c34.
 
 PYTHONPATH=src python3 benchmarks/probes/imagephases.py OUT.json
 """
@@ -22,8 +25,6 @@ import torch
 from gpuflow.bench.loaders import SyntheticImages, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
-from gpuflow.transfer.reader import ThreadedSource
-from gpuflow.transfer.staging import Epoch
 
 device = Device.resolve("cuda")
 dev = device.torch
@@ -81,26 +82,6 @@ def ours(pin=False, **kwargs):
     return (*out, s.source_s * per, s.stall_s * per)
 
 
-def taken_on_the_training_thread(self):
-    """``DeviceLoader._start_epoch`` before ``device_reader``: the reader thread only takes
-    batches from the workers (and pins them)."""
-    self._check_open()
-    self._epochs += 1
-    batches = ThreadedSource(iter(self._source), ahead=self.depth + 1, pin_for=self.device)
-    epoch = Epoch(batches, True)
-    self._pipeline.epochs.append(epoch)
-    return epoch
-
-
-def ours_taken_on_the_training_thread():
-    made_on_reader = DeviceLoader._start_epoch
-    DeviceLoader._start_epoch = taken_on_the_training_thread
-    try:
-        return ours()
-    finally:
-        DeviceLoader._start_epoch = made_on_reader
-
-
 def source_alone():
     feed = ({k: v.to(dev, non_blocking=True) for k, v in b.items()} for b in source(True))
     count = 0
@@ -117,7 +98,6 @@ def source_alone():
 paths = {
     "idiom": idiom,
     "ours": ours,
-    "ours-taken-on-the-training-thread": ours_taken_on_the_training_thread,
     "ours-narrow=False": lambda: ours(narrow=False),
     "ours-over-pinned-dataloader": lambda: ours(True),
     "source-alone": source_alone,

@@ -33,7 +33,7 @@ class ShardedAverager:
         device = optimizer.weights.device
         n = optimizer.weights.numel()
         # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
-        self._gradients = _shared(n, device)
+        self._gradients = peer_buffer(n, device)
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
@@ -44,7 +44,7 @@ class ShardedAverager:
             None if self._gradients is None
             else PeerAverage(self._gradients, lo, hi, self.world_size)
         )  # fmt: skip
-        self._weights = _shared(n, device)
+        self._weights = peer_buffer(n, device)
         if self._weights is not None:
             optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]
@@ -122,7 +122,7 @@ class ShardedAverager:
             self._part.mul_(1.0 / self.world_size)
 
 
-def _shared(numel: int, device: torch.device) -> SharedBuffer | None:
+def peer_buffer(numel: int, device: torch.device) -> SharedBuffer | None:
     """A bf16 buffer every rank maps, where the split update's kernels can use one."""
     if not MasterAdamW.runs_on(device):
         return None

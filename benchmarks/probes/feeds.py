@@ -21,7 +21,7 @@ import time
 import torch
 
 import gpuflow.transfer.loader as loader_module
-from gpuflow.bench.loaders import SyntheticImages, _train_images, small_cnn
+from gpuflow.bench.loaders import SyntheticImages, small_cnn, train_images
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.reader import ThreadedSource
@@ -102,13 +102,13 @@ for batch_size in (256, 2048):
 
     def idiom(source=source):
         feed = ({k: v.to(dev, non_blocking=True) for k, v in b.items()} for b in source(True))
-        return _train_images(device, feed, model, optimizer, warmup)
+        return train_images(device, feed, model, optimizer, warmup)
 
     def ours(pin, ahead=None, source=source):
         loader_module.ThreadedSource = original_source if ahead is None else reader_ahead(ahead)
         try:
             with DeviceLoader(source(pin), device) as loader:
-                return _train_images(device, loader, model, optimizer, warmup)
+                return train_images(device, loader, model, optimizer, warmup)
         finally:
             loader_module.ThreadedSource = original_source
 

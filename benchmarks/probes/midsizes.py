@@ -32,7 +32,7 @@ from gpuflow.bench.loaders import (
     MB,
     LoaderBenchConfig,
     SyntheticImages,
-    _consume,
+    consume,
     image_loop,
     small_cnn,
     sweep,
@@ -88,7 +88,7 @@ for nbytes in cfg.sizes:
         if kind == "pinned":
             tensors = [t.pin_memory() for t in tensors]
         batches = [tensors[i % 4] for i in range(n)]
-        _consume(device, DeviceLoader(batches[:16], device))
+        consume(device, DeviceLoader(batches[:16], device))
         for (cls, name), fn in originals.items():
             if isinstance(fn, staticmethod):
                 setattr(cls, name, staticmethod(timed(name, fn.__func__)))

@@ -42,7 +42,7 @@ from abrows import measure_row
 from gpuflow.device.accelerator import Device
 from gpuflow.model import gpt
 from gpuflow.train.config import resolve_config
-from gpuflow.train.step import COMPILE_OPTIONS, StepOptions, _known_to_inductor
+from gpuflow.train.step import COMPILE_OPTIONS, StepOptions, known_to_inductor
 
 
 def compiled_with(**extra) -> StepOptions:
@@ -91,7 +91,7 @@ with tempfile.TemporaryDirectory() as scratch:
             # the attention variants are main's options under other attention switches
             options = VARIANTS["main" if label in ATTENTION else label]
             wanted = options.compile_options
-            unknown = set(wanted) - set(_known_to_inductor(wanted))
+            unknown = set(wanted) - set(known_to_inductor(wanted))
             if unknown:
                 print(f"{label}: this torch has no inductor option {unknown}; skipped")
                 continue

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuflow.common.layers import CROSSING, LAYERS
-from tests.helpers import PACKAGE
+from tests.helpers import PACKAGE, ROOT
 
 SOURCE = PACKAGE
 
@@ -262,3 +262,44 @@ def test_type_checkers_see_every_public_name_and_dir_lists_them():
     assert set(gpuflow._EXPORTS) <= set(dir(gpuflow))
     for name, module in gpuflow._EXPORTS.items():
         assert getattr(gpuflow, name).__module__ == module
+
+
+def private_gpuflow_names(folder: Path) -> list[str]:
+    """``file:line name`` for each private gpuflow name a script imports or reads off a
+    gpuflow module (``from gpuflow.x import _y``, ``x._y`` where ``x`` came from gpuflow)."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()  # names bound to gpuflow modules in this script
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpuflow"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"{path.name}:{node.lineno} {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("gpuflow"):
+                        modules.add(alias.asname or alias.name.split(".")[0])
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+            ):
+                found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_probe_reaches_for_a_private_gpuflow_name():
+    assert private_gpuflow_names(ROOT / "benchmarks" / "probes") == []
+
+
+def test_the_private_name_check_finds_planted_uses(tmp_path):
+    (tmp_path / "probe.py").write_text(
+        "from gpuflow.train import sharded\nfrom gpuflow.bench.loaders import _train\n"
+        "sharded._shared = None\nimport torch\ntorch._dynamo.reset()\n"
+    )
+    assert private_gpuflow_names(tmp_path) == ["probe.py:2 _train", "probe.py:3 sharded._shared"]

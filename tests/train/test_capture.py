@@ -175,9 +175,9 @@ def test_a_source_without_a_device_draw_is_refused_for_the_captured_step(prepare
 def test_compile_options_leave_out_what_this_torchs_inductor_lacks():
     import torch._inductor.config as inductor_config
 
-    from gpuflow.train.step import COMPILE_OPTIONS, _known_to_inductor
+    from gpuflow.train.step import COMPILE_OPTIONS, known_to_inductor
 
-    kept = _known_to_inductor({"combo_kernels": True, "an_option_no_torch_has": 1})
+    kept = known_to_inductor({"combo_kernels": True, "an_option_no_torch_has": 1})
     assert kept == {"combo_kernels": True}
     assert COMPILE_OPTIONS["combo_kernels"] is True
     assert all(hasattr(inductor_config, name) for name in COMPILE_OPTIONS)

@@ -116,7 +116,7 @@ def _timed(
     return elapsed
 
 
-def _consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
+def consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
     """``_timed`` with a little work per batch (one read of it), or none."""
     return _timed(device, loader, (lambda b: b.sum()) if compute else None)
 
@@ -133,11 +133,11 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             tensors = [t.pin_memory() for t in distinct] if kind == "pinned" else distinct
             batches = list(itertools.islice(itertools.cycle(tensors), n))
             for make in paths.values():  # untimed: kernels, allocator and threads warmed up
-                _consume(device, make(batches[: min(n, 16)]))
+                consume(device, make(batches[: min(n, 16)]))
             seconds: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(cfg.rounds):
                 for name, make in paths.items():
-                    seconds[name].append(_consume(device, make(batches)))
+                    seconds[name].append(consume(device, make(batches)))
             row: dict[str, Any] = {"batch_bytes": nbytes, "source": kind, "batches": n}
             for name, runs in seconds.items():
                 s = statistics.median(runs)
@@ -148,7 +148,7 @@ def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             row["vs_fastest_idiom"] = row["deviceloader_gb_s"] / row[f"{fastest}_gb_s"]
             row["vs_dataloader"] = row["deviceloader_gb_s"] / row["dataloader_gb_s"]
             row["fresh_vs_fastest_idiom"] = row["deviceloader_fresh_gb_s"] / row[f"{fastest}_gb_s"]
-            no_compute = [_consume(device, DeviceLoader(batches, device), compute=False)]
+            no_compute = [consume(device, DeviceLoader(batches, device), compute=False)]
             row["deviceloader_host_us_per_batch"] = min(no_compute) / n * 1e6
             rows.append(row)
     return rows
@@ -287,7 +287,7 @@ def small_cnn() -> torch.nn.Module:
     )  # fmt: skip
 
 
-def _train_images(
+def train_images(
     device: Device, batches: Iterable[dict[str, torch.Tensor]], model: torch.nn.Module,
     optimizer: torch.optim.Optimizer, warmup: int,
 ) -> tuple[float, int]:  # fmt: skip
@@ -330,11 +330,11 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             feed = (
                 {k: v.to(target, non_blocking=True) for k, v in b.items()} for b in source(True)
             )
-            return _train_images(device, feed, model, optimizer, warmup)
+            return train_images(device, feed, model, optimizer, warmup)
 
         def ours() -> tuple[float, int]:
             with DeviceLoader(source(False), device) as loader:
-                return _train_images(device, loader, model, optimizer, warmup)
+                return train_images(device, loader, model, optimizer, warmup)
 
         runs: dict[str, list[float]] = {"dataloader": [], "deviceloader": []}
         for _ in range(cfg.image_rounds):

@@ -36,7 +36,7 @@ from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.scalars import AsyncScalars
 
 
-def _known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:
+def known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` less any this torch's inductor does not have (torch.compile would refuse
     them; dotted names, ``triton.x``, are looked up part by part): newer options speed the
     step up where they exist and are skipped elsewhere."""
@@ -57,7 +57,7 @@ def _known_to_inductor(options: Mapping[str, Any]) -> dict[str, Any]:
 # blocks of its own (the LayerNorm backwards and their weight gradients' column sums, say);
 # each paid (docs/decisions/028, which also says why inductor's own tuning is left out).
 COMPILE_OPTIONS = MappingProxyType(
-    _known_to_inductor({"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
+    known_to_inductor({"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True})
 )
 SCALARS = ("loss", "grad_norm")
 

@@ -7,15 +7,11 @@ device, resumable.
         for images, labels in loader:        # each iter() is the next epoch, as with DataLoader
             ...
 
-Epoch e's order is a permutation drawn on the device from (seed, e); under ``torchrun`` rank r
-takes every world_size-th place of it, so ranks' samples are disjoint (an epoch drops up to
-world_size - 1 samples to keep them so). Each sample's augmentation comes from (seed, e, its
-place). ``state_dict`` / ``load_state_dict`` carry the position; a resumed run draws the same
-batches. ``cursor()`` draws full batches from a position held on the device, for a step
-captured in a CUDA graph. A dataset that stays on the host streams through in chunks of
-``chunk_bytes`` (gathered in the epoch's order on a helper thread, then copied), with the same
-batches as if it were resident. On CUDA the draw is compiled (``compile``): its first batch
-pays the compile.
+Each epoch's order, each rank's share and each sample's augmentation are pure functions of
+(seed, epoch, place), so ``state_dict`` / ``load_state_dict`` resume the same batches;
+``cursor()`` draws from a position held on the device, for a captured step; a dataset left on
+the host streams through in chunks with the same batches. How: docs/architecture/data.md
+(Resident datasets).
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ def test_every_feed_is_timed_beside_the_baseline(quick, capsys):
         assert row[f"{path}_images_s"] == rates[0]
     assert "resident_graph_images_s" not in row  # CUDA graphs only on CUDA
     assert "resident_uncompiled_images_s" not in row and not row["transform_compiled"]
+    counted = row["resident_in_ledger_images_s"] / row["resident_images_s"]
+    assert row["resident_in_ledger_vs_uncounted"] == pytest.approx(counted)
     tried = row["baseline_images_s_by_workers"]
     assert set(tried) == {"0", "1"}
     assert tried[str(row["baseline_workers"])] == max(tried.values())
@@ -48,6 +50,7 @@ def test_every_feed_is_timed_beside_the_baseline(quick, capsys):
     print_images_table(quick)
     out = capsys.readouterr().out
     assert "resident" in out and "of the data-free step" in out
+    assert "inside a TransferLedger: resident at" in out
 
 
 @pytest.mark.parametrize("side", [32, 64])

@@ -1,18 +1,16 @@
 """``gpuflow bench images``: an image classifier's training loop fed four ways, in one process.
 
 - ``dataloader_cpu_aug``: ``DataLoader(num_workers, pin_memory=True)`` whose dataset crops and
-  flips each image on the host, then ``.to(non_blocking=True)`` (the usual loop; its worker
-  count is the best of those tried);
-- ``dataloader_gpu_aug``: the same loader without host transforms, the batch augmented on the
-  device after the copy;
+  flips each image on the host, then ``.to(non_blocking=True)`` (the best worker count tried);
+- ``dataloader_gpu_aug``: the same loader, the batch augmented on the device after the copy;
 - ``resident``: ``ResidentLoader`` over the dataset in device memory, augmented there;
 - ``data_free``: the same step on one fixed batch, the ceiling of any feed.
 
-On CUDA, where the resident transform is compiled by default, a row leaves it uncompiled,
-and two more capture the step in one CUDA graph: with the resident cursor's draw, and on the
-fixed batch. The net is a small ResNet-style CIFAR net (a 64x64 variant pools once
-more); the data is CIFAR-shaped uint8 images made here. Paths alternate in rounds; the median
-round counts. What it compares and why: docs/architecture/benches.md (The images bench).
+On CUDA also: the resident draw left uncompiled, and the step captured in one CUDA graph
+with the cursor's draw and on the fixed batch. On every device the resident rows run again
+inside a ``TransferLedger``. A small ResNet-style CIFAR net on CIFAR-shaped uint8 images made here;
+paths alternate in rounds, the median round counts. What each row is and why:
+docs/architecture/benches.md (gpuflow bench images).
 """
 
 from __future__ import annotations
@@ -40,6 +38,8 @@ MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)  # CIFAR-10's, near enough
 PATHS = ("dataloader_cpu_aug", "dataloader_gpu_aug", "resident", "data_free")
 # CUDA only: the resident draw with its transform left uncompiled, and the captured steps
 CUDA_PATHS = ("resident_uncompiled", "resident_graph", "data_free_graph")
+# What counting costs a real step: the resident feeds again, inside a TransferLedger.
+LEDGER_PATHS = ("resident_in_ledger", "resident_graph_in_ledger")
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,11 @@ class _Side:
     # ---- one round of each path -------------------------------------------------------------
 
     def run(self, path: str, workers: int = 0) -> float:
+        if path.endswith("_in_ledger"):
+            from gpuflow.accounting.ledger import TransferLedger
+
+            with TransferLedger(self.device):
+                return self.run(path.removesuffix("_in_ledger"), workers)
         cfg, device, trainer = self.cfg, self.device, self.trainer
         target, B = device.torch, cfg.batch_size
         warmup = cfg.warmup + workers * cfg.prefetch_factor  # the loader's head start drained
@@ -356,6 +361,7 @@ def run_images_bench(device: Device, cfg: ImagesBenchConfig) -> dict[str, Any]:
             tried = {w: side.run("dataloader_cpu_aug", w) for w in cfg.workers}
             workers = max(tried, key=tried.get)
             paths = PATHS + (CUDA_PATHS if device.type == "cuda" else ())
+            paths += tuple(p for p in LEDGER_PATHS if p.removesuffix("_in_ledger") in paths)
             rates: dict[str, list[float]] = {p: [] for p in paths}
             for _ in range(cfg.rounds):
                 for path in paths:
@@ -377,6 +383,10 @@ def run_images_bench(device: Device, cfg: ImagesBenchConfig) -> dict[str, Any]:
             base = row["dataloader_cpu_aug_images_s"]
             row["resident_vs_dataloader_cpu_aug"] = row["resident_images_s"] / base
             row["resident_vs_data_free"] = row["resident_images_s"] / row["data_free_images_s"]
+            for path in LEDGER_PATHS:
+                if f"{path}_images_s" in row:  # the counted step's speed, as a fraction
+                    plain = row[f"{path.removesuffix('_in_ledger')}_images_s"]
+                    row[f"{path}_vs_uncounted"] = row[f"{path}_images_s"] / plain
             if device.type == "cuda":
                 row["resident_graph_vs_data_free_graph"] = (
                     row["resident_graph_images_s"] / row["data_free_graph_images_s"]
@@ -400,7 +410,7 @@ def print_images_table(results: dict[str, Any]) -> None:
             ),
         )  # fmt: skip
         base = row["dataloader_cpu_aug_images_s"]
-        for path in (*PATHS, *CUDA_PATHS):
+        for path in (*PATHS, *CUDA_PATHS, *LEDGER_PATHS):
             if f"{path}_images_s" in row:
                 rate = row[f"{path}_images_s"]
                 out.add_row(path.replace("_", " "), f"{rate:,.0f}", f"{rate / base:.2f}x")
@@ -411,3 +421,10 @@ def print_images_table(results: dict[str, Any]) -> None:
             f"{ledger['h2d_bytes_per_step']:,.0f} bytes to the device, "
             f"{ledger['syncs_per_step']:g} host syncs"
         )
+        counted = [
+            f"{path.removesuffix('_in_ledger').replace('_', ' ')} at "
+            f"{row[f'{path}_vs_uncounted']:.1%}"
+            for path in LEDGER_PATHS
+            if f"{path}_vs_uncounted" in row
+        ]
+        out_console.print("inside a TransferLedger: " + ", ".join(counted) + " of its speed")

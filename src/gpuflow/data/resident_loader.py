@@ -97,6 +97,8 @@ class ResidentLoader:
             )
         self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
         self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)
+        self._dtypes = tuple(f.dtype for f in dataset.fields)
+        self._last_place = (self.samples - 1) * self.world_size + self.rank
         self._next = (0, 0)  # (epoch, step) the next iter() starts at
         self._position: tuple[int, int] | None = None  # after the last batch handed out
         self._reader: ThreadPoolExecutor | None = None  # streaming: gathers the next chunk
@@ -180,30 +182,27 @@ class ResidentLoader:
             return rows
         return rows * self.world_size + self.rank
 
-    def draw(
-        self, stored: Batch, rows: torch.Tensor, epoch: torch.Tensor, places: torch.Tensor,
-        compiled: bool = True,
-    ) -> Batch:  # fmt: skip
-        """Rows ``rows`` of the ``stored`` fields, in their given types, the transform applied
-        to the first, keyed by (seed, ``epoch``, ``places``): ``epoch`` a 0-dim device tensor,
-        so compiled code is not compiled again each epoch. Device work only."""
-        dtypes = tuple(f.dtype for f in self.dataset.fields)
-        args = (self.transform, self.seed, epoch)
-        if not (compiled and self.compiled):
-            return draw_samples(stored, dtypes, rows, places, *args)
+    def draw_next(self, order: torch.Tensor, step: torch.Tensor, epoch: torch.Tensor) -> Batch:
+        """The full batch at position ``step`` (a 0-dim device tensor, moved on by one) of
+        epoch ``epoch``'s ``order``: each field in its given type, the transform applied to
+        the first. Places past this rank's last repeat it (a partial batch is cut by the
+        caller). Device work only, fixed shapes: compiled on CUDA, safe in a CUDA graph."""
+        args = (
+            self.dataset.tensors, self._dtypes, order, step, epoch, self._rows,
+            self.world_size, self.rank, self._last_place, self.transform, self.seed,
+        )  # fmt: skip
+        if not self.compiled:
+            return draw_next(*args)
         if not self._traced:  # what transforms build at their first call, built eagerly
-            draw_samples(stored, dtypes, rows[:1], places[:1], *args)
+            first = self._rows[:1]
+            draw_samples(self.dataset.tensors, self._dtypes, first, first, *args[-2:], epoch)
             self._traced = True
-        size = rows.shape[0]
-        if size < self.batch_size:  # the last partial batch padded: one shape, one compile
-            rows = torch.cat([rows, rows[-1:].expand(self.batch_size - size)])
-            places = torch.cat([places, places[-1:].expand(self.batch_size - size)])
-        batch = _compiled_draw_samples()(stored, dtypes, rows, places, *args)
-        return batch if size == self.batch_size else tuple(t[:size] for t in batch)
+        return _compiled_draw_next()(*args)
 
-    def epoch_tensor(self, epoch: int) -> torch.Tensor:
-        """``epoch`` as a 0-dim int64 device tensor, made by a fill (no copy, no wait)."""
-        return torch.full((), epoch, dtype=torch.int64, device=self.device.torch)
+    def epoch_tensor(self, value: int) -> torch.Tensor:
+        """``value`` (an epoch, a step) as a 0-dim int64 device tensor, made by a fill (no
+        copy, no wait)."""
+        return torch.full((), value, dtype=torch.int64, device=self.device.torch)
 
     def cursor(self) -> BatchCursor:
         """Full batches from a position on the device, for a captured step."""
@@ -250,12 +249,24 @@ def draw_samples(
     return tuple(out)
 
 
+def draw_next(
+    stored: Batch, dtypes: tuple[torch.dtype, ...], order: torch.Tensor, step: torch.Tensor,
+    epoch: torch.Tensor, rows: torch.Tensor, world_size: int, rank: int, last_place: int,
+    transform: Transform | None, seed: int,
+) -> Batch:  # fmt: skip
+    """``ResidentLoader.draw_next``: the places of batch ``step`` (B,), then its samples."""
+    places = (rows + step * rows.numel()) * world_size + rank  # (B,) in the epoch's order
+    places = places.clamp(max=last_place)
+    step.add_(1)
+    return draw_samples(stored, dtypes, order[places], places, transform, seed, epoch)
+
+
 @functools.cache
-def _compiled_draw_samples() -> Any:
-    """``draw_samples`` compiled once per process (the gather fused with the transform);
-    loaders made anew each epoch reuse the code compiled for a dataset and transform like
-    theirs instead of compiling it again."""
-    return torch.compile(draw_samples, dynamic=False)
+def _compiled_draw_next() -> Any:
+    """``draw_next`` compiled once per process (the position, the gathers, the widening and
+    the transform fused into a few kernels); loaders made anew each epoch reuse the code
+    compiled for a dataset and transform like theirs instead of compiling it again."""
+    return torch.compile(draw_next, dynamic=False)
 
 
 class _ResidentEpoch:
@@ -266,6 +277,7 @@ class _ResidentEpoch:
         self.steps = len(loader)
         self._order = loader.order(epoch) if step < self.steps else None
         self._epoch = loader.epoch_tensor(epoch)
+        self._step = loader.epoch_tensor(step)  # the device's copy of the position
 
     def __iter__(self) -> _ResidentEpoch:
         return self
@@ -275,8 +287,9 @@ class _ResidentEpoch:
         if self.step >= self.steps:
             raise StopIteration
         size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
-        places = loader.places(self.step, size)  # (size,)
-        batch = loader.draw(loader.dataset.tensors, self._order[places], self._epoch, places)
+        batch = loader.draw_next(self._order, self._step, self._epoch)
+        if size < loader.batch_size:  # the last partial batch
+            batch = tuple(t[:size] for t in batch)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch
@@ -357,7 +370,10 @@ class _StreamedEpoch:
         local = loader._rows[:size] + (self.step - first) * loader.batch_size  # (size,)
         places = loader.places(self.step, size)
         # Uncompiled: each chunk's fields are of their own length.
-        batch = loader.draw(self._current[1], local, self._epoch, places, compiled=False)
+        batch = draw_samples(
+            self._current[1], loader._dtypes, local, places, loader.transform, loader.seed,
+            self._epoch,
+        )  # fmt: skip
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch
@@ -409,11 +425,7 @@ class BatchCursor:
         device work only, no sync: safe inside a CUDA graph."""
         if self.epoch is None:
             raise GpuflowError("call cursor.start_epoch(epoch) before the first draw")
-        loader = self.loader
-        places = loader.places(self.step, loader.batch_size)  # (B,)
-        batch = loader.draw(loader.dataset.tensors, self.order[places], self.epoch_number, places)
-        self.step += 1
-        return batch
+        return self.loader.draw_next(self.order, self.step, self.epoch_number)
 
     def state_dict(self) -> dict[str, Any]:
         """The position, read from the device (one wait: call it at checkpoints)."""

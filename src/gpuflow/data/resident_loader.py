@@ -199,7 +199,7 @@ class ResidentLoader:
             self._traced = True
         return _compiled_draw_next()(*args)
 
-    def epoch_tensor(self, value: int) -> torch.Tensor:
+    def device_scalar(self, value: int) -> torch.Tensor:
         """``value`` (an epoch, a step) as a 0-dim int64 device tensor, made by a fill (no
         copy, no wait)."""
         return torch.full((), value, dtype=torch.int64, device=self.device.torch)
@@ -276,8 +276,8 @@ class _ResidentEpoch:
         self.loader, self.epoch, self.step = loader, epoch, step
         self.steps = len(loader)
         self._order = loader.order(epoch) if step < self.steps else None
-        self._epoch = loader.epoch_tensor(epoch)
-        self._step = loader.epoch_tensor(step)  # the device's copy of the position
+        self._epoch = loader.device_scalar(epoch)
+        self._step = loader.device_scalar(step)  # the device's copy of the position
 
     def __iter__(self) -> _ResidentEpoch:
         return self
@@ -303,7 +303,7 @@ class _StreamedEpoch:
     def __init__(self, loader: ResidentLoader, epoch: int, step: int) -> None:
         self.loader, self.epoch, self.step = loader, epoch, step
         self.steps = len(loader)
-        self._epoch = loader.epoch_tensor(epoch)
+        self._epoch = loader.device_scalar(epoch)
         self._device = loader.device
         self._order = loader.order(epoch, torch.device("cpu")) if step < self.steps else None
         self._stream = self._device.new_stream()

@@ -231,9 +231,11 @@ def test_bad_loader_arguments():
         ResidentLoader(torch.arange(10), 4)
     with pytest.raises(GpuflowError, match="batch_size must be at least 1"):
         ResidentLoader(_ids(), 0)
-    with pytest.raises(GpuflowError, match="fewer than one batch of 64"):
+    with pytest.raises(GpuflowError, match="no full batch of 64"):
         ResidentLoader(_ids(), 64, drop_last=True)
     assert len(ResidentLoader(_ids(), 64)) == 1  # without drop_last: one partial batch
+    with pytest.raises(GpuflowError, match="3 samples over 4 ranks give rank 1 none"):
+        ResidentLoader(_ids(3), 2, rank=1, world_size=4)
 
 
 # ---- the streamed path -------------------------------------------------------------------------

@@ -91,9 +91,10 @@ class ResidentLoader:
         # This rank's samples per epoch: every world_size-th place of the epoch's order.
         self.samples = len(dataset) // self.world_size if self.world_size > 1 else len(dataset)
         if self.samples == 0 or (drop_last and self.samples < batch_size):
+            short = f"{self.samples}, no full batch of {batch_size}" if self.samples else "none"
             raise GpuflowError(
                 f"{len(dataset)} samples over {self.world_size} ranks give rank {self.rank} "
-                f"{self.samples}, fewer than one batch of {batch_size} with drop_last"
+                f"{short}; use fewer ranks or a smaller batch"
             )
         self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
         self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)

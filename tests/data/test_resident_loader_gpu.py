@@ -234,3 +234,13 @@ def test_the_streamed_uploads_are_counted_by_the_ledger(cuda):
     assert batches == 7
     # Every sample crosses once an epoch, in its stored (narrowed) types.
     assert ledger.summary().totals.h2d_bytes == N * streamed.sample_bytes
+
+
+def test_samples_larger_than_an_upload_piece_cross_whole(cuda):
+    # Each sample 80 MiB, over the 64 MiB pieces the upload copies at a time.
+    g = torch.Generator().manual_seed(1)
+    volumes = torch.randint(0, 256, (2, 80 << 20), generator=g).to(torch.uint8)
+    data = ResidentDataset(volumes, torch.tensor([3, 4]), device=cuda, show_progress=False)
+    assert data.resident and data.tensors[0].device.type == "cuda"
+    got, labels = data.gather(torch.tensor([1, 0], device=cuda.torch))
+    assert torch.equal(got.cpu(), volumes.flip(0)) and labels.tolist() == [4, 3]

@@ -28,7 +28,7 @@ from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident import default_budget
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.pinned import PinnedPool
+from gpuflow.transfer.pinned import PinnedPool, size_class
 
 UPLOAD_BYTES = 64 << 20  # per copy: large enough to run at the link's full speed
 _PROGRESS_BYTES = 256 << 20  # smaller datasets upload too fast for a bar to help
@@ -163,7 +163,9 @@ class ResidentDataset:
         bar = progress_bar(counter=DownloadColumn()) if show else None
         task = bar.add_task("uploading the dataset", total=total) if bar else None
         stream = self.device.current_stream()
-        with PinnedPool(self.device, max_bytes=2 * UPLOAD_BYTES) as pool:
+        # Two buffers of 64 MiB, or of one sample where a sample is larger.
+        largest = max(UPLOAD_BYTES, *(size_class(f.sample_bytes) for f in self.fields))
+        with PinnedPool(self.device, max_bytes=2 * largest) as pool:
             if bar:
                 bar.start()
             try:

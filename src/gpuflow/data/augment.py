@@ -33,45 +33,41 @@ def _check_images(images: torch.Tensor, what: str) -> None:
 
 
 class RandomCrop:
-    """A ``size`` x ``size`` window at a random place in the image padded by ``padding`` on
-    each side; the padding reflects the image (``fill="reflect"``) or is zeros."""
+    """A ``size`` x ``size`` window (``None``: the image's own height and width) at a random
+    place in the image padded by ``padding`` on each side; the padding reflects the image
+    (``fill="reflect"``) or is zeros."""
 
-    def __init__(self, size: int, padding: int = 0, fill: str = "reflect") -> None:
-        if size < 1 or padding < 0:
+    def __init__(self, size: int | None, padding: int = 0, fill: str = "reflect") -> None:
+        if (size is not None and size < 1) or padding < 0:
             raise GpuflowError(
                 f"RandomCrop needs size >= 1 and padding >= 0, got {size} and {padding}"
             )
         if fill not in ("reflect", "zeros"):
             raise GpuflowError(f"RandomCrop fills with 'reflect' or 'zeros', got {fill!r}")
         self.size, self.padding, self.fill = size, padding, fill
+        self.name = "RandomCrop"
 
     def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        _check_images(images, "RandomCrop")
+        _check_images(images, self.name)
         _, _, H, W = images.shape
-        p, s = self.padding, self.size
-        if s > H + 2 * p or s > W + 2 * p:
-            raise GpuflowError(f"RandomCrop({s}, padding={p}) does not fit {H}x{W} images")
+        p = self.padding
+        h, w = (H, W) if self.size is None else (self.size, self.size)
+        if h > H + 2 * p or w > W + 2 * p:
+            raise GpuflowError(f"RandomCrop({self.size}, padding={p}) does not fit {H}x{W} images")
         if self.fill == "reflect" and p >= min(H, W):
             raise GpuflowError(f"reflect padding must be below the image side, got {p}")
-        window = torch.arange(s, device=images.device)  # (s,)
-        rows = below(keys, 0, H + 2 * p - s + 1)[:, None] + window - p  # (B, s), may be < 0
-        cols = below(keys, 1, W + 2 * p - s + 1)[:, None] + window - p  # (B, s)
-        return _gather_window(images, rows, cols, self.fill)
+        rows = below(keys, 0, H + 2 * p - h + 1)[:, None] + torch.arange(h, device=images.device)
+        cols = below(keys, 1, W + 2 * p - w + 1)[:, None] + torch.arange(w, device=images.device)
+        return _gather_window(images, rows - p, cols - p, self.fill)  # (B, h) and (B, w)
 
 
 class Translate(RandomCrop):
-    """The image moved by up to ``pixels`` in each direction; what it leaves is zeros."""
+    """The image moved by up to ``pixels`` in each direction; what it leaves is zeros: a crop
+    of the image's own size from its zero padding."""
 
     def __init__(self, pixels: int) -> None:
-        super().__init__(size=1, padding=pixels, fill="zeros")
-
-    def __call__(self, images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        _check_images(images, "Translate")
-        p = self.padding
-        _, _, H, W = images.shape
-        rows = below(keys, 0, 2 * p + 1)[:, None] + torch.arange(H, device=images.device) - p
-        cols = below(keys, 1, 2 * p + 1)[:, None] + torch.arange(W, device=images.device) - p
-        return _gather_window(images, rows, cols, "zeros")
+        super().__init__(size=None, padding=pixels, fill="zeros")
+        self.name = "Translate"
 
 
 def _gather_window(

@@ -69,6 +69,13 @@ def narrowest(values: torch.Tensor) -> torch.dtype:
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
 
 
+def gather_rows(
+    stored: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], rows: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``stored[rows]`` field by field, each in its type of ``dtypes`` (fresh tensors)."""
+    return tuple(t[rows].to(d) for t, d in zip(stored, dtypes, strict=True))
+
+
 def _host_tensor(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -111,6 +118,7 @@ class ResidentDataset:
             raise GpuflowError("the dataset is empty")
         self.device = Device.resolve(device)
         self.fields = tuple(Field(t.dtype, narrowest(t), tuple(t.shape[1:])) for t in host)
+        self.dtypes = tuple(f.dtype for f in self.fields)  # as given: what batches come back in
         total = self.length * sum(f.sample_bytes for f in self.fields)
         self.budget_bytes = default_budget(self.device) if budget_bytes is None else budget_bytes
         self.resident = total <= self.budget_bytes
@@ -140,14 +148,11 @@ class ResidentDataset:
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The samples at ``index`` (B,) int64 on the device, each field in its given type:
         fresh tensors, device work only. Only for a resident dataset."""
-        return self.widen(tuple(t[index] for t in self.tensors))
+        return gather_rows(self.tensors, self.dtypes, index)
 
     def widen(self, stored: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Fields in their stored types back to the types they were given."""
-        return tuple(
-            t if t.dtype == f.dtype else t.to(f.dtype)
-            for t, f in zip(stored, self.fields, strict=True)
-        )
+        return tuple(t.to(d) for t, d in zip(stored, self.dtypes, strict=True))
 
     def _upload(self, host: list[torch.Tensor], show: bool) -> tuple[torch.Tensor, ...]:
         """Each field narrowed into a pinned buffer and copied from there, 64 MiB at a time,

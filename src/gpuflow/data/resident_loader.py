@@ -28,7 +28,7 @@ import torch
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.augment import Transform
 from gpuflow.data.keyed import order_keys, sample_keys
-from gpuflow.data.resident_dataset import ResidentDataset
+from gpuflow.data.resident_dataset import ResidentDataset, gather_rows
 from gpuflow.transfer.pinned import PinnedPool
 from gpuflow.transfer.tally import report_copy
 
@@ -98,7 +98,6 @@ class ResidentLoader:
             )
         self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
         self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)
-        self._dtypes = tuple(f.dtype for f in dataset.fields)
         self._last_place = (self.samples - 1) * self.world_size + self.rank
         self._next = (0, 0)  # (epoch, step) the next iter() starts at
         self._position: tuple[int, int] | None = None  # after the last batch handed out
@@ -178,10 +177,8 @@ class ResidentLoader:
 
     def places(self, step: int | torch.Tensor, size: int) -> torch.Tensor:
         """Places in the epoch's order of batch ``step``'s ``size`` samples on this rank."""
-        rows = self._rows[:size] + step * self.batch_size  # (size,) this rank's positions
-        if self.world_size == 1:
-            return rows
-        return rows * self.world_size + self.rank
+        rows = self._rows[:size]
+        return batch_places(rows, step, self.batch_size, self.world_size, self.rank)
 
     def draw_next(self, order: torch.Tensor, step: torch.Tensor, epoch: torch.Tensor) -> Batch:
         """The full batch at position ``step`` (a 0-dim device tensor, moved on by one) of
@@ -189,14 +186,14 @@ class ResidentLoader:
         the first. Places past this rank's last repeat it (a partial batch is cut by the
         caller). Device work only, fixed shapes: compiled on CUDA, safe in a CUDA graph."""
         args = (
-            self.dataset.tensors, self._dtypes, order, step, epoch, self._rows,
+            self.dataset.tensors, self.dataset.dtypes, order, step, epoch, self._rows,
             self.world_size, self.rank, self._last_place, self.transform, self.seed,
         )  # fmt: skip
         if not self.compiled:
             return draw_next(*args)
         if not self._traced:  # what transforms build at their first call, built eagerly
             first = self._rows[:1]
-            draw_samples(self.dataset.tensors, self._dtypes, first, first, *args[-2:], epoch)
+            draw_samples(self.dataset.tensors, self.dataset.dtypes, first, first, *args[-2:], epoch)
             self._traced = True
         return _compiled_draw_next()(*args)
 
@@ -244,10 +241,19 @@ def draw_samples(
 ) -> Batch:  # fmt: skip
     """``stored[rows]`` field by field, widened to ``dtypes``, the first through ``transform``
     with each sample's key from (seed, epoch, place)."""
-    out = [t[rows] if t.dtype == d else t[rows].to(d) for t, d in zip(stored, dtypes, strict=True)]
+    out = list(gather_rows(stored, dtypes, rows))
     if transform is not None:
         out[0] = transform(out[0], sample_keys(seed, epoch, places))
     return tuple(out)
+
+
+def batch_places(
+    rows: torch.Tensor, step: int | torch.Tensor, batch_size: int, world_size: int, rank: int
+) -> torch.Tensor:
+    """Places in the epoch's order of rows ``rows`` (B,) of batch ``step`` on this rank:
+    every ``world_size``-th place, from ``rank``."""
+    positions = rows + step * batch_size  # (B,) this rank's positions
+    return positions if world_size == 1 else positions * world_size + rank
 
 
 def draw_next(
@@ -256,8 +262,7 @@ def draw_next(
     transform: Transform | None, seed: int,
 ) -> Batch:  # fmt: skip
     """``ResidentLoader.draw_next``: the places of batch ``step`` (B,), then its samples."""
-    places = (rows + step * rows.numel()) * world_size + rank  # (B,) in the epoch's order
-    places = places.clamp(max=last_place)
+    places = batch_places(rows, step, rows.numel(), world_size, rank).clamp(max=last_place)
     step.add_(1)
     return draw_samples(stored, dtypes, order[places], places, transform, seed, epoch)
 
@@ -372,7 +377,7 @@ class _StreamedEpoch:
         places = loader.places(self.step, size)
         # Uncompiled: each chunk's fields are of their own length.
         batch = draw_samples(
-            self._current[1], loader._dtypes, local, places, loader.transform, loader.seed,
+            self._current[1], loader.dataset.dtypes, local, places, loader.transform, loader.seed,
             self._epoch,
         )  # fmt: skip
         self.step += 1

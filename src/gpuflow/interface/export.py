@@ -25,7 +25,11 @@ from gpuflow.interface.sample import open_trained
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train.runfolder import TOKENIZER_FILE
 
-FORMATS = ("hf",)
+# GPT-2's Conv1D layers and the nn.Linear of gpuflow's blocks each one is made from
+_CONV1D_OF_LINEAR = (
+    ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+    ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj"),
+)  # fmt: skip
 
 
 def gpt2_config(model: ModelConfig, eot: int) -> dict:
@@ -55,33 +59,23 @@ def gpt2_config(model: ModelConfig, eot: int) -> dict:
 def gpt2_weights(model: GPT) -> dict[str, torch.Tensor]:
     """GPT-2's tensors (``transformer.*``; the head is tied) from gpuflow's GPT."""
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
-    C = model.config.d_model
-
-    def zeros(n: int) -> torch.Tensor:
-        return torch.zeros(n)
-
+    C = model.config.d_model  # GPT-2's biases, which gpuflow lacks, as zeros of their own:
+    # safetensors refuses tensors that share memory
     out = {
         "transformer.wte.weight": state["wte.weight"],
         "transformer.wpe.weight": state["wpe.weight"],
         "transformer.ln_f.weight": state["ln_f.weight"],
-        "transformer.ln_f.bias": zeros(C),
+        "transformer.ln_f.bias": torch.zeros(C),
     }
     for i in range(model.config.n_layer):
         ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-        out |= {  # Conv1D keeps (in, out): nn.Linear's (out, in) transposed
-            theirs + "ln_1.weight": state[ours + "ln_1.weight"],
-            theirs + "ln_1.bias": zeros(C),
-            theirs + "attn.c_attn.weight": state[ours + "attn.qkv.weight"].t(),
-            theirs + "attn.c_attn.bias": zeros(3 * C),
-            theirs + "attn.c_proj.weight": state[ours + "attn.proj.weight"].t(),
-            theirs + "attn.c_proj.bias": zeros(C),
-            theirs + "ln_2.weight": state[ours + "ln_2.weight"],
-            theirs + "ln_2.bias": zeros(C),
-            theirs + "mlp.c_fc.weight": state[ours + "mlp.fc.weight"].t(),
-            theirs + "mlp.c_fc.bias": zeros(4 * C),
-            theirs + "mlp.c_proj.weight": state[ours + "mlp.proj.weight"].t(),
-            theirs + "mlp.c_proj.bias": zeros(C),
-        }
+        for norm in ("ln_1", "ln_2"):
+            out[f"{theirs}{norm}.weight"] = state[f"{ours}{norm}.weight"]
+            out[f"{theirs}{norm}.bias"] = torch.zeros(C)
+        for conv, linear in _CONV1D_OF_LINEAR:  # Conv1D keeps (in, out): Linear's transposed
+            weight = state[f"{ours}{linear}.weight"]  # (out, in)
+            out[f"{theirs}{conv}.weight"] = weight.t()
+            out[f"{theirs}{conv}.bias"] = torch.zeros(weight.shape[0])
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -33,7 +33,6 @@ _COALESCE_MAX_COUNT = 32  # batches per shared copy: bounds how far the source i
 # A shared staging buffer is taken before its first batch is read, at this size (a pool size
 # class): each batch is written into it as soon as it is read.
 _COALESCE_CAPACITY = COALESCE_BYTES
-SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 BACKGROUND_BYTES = 2 << 20  # staged writes this large run on the writer threads
 _WRITE_CHUNK = 4 << 20  # bytes per writer job (1 MiB jobs were slower: docs/decisions/017)
 _WRITERS = max(1, min(8, (os.cpu_count() or 2) // 2))

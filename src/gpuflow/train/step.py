@@ -150,10 +150,7 @@ class TrainStep:
     def __init__(self, parts: StepParts, batches: BatchSource) -> None:
         self.model, self.forward, self.optimizer = parts.model, parts.forward, parts.optimizer
         self.config, self.device, self.batches = parts.config, parts.device, batches
-        fused_clip = parts.options.fused_clip
-        self.update = Update(
-            self.model, self.optimizer, self.config.grad_clip, fused_clip, parts.averager
-        )
+        self.update = self.make_update(parts)
         self.scalars = AsyncScalars(SCALARS, self.device)
         self.last_loss: torch.Tensor | None = None  # an eager step's, for readback
         # Steps that compile or capture: warm-up, not what a step costs.
@@ -161,6 +158,13 @@ class TrainStep:
 
     def __call__(self, step: int) -> None:
         raise NotImplementedError
+
+    def make_update(self, parts: StepParts) -> Update | None:
+        """What averages, clips and applies the gradients after the backward."""
+        return Update(
+            self.model, self.optimizer, self.config.grad_clip, parts.options.fused_clip,
+            parts.averager,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Free what the step holds beyond its tensors (the captured graph)."""
@@ -192,6 +196,9 @@ class NaiveStep(TrainStep):
     """The naive baseline: its gradients and its update both from ``baselines/naive.py``."""
 
     batches: NaiveBatches
+
+    def make_update(self, parts: StepParts) -> None:
+        return None  # naive_update, below
 
     def __call__(self, step: int) -> None:
         self.set_lr(step)

@@ -47,6 +47,7 @@ def test_every_feed_is_timed_beside_the_baseline(quick, capsys):
     assert row["resident_vs_dataloader_cpu_aug"] == pytest.approx(ratio)
     assert row["dataset_device_bytes"] == 96 * 3 * 16 * 16 + 96  # uint8 images, uint8 labels
     assert row["ledger_resident"] == {"h2d_bytes_per_step": 0, "syncs_per_step": 0}
+    assert row["peak_rss_bytes"] > 96 * 3 * 16 * 16  # the host images at least
     print_images_table(quick)
     out = capsys.readouterr().out
     assert "resident" in out and "of the data-free step" in out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -373,6 +374,9 @@ def run_images_bench(device: Device, cfg: ImagesBenchConfig) -> dict[str, Any]:
                 "baseline_workers": workers,
                 "baseline_images_s_by_workers": {str(w): r for w, r in tried.items()},
                 "dataset_device_bytes": side.resident.nbytes,
+                # the process's peak so far: the images made on the host, the DataLoader's
+                # pinned batches, torch's own (workers are processes of their own)
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "transform_compiled": side.resident_loader.compiled,
                 "first_draw_s": side.first_draw_s,  # with the compile, where there is one
                 "ledger_resident": _ledger_per_step(side),

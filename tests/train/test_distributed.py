@@ -87,6 +87,12 @@ def _rank_update(rank: int, store: str, out: str) -> None:
         ddp = DistributedDataParallel(model)
         result["ddp"] = _one_update(model, half, GradientAverager(2, False), forward=ddp)
         torch.save(result, f"{out}.{rank}")
+        # DDP's reducer let go while the group still lives and the ranks agree nothing is in
+        # flight: a reducer freed at the process's exit destroys the group holding the
+        # interpreter lock, while gloo's worker thread waits for that lock to free a finished
+        # all-reduce, and the child hangs (seen in a CI run).
+        del ddp
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -267,6 +267,8 @@ class Device:
 
     def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
         """Make ``stream`` current for the work queued inside the block."""
+        if self.type == "cuda" and torch._C._cuda_getDevice() == stream.device_index:
+            return _CudaStreamSwap(stream)
         if self.has_streams:
             return self.backend.stream(stream)
         return contextlib.nullcontext()
@@ -408,3 +410,26 @@ def out_of_memory_figures(exc: BaseException) -> str:
     if found:
         return f"{found['asked']} more was needed, {found['free']} of {found['total']} was free"
     return str(exc).strip().splitlines()[0] if str(exc).strip() else "no figures given"
+
+
+class _CudaStreamSwap:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, without its
+    device lookups (tens of microseconds on an H100 host, which a loader paying it once per
+    batch felt: docs/decisions/037)."""
+
+    __slots__ = ("_before", "_stream")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        stream = self._stream
+        self._before = torch._C._cuda_getCurrentStream(stream.device_index)  # (id, index, type)
+        torch._C._cuda_setStream(
+            stream_id=stream.stream_id, device_index=stream.device_index,
+            device_type=stream.device_type,
+        )  # fmt: skip
+
+    def __exit__(self, *exc: object) -> None:
+        stream_id, index, kind = self._before
+        torch._C._cuda_setStream(stream_id=stream_id, device_index=index, device_type=kind)

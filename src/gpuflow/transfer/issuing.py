@@ -38,6 +38,7 @@ class Issuer:
         # the current stream is already one that runs only copies: ``DeviceReader``'s).
         self.side_copies = side_copies and device.has_streams
         self.copy_stream = device.new_stream()
+        self.early_stream: Any = None  # copies made as batches are read (made at the first)
         self.fence = device.new_event()  # the consumer's progress, for the copy stream to wait on
         # Copies through the driver (gpuflow.device.drivercopy) unless GPUFLOW_TORCH_COPIES=1.
         use_driver = device.type == "cuda" and not os.environ.get("GPUFLOW_TORCH_COPIES")
@@ -55,10 +56,29 @@ class Issuer:
             stream = self.streams[key] = self.device.current_stream()
         return stream
 
+    def cross_early(self, source: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Copy the pinned ``source`` into fresh device memory now, on a stream of its own
+        that waits for nothing else, so the host soon knows it may let the source write that
+        memory again: (the device tensor, an event recorded after the copy). torch's copy
+        marks the block of a pinned tensor from its cache in use until the copy has run."""
+        if self.early_stream is None:
+            self.early_stream = self.device.new_stream()
+        with housekeeping(), self.device.use_stream(self.early_stream):  # counted when taken
+            out = torch.empty(source.shape, dtype=source.dtype, device=self.device.torch)
+            out.copy_(source, non_blocking=True)
+            done = self.device.new_event()
+            done.record(self.early_stream)
+        self.counts["copies"] += 1
+        return out, done
+
     def issue(self, crossing: Crossing, key: Any) -> None:
         """One copy of the staged bytes, and one per direct source tensor, into fresh device
         memory; docs/architecture/transfer-pipeline.md says which stream runs it."""
-        side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies
+        # (a crossing copied whole as it was read has nothing left to copy here)
+        to_copy = crossing.host is not None or len(crossing.early) < sum(
+            len(sources) for sources in crossing.direct_sources
+        )
+        side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies and to_copy
         stream = self.stream(key)
         in_flight = self.sources_in_flight
         # Let go of sources whose copies have run (an event query each, cheap): held
@@ -72,12 +92,12 @@ class Issuer:
                 size = round_up(crossing.nbytes, ALIGN)  # a whole number of any dtype
                 crossing.on_device = torch.empty(size, dtype=torch.uint8, device=target)
             crossing.direct_out = [
-                [
-                    torch.empty(leaf.shape, dtype=leaf.dtype, device=target)
-                    for leaf in (plan.layout.leaves[i] for i in plan.layout.direct_leaves)
-                ]
-                for plan, _ in crossing.parts
+                [_landing(source, target) for source in sources]
+                for sources in crossing.direct_sources
             ]
+            for tensor in crossing.early:
+                # allocated on the early stream: not reused before the consumer's work on it
+                tensor.record_stream(stream)
             if side:
                 # The copy stream first waits for the consumer's work queued so far: the
                 # memory was allocated on the consumer's stream and may be a block that work
@@ -108,12 +128,14 @@ class Issuer:
         handle = None
         if self.driver is not None and torch.cuda.current_device() == self.device.index:
             handle = stream.cuda_stream
+        if crossing.early_done is not None:
+            stream.wait_event(crossing.early_done)  # the crossing is ready after those too
         kept: list[torch.Tensor] = []  # direct sources of driver copies, alive until they ran
         if crossing.host is not None and crossing.on_device is not None:  # (bytes staged)
             self._copy_bytes(crossing.on_device, crossing.host.bytes, crossing.nbytes, handle)
         for outs, sources in zip(crossing.direct_out, crossing.direct_sources, strict=True):
             for out, source in zip(outs, sources, strict=True):
-                if self._copy_bytes(out, source, source.nbytes, handle):
+                if out is not source and self._copy_bytes(out, source, source.nbytes, handle):
                     kept.append(source)
         crossing.direct_sources = []
         if self.timing or crossing.host is not None or stream is self.copy_stream or kept:
@@ -186,6 +208,8 @@ class Issuer:
             mark = self.device.new_event()
             mark.record(self.stream(crossing.ready_on))
             stream.wait_event(mark)
+        for tensor in crossing.early:
+            tensor.record_stream(stream)
         crossing.ready_on = key
 
     @staticmethod
@@ -214,3 +238,11 @@ class Issuer:
         """Wait for driver copies still reading the caller's memory."""
         while self.sources_in_flight:
             self.sources_in_flight.popleft()[0].synchronize()
+
+
+def _landing(source: torch.Tensor, target: torch.device) -> torch.Tensor:
+    """Where a direct source tensor lands on the device: itself if it was copied there as it
+    was read, else fresh memory of its shape."""
+    if not source.is_cpu:
+        return source
+    return torch.empty(source.shape, dtype=source.dtype, device=target)

@@ -97,7 +97,7 @@ class DeviceLoader:
     streamed path, whose copies are profiled).
 
     What the loader reads ahead is its own from the moment it is read: each batch is copied
-    as it is read (into staging memory; a pinned tensor into pinned memory of the loader's),
+    as it is read (into staging memory; a large pinned tensor straight to the device),
     so a source may refill one buffer, or hand out views of a ring buffer, and every batch
     arrives as it was when yielded. ``fresh_batches=True`` tells the loader that every batch
     the source yields is memory made for it that nothing writes again (a generator that

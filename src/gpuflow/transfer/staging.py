@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 from dataclasses import dataclass
@@ -54,8 +54,12 @@ class Crossing:
         # tensors
         self.on_device: torch.Tensor | None = None
         self.direct_out: list[list[torch.Tensor]] = []
-        # each part's direct source tensors, pinned (pageable ones by pin_memory() at staging)
+        # each part's direct source tensors, pinned (pageable ones by pin_memory() at staging),
+        # or already on the device: those of a source that may write them again, copied as
+        # they were read (``early`` holds them, ``early_done`` follows their copies)
         self.direct_sources: list[list[torch.Tensor]] = []
+        self.early: list[torch.Tensor] = []
+        self.early_done: Any = None
         self.alloc_stream: Any = None  # that stream, when the copy ran on the side stream
         self.done: Any = None  # recorded after the copies when something needs it
         self.ready_on: Any = None  # the key of a stream ordered after the copies
@@ -68,7 +72,7 @@ class Crossing:
         if self.alloc_stream is not None and self.done is not None:
             self.alloc_stream.wait_event(self.done)  # no block goes back under the copy
         self.on_device = self.batches = None
-        self.direct_out, self.direct_sources = [], []
+        self.direct_out, self.direct_sources, self.early = [], [], []
 
 
 @dataclass
@@ -84,9 +88,9 @@ class Epoch:
 
     ``owned``: whether what the source yields is the loader's as soon as it is read (batches
     made fresh for each read, which nothing else writes). Otherwise every batch is copied when
-    it is read (into staging memory, or pinned memory of the loader's own), before the
-    source is asked for the next one, so a source that refills one buffer, or a pinned
-    buffer it reuses, is read as it was when it yielded."""
+    it is read (into staging memory; a large pinned tensor straight to the device), and the
+    copy has finished before the source is asked for the next one, so a source that refills
+    one buffer, or a pinned buffer it reuses, is read as it was when it yielded."""
 
     def __init__(self, source: Iterator[Any], owned: bool) -> None:
         self.source: Iterator[Any] | None = source  # None once it is used up
@@ -96,6 +100,7 @@ class Epoch:
         self.pulled: deque[Crossing] = deque()  # staged, copies not queued yet
         self.issued: deque[Crossing] = deque()  # copies queued, batches still to hand out
         self.held: BatchTiming | None = None  # the timing of the batch in use
+        self.early_done: Any = None  # the last copy from the source's memory made as it was read
         self.ended = False
 
 
@@ -114,6 +119,9 @@ class Stager:
         self.pool_bytes, self.times, self.epochs = pool_bytes, times, epochs
         self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
+        # Copies a pinned host tensor to the device at once: (device tensor, done event).
+        # The issuer's (``Pipeline`` sets it), whose counts and streams it uses.
+        self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None
 
     def top_up(self, ep: Epoch) -> None:
         """Read and stage batches until ``depth + 1`` crossings are on their way."""
@@ -167,7 +175,7 @@ class Stager:
                 if not fits:
                     ep.carried = self._start(plan, ep)  # the next crossing's first batch
                     break
-                self._stage_part(crossing, plan, offset, ep.owned)
+                self._stage_part(crossing, plan, offset, ep)
         except BaseException:
             self.drop_staging(crossing)
             raise
@@ -188,22 +196,29 @@ class Stager:
             size = _COALESCE_CAPACITY if crossing.shared else plan.nbytes
             if size:
                 crossing.host = self._staging_buffer(size)
-            self._stage_part(crossing, plan, 0, ep.owned)
+            self._stage_part(crossing, plan, 0, ep)
         except BaseException:
             self.drop_staging(crossing)
             raise
         return crossing
 
-    def _stage_part(self, crossing: Crossing, plan: PackPlan, offset: int, owned: bool) -> None:
+    def _stage_part(self, crossing: Crossing, plan: PackPlan, offset: int, ep: Epoch) -> None:
         """Add ``plan`` to ``crossing`` at ``offset`` of its staging buffer: its staged tensors
         written there (on the writer threads when large), its direct ones pinned by
-        ``pin_memory()`` if pageable, or copied into pinned memory of the loader's own if the
-        source's pinned memory is not the loader's to read later."""
+        ``pin_memory()`` if pageable, or, if the source's pinned memory is not the loader's to
+        read later, copied to the device now (the source is read again only once that copy
+        has run: ``_settle_writes``). A copy straight to the device costs the host no memcpy,
+        where one into pinned memory of the loader's own was the loader's largest cost from
+        pinned sources (docs/decisions/037)."""
         sources = []
         for leaf, source in plan.direct_pairs():
             if leaf.pin:
                 source = source.pin_memory()
-            elif not owned:
+            elif not ep.owned and self.cross_early is not None:
+                source, done = self.cross_early(source)
+                crossing.early.append(source)
+                crossing.early_done = ep.early_done = done
+            elif not ep.owned:
                 source = pinned_copy(source)
             sources.append(source)
         crossing.direct_sources.append(sources)
@@ -222,14 +237,19 @@ class Stager:
         plan.write_into(staging, offset)
 
     def _settle_writes(self, ep: Epoch) -> None:
-        """Wait until the writer threads have read every batch read so far (their errors are
-        raised in their turn, by ``issue_ready``)."""
+        """Wait until the writer threads, and the copies made as batches were read, have read
+        every batch read so far (the writers' errors are raised in their turn, by
+        ``issue_ready``)."""
         pending = [f for c in (*ep.pulled, ep.carried) if c is not None for f in c.writes]
-        if not pending:
+        if not pending and ep.early_done is None:
             return
         started = time.perf_counter()
         with housekeeping():
-            wait(pending)
+            if pending:
+                wait(pending)
+            if ep.early_done is not None:
+                ep.early_done.synchronize()  # copies run in order: the last one covers all
+                ep.early_done = None
         self.times["stall_s"] += time.perf_counter() - started
 
     def drop_staging(self, crossing: Crossing) -> None:

@@ -3,8 +3,13 @@ and payload measured, the narrower payloads moving fewer bytes, and memory that 
 
 from __future__ import annotations
 
-import pytest
+import statistics
 
+import numpy as np
+import pytest
+import torch
+
+from gpuflow.bench.loaders import paired_rounds, token_batches
 from gpuflow.bench.transfer import TransferBench, TransferBenchConfig
 from gpuflow.device.accelerator import Device
 
@@ -55,3 +60,49 @@ def test_the_pinned_pool_stays_flat_over_iterations_and_epochs(bench):
     assert result["iterations"] == bench.config.flat_iterations
     assert result["flat"] is True
     assert result["after_100"] == result[f"after_{bench.config.flat_iterations}"]
+
+
+def test_token_batches_are_ids_from_the_array_with_targets_one_token_on():
+    tokens = np.arange(1000, dtype=np.uint16)  # token i is i: each row is a run
+    batches = list(token_batches(tokens, batch=3, context=8, steps=4))
+    assert len(batches) == 4
+    for inputs, targets in batches:
+        assert inputs.shape == targets.shape == (3, 8)
+        assert inputs.dtype == targets.dtype == torch.int64
+        assert torch.equal(targets, inputs + 1)
+        assert torch.equal(inputs[:, 1:], inputs[:, :-1] + 1)
+    again = list(token_batches(tokens, batch=3, context=8, steps=4))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
+
+
+def test_the_text_loop_trains_through_both_feeds(bench):
+    row = bench.text_loop()
+    cfg = bench.config.loaders
+    assert row["batch_bytes"] == 2 * cfg.text_batch * cfg.text_context * 8
+    for name in ("pin_to", "deviceloader"):
+        rates = row[f"{name}_tokens_s_per_round"]
+        assert len(rates) == cfg.text_rounds and all(rate > 0 for rate in rates)
+    ratios = [a / b for a, b in zip(row["deviceloader_tokens_s_per_round"],
+                                    row["pin_to_tokens_s_per_round"], strict=True)]  # fmt: skip
+    assert row["pair_ratios"] == ratios
+    assert row["speedup"] == statistics.median(ratios)
+
+
+def test_paired_rounds_alternate_which_loop_goes_first_and_compare_pairs():
+    calls = []
+    speeds = iter([100.0, 90.0, 80.0, 120.0, 50.0, 60.0])  # items per second, in call order
+
+    def loop(name):
+        def run():
+            calls.append(name)
+            return 1.0, next(speeds)
+
+        return run
+
+    result = paired_rounds(loop("idiom"), loop("ours"), 3, "pin_to", "tokens")
+    assert calls == ["idiom", "ours", "ours", "idiom", "idiom", "ours"]
+    assert result["pin_to_tokens_s_per_round"] == [100.0, 120.0, 50.0]
+    assert result["deviceloader_tokens_s_per_round"] == [90.0, 80.0, 60.0]
+    assert result["pair_ratios"] == [0.9, 80.0 / 120.0, 1.2]
+    assert result["speedup"] == 0.9
+    assert result["pin_to_tokens_s"] == 100.0 and result["deviceloader_tokens_s"] == 80.0

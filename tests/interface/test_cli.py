@@ -322,6 +322,23 @@ def test_bench_transfer_runs_and_writes_json(workdir):
     assert "targets" in result.stdout and str(files[0].relative_to(workdir)) in result.stdout
 
 
+def test_bench_transfer_measures_only_the_sections_asked_for(workdir, capsys):
+    args = ["bench", "transfer", "--quick", "--device", "cpu", "--sections"]
+    assert main([*args, "text_loop,payloads"]) == 0
+    files = list((workdir / "runs" / "bench").glob("*-transfer-quick-textloop-payloads-cpu.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert {"text_loop", "payloads"} <= record.keys()
+    assert not {"peak", "loader_sweep", "image_loop", "flat_memory"} & record.keys()
+    assert [t["target"].split(",")[0] for t in record["targets"]] == [
+        "text loop",
+        "bf16 payload >= 1.8x fp32 effective rate",
+    ]
+    capsys.readouterr()
+    assert main([*args, "text_loop,sweep"]) == 2
+    assert "unknown --sections sweep; choose from peak," in capsys.readouterr().err
+
+
 def test_bench_train_measures_each_data_path_and_writes_json(workdir, prepared):
     sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
     result = gpuflow_cli(

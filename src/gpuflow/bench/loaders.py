@@ -4,9 +4,12 @@
   of using ``DeviceLoader``;
 - ``cases``: batches where the idiom is worse by its structure (many column tensors,
   narrowable token ids, fp32 features read in bf16);
-- ``image_loop``: an image-classification loop fed by a ``DataLoader`` with workers.
+- ``image_loop``: an image-classification loop fed by a ``DataLoader`` with workers;
+- ``text_loop``: a small language model trained on 8 KiB batches of token ids cut from a
+  token array on the host, as a hand-written loop does.
 
-Paths run in alternating rounds and the median round counts. What each part compares, and
+Paths run in alternating rounds and the median round counts (for the training loops, the
+median ratio of rounds run side by side). What each part compares, and
 why the rounds alternate: docs/architecture/benches.md (The loaders section).
 """
 
@@ -19,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpuflow.bench.results import gb_per_s
@@ -41,9 +45,15 @@ class LoaderBenchConfig:
     # docs/decisions/019): longer runs and more rounds, so that the median compares the
     # feeds, not the noise
     image_steps: int = 240
-    image_rounds: int = 5
+    image_rounds: int = 8
     image_workers: int = 6
     case_batches: int = 400  # per round, per path
+    # The text loop: (text_batch, text_context) int64 inputs and targets, 8 KiB a step
+    text_batch: int = 4
+    text_context: int = 128
+    text_width: int = 256
+    text_steps: int = 200
+    text_rounds: int = 12
 
     @classmethod
     def quick(cls) -> LoaderBenchConfig:
@@ -57,6 +67,11 @@ class LoaderBenchConfig:
             image_rounds=1,
             image_workers=2,
             case_batches=16,
+            text_batch=2,
+            text_context=32,
+            text_width=32,
+            text_steps=6,
+            text_rounds=1,
         )
 
 
@@ -258,6 +273,33 @@ def cases(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- training loops ------------------------------------------------------------------------------
+
+
+def paired_rounds(
+    idiom: Callable[[], tuple[float, int]], ours: Callable[[], tuple[float, int]], rounds: int,
+    idiom_name: str, unit: str,
+) -> dict[str, Any]:  # fmt: skip
+    """Both loops ``rounds`` times in pairs, the pair's order alternating (idiom first, then
+    ours first: a drift of the host's speed over the run favours neither); each loop returns
+    (seconds, items). Rates per round and their medians, and ``speedup``: the median of the
+    pairs' ratios, ours over the idiom's, which compares rounds run side by side."""
+    rates: dict[str, list[float]] = {idiom_name: [], "deviceloader": []}
+    order = [(idiom_name, idiom), ("deviceloader", ours)]
+    for pair in range(rounds):
+        for name, run in order if pair % 2 == 0 else order[::-1]:
+            seconds, count = run()
+            rates[name].append(count / seconds)
+    result: dict[str, Any] = {}
+    for name, per_round in rates.items():
+        result[f"{name}_{unit}_s"] = statistics.median(per_round)
+        result[f"{name}_{unit}_s_per_round"] = per_round
+    ratios = [a / b for a, b in zip(rates["deviceloader"], rates[idiom_name], strict=True)]
+    result["pair_ratios"] = ratios
+    result["speedup"] = statistics.median(ratios)
+    return result
+
+
 # ---- the image loop -----------------------------------------------------------------------------
 
 
@@ -336,16 +378,104 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
             with DeviceLoader(source(False), device) as loader:
                 return train_images(device, loader, model, optimizer, warmup)
 
-        runs: dict[str, list[float]] = {"dataloader": [], "deviceloader": []}
-        for _ in range(cfg.image_rounds):
-            for name, run in (("dataloader", idiom), ("deviceloader", ours)):
-                seconds, count = run()
-                runs[name].append(count / seconds)
         batch_bytes = batch_size * (3 * cfg.image_side**2 + 8)
         row: dict[str, Any] = {"batch_size": batch_size, "batch_bytes": batch_bytes}
-        for name, rates in runs.items():
-            row[f"{name}_images_s"] = statistics.median(rates)
-            row[f"{name}_images_s_per_round"] = rates
-        row["speedup"] = row["deviceloader_images_s"] / row["dataloader_images_s"]
-        rows.append(row)
+        rows.append(row | paired_rounds(idiom, ours, cfg.image_rounds, "dataloader", "images"))
     return rows
+
+
+# ---- the text loop ------------------------------------------------------------------------------
+
+VOCAB = 50_257  # GPT-2's: ids cross as uint16 when narrowed
+
+
+class SmallLM(torch.nn.Module):
+    """A two-block causal transformer over token ids: a step whose host dispatch is a few
+    milliseconds, so that a feed's per-batch host time shows in tokens/s."""
+
+    def __init__(self, width: int, context: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(VOCAB, width)
+        self.position = nn.Parameter(torch.zeros(context, width))
+        block = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=4 * width, dropout=0.0, batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.blocks = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, VOCAB)
+        h = self.embed(ids) + self.position[: ids.shape[1]]  # (B, T, width)
+        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
+
+
+def token_batches(
+    tokens: np.ndarray, batch: int, context: int, steps: int, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets), each (batch, context) int64, at random offsets into the uint16
+    ``tokens``: how a hand-written loop cuts batches from a token file."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        starts = rng.integers(0, len(tokens) - context - 1, batch)
+        rows = np.stack([tokens[i : i + context + 1] for i in starts]).astype(np.int64)
+        yield torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+
+
+def train_text(
+    device: Device, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], model: SmallLM,
+    optimizer: torch.optim.Optimizer, warmup: int,
+) -> tuple[float, int]:  # fmt: skip
+    """(seconds after ``warmup`` steps until the last step is done, tokens in that time)."""
+    tokens, started = 0, 0.0
+    for step, (inputs, targets) in enumerate(batches):
+        if step == warmup:
+            device.synchronize()
+            started = time.perf_counter()
+        with device.autocast():
+            logits = model(inputs)  # (B, T, VOCAB)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            tokens += targets.numel()
+    device.synchronize()
+    return time.perf_counter() - started, tokens
+
+
+def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
+    """Tokens per second with each batch moved by ``pin_memory().to(non_blocking=True)``
+    (the idiom of hand-written GPT loops) and by ``DeviceLoader``, alternating rounds."""
+    target = device.torch
+    model = SmallLM(cfg.text_width, cfg.text_context).to(target)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 1 << 20).astype(np.uint16)
+    warmup = max(2, cfg.text_steps // 10)
+    steps = cfg.text_steps + warmup
+
+    def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return token_batches(tokens, cfg.text_batch, cfg.text_context, steps)
+
+    def idiom() -> tuple[float, int]:
+        if device.supports_pinned_memory:
+            feed = (
+                (x.pin_memory().to(target, non_blocking=True),
+                 y.pin_memory().to(target, non_blocking=True))
+                for x, y in source()
+            )  # fmt: skip
+        else:
+            feed = ((x.to(target), y.to(target)) for x, y in source())
+        return train_text(device, feed, model, optimizer, warmup)
+
+    def ours() -> tuple[float, int]:
+        with DeviceLoader(source(), device) as loader:
+            return train_text(device, loader, model, optimizer, warmup)
+
+    row: dict[str, Any] = {
+        "batch": cfg.text_batch, "context": cfg.text_context,
+        "batch_bytes": 2 * cfg.text_batch * cfg.text_context * 8,
+    }  # fmt: skip
+    return row | paired_rounds(idiom, ours, cfg.text_rounds, "pin_to", "tokens")

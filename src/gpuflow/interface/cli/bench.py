@@ -35,7 +35,37 @@ class Bench:
 
 
 def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    from gpuflow.bench.transfer import SECTIONS
+
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
+    p.add_argument(
+        "--sections",
+        help=f"comma-separated sections to measure (default all: {', '.join(SECTIONS)}); "
+        "the result file's name then ends in them",
+    )
+
+
+def _transfer_sections(args: argparse.Namespace) -> tuple[str, ...]:
+    from gpuflow.bench.transfer import SECTIONS
+
+    if not args.sections:
+        return SECTIONS
+    sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown or not sections:
+        raise GpuflowError(
+            f"unknown --sections {', '.join(unknown) or repr(args.sections)}; "
+            f"choose from {', '.join(SECTIONS)}"
+        )
+    return sections
+
+
+def _transfer_name(args: argparse.Namespace) -> str:
+    """``full`` or ``quick``, then the sections when not all of them ran."""
+    name = "quick" if args.quick else "full"
+    if not args.sections:
+        return name
+    return "-".join([name, *(s.replace("_", "") for s in _transfer_sections(args))])
 
 
 def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:
@@ -46,7 +76,9 @@ def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     )
 
     results = run_transfer_bench(
-        device, TransferBenchConfig.quick() if args.quick else TransferBenchConfig()
+        device,
+        TransferBenchConfig.quick() if args.quick else TransferBenchConfig(),
+        _transfer_sections(args),
     )
     print_transfer_tables(results)
     if device.type == "cpu":
@@ -289,8 +321,8 @@ BENCHES: dict[str, Bench] = {
     "transfer": Bench(
         "pinned/pageable/pooled copies, packing, payload codecs, DeviceLoader vs the PyTorch "
         "idioms at 8 KiB-64 MiB and where they are worse by structure, an image loop",
-        _transfer_arguments, _transfer, lambda args: "quick" if args.quick else "full",
-        overrides=False,
+        _transfer_arguments, _transfer, _transfer_name, overrides=False,
+        check=lambda args, device: _transfer_sections(args) and None,
     ),
     "train": Bench(
         "each data path ({paths}) on one model: "

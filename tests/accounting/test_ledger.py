@@ -135,8 +135,8 @@ def test_other_threads_are_not_counted_but_loader_batches_are():
     # (The loader's close() at the end of the loop waits for its copies: syncs, not copies.)
     events = [e for e in ledger.events if e.kind != "sync"]
     assert [e.op for e in events] == ["DeviceLoader batch"] * 3
-    # int64 ids under 65536 cross as uint16: 4 x 9 x 2 bytes each, at the consuming line.
-    assert {e.nbytes for e in events} == {72}
+    # 4 x 9 int64 each, at the consuming line.
+    assert {e.nbytes for e in events} == {288}
     assert all(e.location.endswith(f"{HERE}:{_line('# loader-line')}") for e in events)
 
 

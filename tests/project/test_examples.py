@@ -50,8 +50,8 @@ IMAGES_WARMUP = IMAGES_PER_EPOCH + 1  # images.py's: the first epoch and a step
 XOR_BATCH_BYTES = 4 * 2 * 4 + 4 * 1 * 4  # x (4, 2) and y (4, 1) float32, one buffer
 SINE_BATCH_BYTES = 2 * 128 * 4  # x and y, (128, 1) float32 each
 IMAGE_BYTES = 3 * 32 * 32  # one uint8 image
-IMAGES_BATCH_BYTES = 64 * IMAGE_BYTES + 64 * 2  # images as they are, int64 labels as uint16
-IMAGES_LOGICAL_BYTES = 64 * IMAGE_BYTES + 64 * 8  # as the DataLoader collated them
+IMAGES_BATCH_BYTES = 64 * IMAGE_BYTES + 64 * 8  # as the DataLoader collated them
+IMAGES_LOGICAL_BYTES = IMAGES_BATCH_BYTES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -184,7 +184,7 @@ def test_image_batches_crossed_from_the_dataloader_as_uint8(images_cpu):
     assert stats.batches == IMAGES_STEPS
     assert stats.copies < IMAGES_STEPS  # batches under 256 KiB share their copies
     assert stats.logical_bytes == IMAGES_STEPS * IMAGES_LOGICAL_BYTES
-    assert stats.bytes_moved == IMAGES_STEPS * IMAGES_BATCH_BYTES  # labels narrowed, not images
+    assert stats.bytes_moved == IMAGES_STEPS * IMAGES_BATCH_BYTES  # uint8 images as they are
     # The step that opens the third epoch counts like the rest: one batch, nothing else.
     assert images.Config().warmup == IMAGES_WARMUP
     assert len(images_cpu.steady_steps) == IMAGES_STEPS - IMAGES_WARMUP

@@ -342,7 +342,7 @@ def test_batches_are_their_own_whatever_their_dtype():
     ints = [np.full(256, i, dtype=np.int64) for i in range(6)]  # narrowed to uint16
     large = [np.full(1 << 19, i, dtype=np.float32) for i in range(6)]  # 2 MiB: one each
     for source in (floats, ints, large):
-        with DeviceLoader(source, "cpu") as loader:
+        with DeviceLoader(source, "cpu", narrow=True) as loader:
             kept = list(loader)  # every batch held past the next ones
         assert [b[0].item() for b in kept] == list(range(6))
         assert [b[-1].item() for b in kept] == list(range(6))
@@ -362,7 +362,7 @@ def test_coalesced_batches_of_changing_layouts_arrive_intact():
         width = 3 if i % 20 < 10 else 5
         ids = [i, 70000] if i % 7 == 0 else [i, i + 1]
         batches.append({"x": torch.full((2, width), float(i)), "ids": torch.tensor(ids)})
-    with DeviceLoader(batches, "cpu") as loader:
+    with DeviceLoader(batches, "cpu", narrow=True) as loader:
         got = list(loader)
     assert loader.stats.copies < 10
     for sent, received in zip(batches, got, strict=True):
@@ -408,14 +408,16 @@ def test_a_ring_of_views_into_one_tensor_arrives_as_yielded():
 
 def test_values_that_narrow_differently_in_a_refilled_buffer_arrive_exact():
     rows = [[5, 70000, -3, 2**40], [1, 2, 3, 4], [70000, 1, 2, 3], [-(2**40), 0, 0, 0]] * 5
-    loader = DeviceLoader(_refilled(rows, lambda: torch.empty(4, dtype=torch.int64)), "cpu")
+    source = _refilled(rows, lambda: torch.empty(4, dtype=torch.int64))
+    loader = DeviceLoader(source, "cpu", narrow=True)
     assert [batch.tolist() for batch in loader] == rows
 
 
 def test_a_large_refilled_buffer_written_by_the_writer_threads_arrives_as_yielded():
     # 4 MiB of int64 that narrow to uint16: staged on the writer threads
     source = _refilled(range(6), lambda: torch.empty(1 << 19, dtype=torch.int64))
-    got = [(batch.dtype, batch.unique().tolist()) for batch in DeviceLoader(source, "cpu")]
+    loader = DeviceLoader(source, "cpu", narrow=True)
+    got = [(batch.dtype, batch.unique().tolist()) for batch in loader]
     assert got == [(torch.int64, [i]) for i in range(6)]
 
 

@@ -48,7 +48,7 @@ def test_a_refilled_buffer_arrives_as_yielded_while_the_device_is_behind(
     cuda, numel, pinned, dtype
 ):
     got = []
-    with DeviceLoader(_refilled(24, numel, pinned, dtype), cuda) as loader:
+    with DeviceLoader(_refilled(24, numel, pinned, dtype), cuda, narrow=True) as loader:
         for batch in loader:
             _busy(0.3)  # the copies read ahead queue behind this
             got.append(torch.stack([batch.min(), batch.max()]).double())

@@ -131,13 +131,13 @@ def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it
     from gpuflow.accounting.ledger import TransferLedger
 
     source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2)
-    with TransferLedger("cpu") as ledger, DeviceLoader(source, "cpu") as loader:
+    with TransferLedger("cpu") as ledger, DeviceLoader(source, "cpu", narrow=True) as loader:
         got = [i for b in loader for i in b["i"].tolist()]
     assert got == list(range(24))
     stats = loader.stats
     # the same batches read on the loop's own thread move the same bytes in as many copies
     same = [{"x": b["x"].clone(), "i": b["i"].clone()} for b in source]
-    with DeviceLoader(same, "cpu") as direct:
+    with DeviceLoader(same, "cpu", narrow=True) as direct:
         list(direct)
     expected = direct.stats
     assert (stats.batches, stats.bytes_moved) == (6, expected.bytes_moved)

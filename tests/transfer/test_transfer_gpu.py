@@ -229,7 +229,7 @@ def test_direct_tensors_arrive_intact_beside_staged_ones_and_in_coalesced_runs(a
             }
 
     ok = torch.ones((), dtype=torch.bool, device=accel.torch)
-    with _late_copies(DeviceLoader(source(), accel, depth=2)) as loader:
+    with _late_copies(DeviceLoader(source(), accel, depth=2, narrow=True)) as loader:
         for i, batch in enumerate(loader):
             ok &= (batch["x"] == float(i)).all() & (batch["y"] == -float(i)).all()
             ok &= (batch["label"] == torch.tensor([i, i + 1], device=accel.torch)).all()

@@ -187,9 +187,9 @@ CASES = (
     _Case("tabular, 16 columns x 4096 rows (fp32)", _columns(16), {}),
     _Case("tabular, 64 columns x 4096 rows (fp32)", _columns(64), {}),
     _Case(
-        "token ids, 32 x 1024 int64 under 50,257",
+        "token ids, 32 x 1024 int64 under 50,257, narrow=True",
         lambda g: torch.randint(0, 50_257, (32, 1024), generator=g),
-        {},
+        {"narrow": True},
     ),
     _Case(
         "features, 1024 x 1024 fp32 read in bf16",

@@ -88,7 +88,10 @@ class DeviceLoader:
     reads no batch before it is asked for and coalesces none: for a source that waits on the
     consumer's results (an actor feeding a learner), which reading ahead would deadlock;
     each copy then runs while the consumer waits on the device. ``narrow`` and
-    ``lossy_float`` are ``gpuflow.transfer.packing``'s codecs. ``pool_bytes`` caps the
+    ``lossy_float`` are ``gpuflow.transfer.packing``'s codecs, both off by default: each
+    costs the host a pass over the values that, on the links of H100 and H200 hosts, took
+    longer than the bytes it saved take to cross (docs/decisions/038); they pay where the
+    link is slow or shared. ``pool_bytes`` caps the
     pinned staging memory (default: ``depth + 3`` staging buffers per epoch under way).
     ``timing`` records events for the device times in ``stats`` (off by default: they cost
     host time per batch; a ``DataLoader`` with workers is then staged and copied on the
@@ -118,7 +121,7 @@ class DeviceLoader:
         device: Device | torch.device | str | int = "auto",
         depth: int = 2,
         *,
-        narrow: bool = True,
+        narrow: bool = False,
         lossy_float: LossyFloat = None,
         pool_bytes: int | None = None,
         timing: bool = False,

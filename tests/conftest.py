@@ -9,6 +9,7 @@ are no fixtures are in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,15 @@ pytest_plugins = ["pytester"]  # runs pytest on generated test files (the budget
 
 def _has_accelerator() -> bool:
     return Device.resolve("auto").is_accelerator
+
+
+@pytest.fixture(autouse=True)
+def _no_device_garbage_inherited(request: pytest.FixtureRequest) -> None:
+    """Before a GPU test, collect the garbage cycles earlier tests left (a monkeypatched
+    method closing over its loader makes one): a DataLoader worker forked while they hold
+    CUDA tensors frees them in the child, where CUDA cannot be used, and the worker aborts."""
+    if request.node.get_closest_marker("gpu") is not None:
+        gc.collect()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

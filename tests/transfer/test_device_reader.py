@@ -97,3 +97,32 @@ def test_close_returns_at_once_while_the_source_blocks():
     readers = [t for t in threading.enumerate() if t.name == "gpuflow-read"]
     assert readers and all(t.daemon for t in readers)  # a blocked one never holds up the exit
     never.put(np.zeros(3))  # lets the thread go
+
+
+def test_every_device_tensor_of_a_batch_is_found_for_the_consumers_stream():
+    """Each tensor the reader hands over is marked as used on the consumer's stream: in
+    dicts, lists, tuples, namedtuples, dataclasses and ``Ragged``s alike."""
+    import dataclasses
+    from collections import namedtuple
+
+    from gpuflow.transfer.device_reader import _device_tensors
+    from gpuflow.transfer.packing import Ragged
+
+    @dataclasses.dataclass
+    class Example:
+        image: torch.Tensor
+        extra: dict
+
+    Pair = namedtuple("Pair", "a b")
+    tensors = [torch.full((2,), float(i)) for i in range(5)]
+    ragged = Ragged.from_sequences([[1, 2], [3]])
+    batch = {
+        "x": Example(tensors[0], {"y": [tensors[1], (tensors[2],)]}),
+        "p": Pair(tensors[3], 7),
+        "r": ragged,
+        "t": tensors[4],
+    }
+    found = list(_device_tensors(batch))
+    expected = [*tensors[:4], ragged.values, ragged.offsets, tensors[4]]
+    assert len(found) == len(expected)
+    assert all(f is e for f, e in zip(found, expected, strict=True))

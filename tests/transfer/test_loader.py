@@ -421,6 +421,30 @@ def test_a_large_refilled_buffer_written_by_the_writer_threads_arrives_as_yielde
     assert got == [(torch.int64, [i]) for i in range(6)]
 
 
+def test_two_epochs_of_a_source_refilling_one_buffer_each_get_their_own_batches():
+    """Two epochs under way over a source whose iterators refill one shared buffer: one
+    epoch's next read must wait until the other's writer threads have read that buffer."""
+
+    class Refilled:
+        def __init__(self) -> None:
+            self.buffer = torch.empty(1 << 21, dtype=torch.int64)  # narrowed: writer threads
+
+        def __iter__(self):
+            for i in range(7):
+                self.buffer.fill_(i)
+                yield self.buffer
+
+    for _ in range(3):
+        with DeviceLoader(Refilled(), "cpu", narrow=True) as loader:
+            first, second = iter(loader), iter(loader)
+            ahead = [next(first)]  # the first epoch one batch ahead of the second
+            pairs = list(zip(first, second, strict=False))  # the first ends a batch sooner
+            got_first = [int(b.min()) for b in ahead] + [int(a.min()) for a, _ in pairs]
+            assert [int(a.max()) for a, _ in pairs] == got_first[1:]
+            assert got_first == list(range(7))
+            assert [(int(b.min()), int(b.max())) for _, b in pairs] == [(i, i) for i in range(6)]
+
+
 # ---- epochs, as a DataLoader's ----------------------------------------------------------------
 
 

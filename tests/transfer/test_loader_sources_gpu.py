@@ -143,3 +143,30 @@ def test_a_worker_fed_batch_made_on_the_reader_thread_is_complete_and_kept_until
     assert torch.equal(got, expected)
     assert torch.cat(labels).cpu().tolist() == list(range(24 * 16))
     assert loader.stats.batches == 24
+
+
+def test_batches_copied_as_read_hold_bounded_device_memory_when_the_host_runs_ahead(cuda):
+    """The consumer's stream kept far behind (2 ms a batch), the host free to run ahead:
+    the device memory that batches copied as they were read hold stays within a few
+    batches, not one block per batch the host got ahead."""
+    nbytes = 8 << 20
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    total = torch.zeros((), device=cuda.torch)
+    with DeviceLoader(_refilled(40, nbytes // 4, True, torch.float32), cuda) as loader:
+        for batch in loader:
+            _busy(2.0)
+            total += batch[0]
+    torch.cuda.synchronize()
+    assert total.item() == sum(range(40))
+    held = torch.cuda.max_memory_allocated() - base
+    assert held <= (issuing.EARLY_AHEAD + loader.depth + 4) * nbytes, held / nbytes
+
+
+def test_timed_batches_copied_as_read_report_their_copy_time(cuda):
+    with DeviceLoader(_refilled(8, 1 << 20, True, torch.float32), cuda, timing=True) as loader:
+        for batch in loader:
+            batch.sum()
+    stats = loader.stats
+    assert stats.batches == 8 and stats.transfer_ms > 0

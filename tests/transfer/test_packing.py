@@ -104,6 +104,23 @@ def test_narrowing_picks_the_narrowest_type_that_holds_every_value(values, wire_
     assert torch.equal(unpack(pack(tensor), "cpu"), tensor)
 
 
+@pytest.mark.parametrize(
+    ("tensor", "wire_bytes_per_item"),
+    [
+        (torch.arange(2**20 + 1) % 65536, 2),  # past the one-pass check's size: aminmax
+        (torch.arange(2**20 + 1) % 65536 - 1, 4),  # the same with a negative value
+        (torch.tensor([0, 70000] * 50, dtype=torch.int32), 4),  # int32 stays as it is
+        (torch.tensor([3, 5] * 50, dtype=torch.int32), 2),
+        (torch.tensor([[0, 2**31 - 1]] * 50).t(), 4),  # strided: aminmax
+    ],
+    ids=["large", "large-negative", "int32", "int32-small", "strided"],
+)
+def test_narrowing_decides_alike_whichever_check_settles_it(tensor, wire_bytes_per_item):
+    plan = plan_pack(tensor)
+    assert plan.nbytes == -(-tensor.numel() * wire_bytes_per_item // ALIGN) * ALIGN
+    assert torch.equal(unpack(pack(tensor), "cpu"), tensor)
+
+
 def test_narrowing_can_be_turned_off():
     ids = torch.arange(1000)
     assert plan_pack(ids).nbytes == 2000

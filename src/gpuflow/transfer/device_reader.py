@@ -11,6 +11,7 @@ ends: docs/architecture/transfer-pipeline.md (The whole crossing on the reader's
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator, Mapping
@@ -127,3 +128,6 @@ def _device_tensors(batch: Any) -> Iterator[torch.Tensor]:
     elif isinstance(batch, list | tuple):
         for item in batch:
             yield from _device_tensors(item)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from _device_tensors(getattr(batch, field.name))

@@ -24,6 +24,9 @@ from gpuflow.transfer.staging import BatchTiming, Crossing, Epoch
 from gpuflow.transfer.tally import housekeeping, report_copy
 
 SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
+# Crossings with copies made as they were read, issued ahead of the consumer's stream before
+# the host waits for it (each holds device memory the consumer has not yet let go of).
+EARLY_AHEAD = 4
 
 
 class Issuer:
@@ -39,6 +42,8 @@ class Issuer:
         self.side_copies = side_copies and device.has_streams
         self.copy_stream = device.new_stream()
         self.early_stream: Any = None  # copies made as batches are read (made at the first)
+        # the consumer's stream as each crossing holding such copies was issued
+        self.early_marks: deque[Any] = deque()
         self.fence = device.new_event()  # the consumer's progress, for the copy stream to wait on
         # Copies through the driver (gpuflow.device.drivercopy) unless GPUFLOW_TORCH_COPIES=1.
         use_driver = device.type == "cuda" and not os.environ.get("GPUFLOW_TORCH_COPIES")
@@ -56,20 +61,36 @@ class Issuer:
             stream = self.streams[key] = self.device.current_stream()
         return stream
 
-    def cross_early(self, source: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Copy the pinned ``source`` into fresh device memory now, on a stream of its own
-        that waits for nothing else, so the host soon knows it may let the source write that
-        memory again: (the device tensor, an event recorded after the copy). torch's copy
-        marks the block of a pinned tensor from its cache in use until the copy has run."""
+    def cross_early(self, source: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """Copy the pinned ``source`` into fresh device memory now, on a stream that waits
+        for nothing else, so the host soon knows it may let the source write that memory
+        again: (the device tensor, an event after the copy, a timing event before it when
+        timed). torch's copy marks a block of its pinned cache in use until the copy has run.
+
+        The memory is allocated on that stream and handed to the consumer's, so a block comes
+        back only once the consumer is done with it: at most ``EARLY_AHEAD`` crossings of
+        such copies are issued ahead of the consumer's stream, which bounds the device memory
+        they hold when the host runs ahead of the device."""
         if self.early_stream is None:
-            self.early_stream = self.device.new_stream()
+            # A DeviceReader's stream runs only copies: its early copies run there, so every
+            # epoch's blocks come from the one stream the loader keeps for its readers.
+            use_current = not self.side_copies
+            stream = self.device.current_stream() if use_current else self.device.new_stream()
+            self.early_stream = stream
+        with housekeeping():
+            while len(self.early_marks) > EARLY_AHEAD:
+                self.early_marks.popleft().synchronize()
+        start = None
         with housekeeping(), self.device.use_stream(self.early_stream):  # counted when taken
+            if self.timing:
+                start = self.device.new_event(timing=True)
+                start.record(self.early_stream)
             out = torch.empty(source.shape, dtype=source.dtype, device=self.device.torch)
             out.copy_(source, non_blocking=True)
-            done = self.device.new_event()
+            done = self.device.new_event(timing=self.timing)
             done.record(self.early_stream)
         self.counts["copies"] += 1
-        return out, done
+        return out, done, start
 
     def issue(self, crossing: Crossing, key: Any) -> None:
         """One copy of the staged bytes, and one per direct source tensor, into fresh device
@@ -98,6 +119,10 @@ class Issuer:
             for tensor in crossing.early:
                 # allocated on the early stream: not reused before the consumer's work on it
                 tensor.record_stream(stream)
+            if crossing.early:
+                mark = self.device.new_event()
+                mark.record(stream)
+                self.early_marks.append(mark)
             if side:
                 # The copy stream first waits for the consumer's work queued so far: the
                 # memory was allocated on the consumer's stream and may be a block that work
@@ -120,8 +145,8 @@ class Issuer:
         """Queue the crossing's copies on ``stream``, the current one, and the events that
         need them: ``done`` when a staging buffer or a source tensor waits for the copy, or
         the copy runs on the side stream; start and end with timing."""
-        start = None
-        if self.timing:
+        start = crossing.early_start  # (the first of its copies made as read, if any)
+        if self.timing and start is None:
             start = self.device.new_event(timing=True)
             start.record(stream)
         # Driver copies need the stream's handle, and run in the current device's context only.

@@ -302,14 +302,23 @@ def _check_range(tensor: torch.Tensor, codec: torch.dtype) -> None:
         )
 
 
-def _fits_uint16(tensor: torch.Tensor) -> bool:
-    """Whether every value of the integer ``tensor`` is in [0, 65535], by one OR of all its
-    values (a negative one sets the sign bit): one pass, where ``aminmax`` makes two and
-    cost a narrowed batch of token ids twice the time (docs/decisions/037)."""
-    if not tensor.is_contiguous():
-        return False
-    whole = np.bitwise_or.reduce(tensor.detach().numpy().reshape(-1))
-    return 0 <= int(whole) <= _UINT16_MAX
+_OR_MAX_NUMEL = 1 << 20  # beyond this torch's threaded aminmax beats one thread's OR
+
+
+def _narrowed_by_or(tensor: torch.Tensor) -> torch.dtype | None:
+    """The narrow dtype of the integer ``tensor`` when one bitwise OR over all its values
+    settles it: none negative (a negative one sets the sign bit) and all within uint16, or
+    all within int32; None when it does not (a negative value, a large or
+    strided tensor), for ``aminmax`` to decide. One pass, where ``aminmax`` makes two and cost
+    a narrowed batch of token ids twice the time (docs/decisions/037)."""
+    if not tensor.is_contiguous() or tensor.numel() > _OR_MAX_NUMEL:
+        return None
+    whole = int(np.bitwise_or.reduce(tensor.detach().numpy().reshape(-1)))
+    if 0 <= whole <= _UINT16_MAX:
+        return torch.uint16
+    if 0 <= whole < 2**31:
+        return torch.int32  # (an int32 tensor's own dtype: it crosses as it is)
+    return None
 
 
 def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
@@ -582,8 +591,9 @@ class Planner:
     def _wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         dtype = tensor.dtype
         if self.narrow and dtype in _NARROWABLE and tensor.numel():
-            if _fits_uint16(tensor):
-                return torch.uint16
+            known = _narrowed_by_or(tensor)
+            if known is not None:
+                return known
             low, high = (int(v) for v in torch.aminmax(tensor))
             if low >= 0 and high <= _UINT16_MAX:
                 return torch.uint16

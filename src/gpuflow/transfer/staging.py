@@ -60,6 +60,7 @@ class Crossing:
         self.direct_sources: list[list[torch.Tensor]] = []
         self.early: list[torch.Tensor] = []
         self.early_done: Any = None
+        self.early_start: Any = None  # a timing event before the first of them, when timed
         self.alloc_stream: Any = None  # that stream, when the copy ran on the side stream
         self.done: Any = None  # recorded after the copies when something needs it
         self.ready_on: Any = None  # the key of a stream ordered after the copies
@@ -100,7 +101,6 @@ class Epoch:
         self.pulled: deque[Crossing] = deque()  # staged, copies not queued yet
         self.issued: deque[Crossing] = deque()  # copies queued, batches still to hand out
         self.held: BatchTiming | None = None  # the timing of the batch in use
-        self.early_done: Any = None  # the last copy from the source's memory made as it was read
         self.ended = False
 
 
@@ -119,9 +119,11 @@ class Stager:
         self.pool_bytes, self.times, self.epochs = pool_bytes, times, epochs
         self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
-        # Copies a pinned host tensor to the device at once: (device tensor, done event).
-        # The issuer's (``Pipeline`` sets it), whose counts and streams it uses.
-        self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None
+        # Copies a pinned host tensor to the device at once: (device tensor, done event,
+        # start event when timed). The issuer's (``Pipeline`` sets it), whose counts and
+        # streams it uses.
+        self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any, Any]] | None = None
+        self.early_done: Any = None  # after the last of those copies, of any epoch (in order)
 
     def top_up(self, ep: Epoch) -> None:
         """Read and stage batches until ``depth + 1`` crossings are on their way."""
@@ -215,9 +217,11 @@ class Stager:
             if leaf.pin:
                 source = source.pin_memory()
             elif not ep.owned and self.cross_early is not None:
-                source, done = self.cross_early(source)
+                source, done, start = self.cross_early(source)
                 crossing.early.append(source)
-                crossing.early_done = ep.early_done = done
+                crossing.early_done = self.early_done = done
+                if crossing.early_start is None:
+                    crossing.early_start = start
             elif not ep.owned:
                 source = pinned_copy(source)
             sources.append(source)
@@ -238,18 +242,22 @@ class Stager:
 
     def _settle_writes(self, ep: Epoch) -> None:
         """Wait until the writer threads, and the copies made as batches were read, have read
-        every batch read so far (the writers' errors are raised in their turn, by
-        ``issue_ready``)."""
-        pending = [f for c in (*ep.pulled, ep.carried) if c is not None for f in c.writes]
-        if not pending and ep.early_done is None:
+        every batch read so far, by this epoch or another under way (two epochs of one source
+        may share the memory it refills). The writers' errors are raised in their turn, by
+        ``issue_ready``."""
+        epochs = {id(e): e for e in (*self.epochs, ep)}.values()
+        pending = [
+            f for e in epochs for c in (*e.pulled, e.carried) if c is not None for f in c.writes
+        ]
+        if not pending and self.early_done is None:
             return
         started = time.perf_counter()
         with housekeeping():
             if pending:
                 wait(pending)
-            if ep.early_done is not None:
-                ep.early_done.synchronize()  # copies run in order: the last one covers all
-                ep.early_done = None
+            if self.early_done is not None:
+                self.early_done.synchronize()  # copies run in order: the last one covers all
+                self.early_done = None
         self.times["stall_s"] += time.perf_counter() - started
 
     def drop_staging(self, crossing: Crossing) -> None:
@@ -302,7 +310,10 @@ class Stager:
             self.times["stall_s"] += time.perf_counter() - started
 
     def end_source(self, ep: Epoch) -> None:
-        """Stop reading the epoch's source (a batch started for the next crossing stays)."""
+        """Stop reading the epoch's source (a batch started for the next crossing stays),
+        once nothing still reads memory it may free or reuse when closed."""
+        if not ep.owned and ep.source is not None:
+            self._settle_writes(ep)
         source, ep.source = ep.source, None
         close_source = getattr(source, "close", None)  # a generator's finally blocks run now
         if close_source is not None:

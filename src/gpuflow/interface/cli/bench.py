@@ -50,22 +50,25 @@ def _transfer_sections(args: argparse.Namespace) -> tuple[str, ...]:
 
     if not args.sections:
         return SECTIONS
-    sections = tuple(name.strip() for name in args.sections.split(",") if name.strip())
-    unknown = [name for name in sections if name not in SECTIONS]
-    if unknown or not sections:
+    asked = {name.strip() for name in args.sections.split(",") if name.strip()}
+    unknown = sorted(asked - set(SECTIONS))
+    if unknown or not asked:
         raise GpuflowError(
             f"unknown --sections {', '.join(unknown) or repr(args.sections)}; "
             f"choose from {', '.join(SECTIONS)}"
         )
-    return sections
+    return tuple(name for name in SECTIONS if name in asked)  # in the bench's order, once
 
 
 def _transfer_name(args: argparse.Namespace) -> str:
     """``full`` or ``quick``, then the sections when not all of them ran."""
+    from gpuflow.bench.transfer import SECTIONS
+
     name = "quick" if args.quick else "full"
-    if not args.sections:
+    sections = _transfer_sections(args)
+    if sections == SECTIONS:
         return name
-    return "-".join([name, *(s.replace("_", "") for s in _transfer_sections(args))])
+    return "-".join([name, *(s.replace("_", "") for s in sections)])
 
 
 def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:

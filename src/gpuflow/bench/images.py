@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuflow.bench.loaders import timed_steps
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.augment import Compose, HorizontalFlip, Normalize, RandomCrop
 from gpuflow.data.resident_dataset import ResidentDataset
@@ -174,19 +175,6 @@ def _endless(make: Callable[[], Any]) -> Iterator[Any]:
     return itertools.chain.from_iterable(make() for _ in itertools.count())
 
 
-def _timed(device: Device, batches: Iterator[Any], step: Callable[[Any], Any], warmup: int,
-           steps: int) -> float:  # fmt: skip
-    """Images per second over ``steps`` steps after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        step(next(batches))
-    device.synchronize()
-    started, images = time.perf_counter(), 0
-    for _ in range(steps):
-        images += step(next(batches))
-    device.synchronize()
-    return images / (time.perf_counter() - started)
-
-
 class _Side:
     """Every path of one image side, ready to run a round."""
 
@@ -291,7 +279,10 @@ class _Side:
                 return B
 
             batches = itertools.repeat(None)
-        return _timed(device, batches, step, warmup, cfg.steps)
+        seconds, images = timed_steps(
+            device, itertools.islice(batches, warmup + cfg.steps), step, warmup
+        )
+        return images / seconds
 
     def _capture(self, path: str) -> Callable[[], None]:
         """The step (with the resident cursor's draw, for ``resident_graph``) as one CUDA

@@ -329,26 +329,39 @@ def small_cnn() -> torch.nn.Module:
     )  # fmt: skip
 
 
+def timed_steps(
+    device: Device, batches: Iterable[Any], step: Callable[[Any], int], warmup: int
+) -> tuple[float, int]:
+    """(seconds from the end of ``warmup`` steps until the last step's work is done, the
+    items ``step`` counted in that time): each batch goes through ``step``."""
+    items, started = 0, 0.0
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            device.synchronize()
+            started = time.perf_counter()
+        counted = step(batch)
+        if i >= warmup:
+            items += counted
+    device.synchronize()
+    return time.perf_counter() - started, items
+
+
 def train_images(
     device: Device, batches: Iterable[dict[str, torch.Tensor]], model: torch.nn.Module,
     optimizer: torch.optim.Optimizer, warmup: int,
 ) -> tuple[float, int]:  # fmt: skip
     """(seconds after ``warmup`` steps until the last step is done, images in that time)."""
-    images, started = 0, 0.0
-    for step, batch in enumerate(batches):
-        if step == warmup:
-            device.synchronize()
-            started = time.perf_counter()
+
+    def step(batch: dict[str, torch.Tensor]) -> int:
         x = batch["image"].float().div_(255)  # (B, 3, H, W) uint8 crossed; widened here
         with device.autocast():
             loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            images += len(batch["label"])
-    device.synchronize()
-    return time.perf_counter() - started, images
+        return len(batch["label"])
+
+    return timed_steps(device, batches, step, warmup)
 
 
 def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
@@ -428,21 +441,18 @@ def train_text(
     optimizer: torch.optim.Optimizer, warmup: int,
 ) -> tuple[float, int]:  # fmt: skip
     """(seconds after ``warmup`` steps until the last step is done, tokens in that time)."""
-    tokens, started = 0, 0.0
-    for step, (inputs, targets) in enumerate(batches):
-        if step == warmup:
-            device.synchronize()
-            started = time.perf_counter()
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        inputs, targets = batch
         with device.autocast():
             logits = model(inputs)  # (B, T, VOCAB)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            tokens += targets.numel()
-    device.synchronize()
-    return time.perf_counter() - started, tokens
+        return targets.numel()
+
+    return timed_steps(device, batches, step, warmup)
 
 
 def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:

@@ -96,8 +96,8 @@ class Issuer:
         """One copy of the staged bytes, and one per direct source tensor, into fresh device
         memory; docs/architecture/transfer-pipeline.md says which stream runs it."""
         # (a crossing copied whole as it was read has nothing left to copy here)
-        to_copy = crossing.host is not None or len(crossing.early) < sum(
-            len(sources) for sources in crossing.direct_sources
+        to_copy = crossing.host is not None or any(
+            source.is_cpu for sources in crossing.direct_sources for source in sources
         )
         side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies and to_copy
         stream = self.stream(key)

@@ -32,8 +32,7 @@ class Pipeline:
         self.times = {"source_s": 0.0, "stall_s": 0.0}
         self.stager = Stager(device, depth, planner, pool_bytes, coalesce, self.times, self.epochs)
         self.issuer = Issuer(device, self.stager.pool, timing, side_copies)
-        if device.has_streams:  # (else a pinned copy of the loader's own is kept instead)
-            self.stager.cross_early = self.issuer.cross_early
+        self.stager.cross_early = self.issuer.cross_early
         self.coalesce = self.stager.coalesce
         self.pool = self.stager.pool
         self.counts = self.issuer.counts

@@ -24,7 +24,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import ALIGN, PackPlan, Planner
-from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, pinned_copy, size_class
+from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, size_class
 from gpuflow.transfer.tally import housekeeping
 
 COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
@@ -121,8 +121,9 @@ class Stager:
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
         # Copies a pinned host tensor to the device at once: (device tensor, done event,
         # start event when timed). The issuer's (``Pipeline`` sets it), whose counts and
-        # streams it uses.
-        self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any, Any]] | None = None
+        # streams it uses; only direct tensors take it, and only devices with streams (cuda,
+        # xpu) have direct tensors.
+        self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any, Any]]
         self.early_done: Any = None  # after the last of those copies, of any epoch (in order)
 
     def top_up(self, ep: Epoch) -> None:
@@ -216,14 +217,12 @@ class Stager:
         for leaf, source in plan.direct_pairs():
             if leaf.pin:
                 source = source.pin_memory()
-            elif not ep.owned and self.cross_early is not None:
+            elif not ep.owned:
                 source, done, start = self.cross_early(source)
                 crossing.early.append(source)
                 crossing.early_done = self.early_done = done
                 if crossing.early_start is None:
                     crossing.early_start = start
-            elif not ep.owned:
-                source = pinned_copy(source)
             sources.append(source)
         crossing.direct_sources.append(sources)
         crossing.parts.append((plan, offset))
@@ -245,10 +244,10 @@ class Stager:
         every batch read so far, by this epoch or another under way (two epochs of one source
         may share the memory it refills). The writers' errors are raised in their turn, by
         ``issue_ready``."""
-        epochs = {id(e): e for e in (*self.epochs, ep)}.values()
         pending = [
-            f for e in epochs for c in (*e.pulled, e.carried) if c is not None for f in c.writes
-        ]
+            f for e in self.epochs for c in (*e.pulled, e.carried) if c is not None
+            for f in c.writes
+        ]  # fmt: skip
         if not pending and self.early_done is None:
             return
         started = time.perf_counter()

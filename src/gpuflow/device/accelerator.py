@@ -414,8 +414,8 @@ def out_of_memory_figures(exc: BaseException) -> str:
 
 class _CudaStreamSwap:
     """``torch.cuda.stream(stream)`` for a stream of the current device, without its
-    device lookups (tens of microseconds on an H100 host, which a loader paying it once per
-    batch felt: docs/decisions/037)."""
+    device lookups, which a loader switching streams once per batch felt
+    (docs/decisions/037)."""
 
     __slots__ = ("_before", "_stream")
 

@@ -309,8 +309,8 @@ def _narrowed_by_or(tensor: torch.Tensor) -> torch.dtype | None:
     """The narrow dtype of the integer ``tensor`` when one bitwise OR over all its values
     settles it: none negative (a negative one sets the sign bit) and all within uint16, or
     all within int32; None when it does not (a negative value, a large or
-    strided tensor), for ``aminmax`` to decide. One pass, where ``aminmax`` makes two and cost
-    a narrowed batch of token ids twice the time (docs/decisions/037)."""
+    strided tensor), for ``aminmax`` to decide. One pass over the values, where ``aminmax``
+    was the largest host cost of a narrowed batch of token ids (docs/decisions/037)."""
     if not tensor.is_contiguous() or tensor.numel() > _OR_MAX_NUMEL:
         return None
     whole = int(np.bitwise_or.reduce(tensor.detach().numpy().reshape(-1)))

@@ -35,6 +35,10 @@ def test_every_path_gets_a_row_with_its_ratios_and_bus_figures(prepared, capsys)
     assert rows["streamed"]["h2d_bytes_per_step"] == 8 * 33 * 2
     assert rows["streamed"]["syncs_per_step"] == 0
     assert "data_path_overhead" in rows["standard"]  # against the synthetic batch
+    for row in rows.values():  # the ledger's interval timed against the timed steps
+        assert row["ledger_step_ms"] > 0
+        assert row["ledger_cost"] == pytest.approx(row["ledger_step_ms"] / row["step_ms"] - 1)
     print_train_table(result)
     out = capsys.readouterr().out
     assert "standard" in out and "streamed" in out and "bus traffic per step" in out
+    assert "ledger cost" in out

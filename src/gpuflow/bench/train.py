@@ -3,7 +3,8 @@
 For each data path (``gpuflow.train.datapath.DataPath``) a fresh model from the same seed
 trains ``warmup`` untimed steps, ``timed`` steps between two device synchronisations (tokens/s and
 MFU), then one logging interval under the transfer ledger (bytes each way, host syncs and
-cudaMalloc calls per step, the interval's scalar readback included). The same step on a
+cudaMalloc calls per step, the interval's scalar readback included; and its steps' time
+against the timed ones': what counting costs a step). The same step on a
 pre-placed synthetic batch (the batch drawn once and reused: no data path at all), eager and
 captured, shows each path's data-path overhead as a percentage.
 """
@@ -70,6 +71,8 @@ def measure_data_path(
         seconds = time.perf_counter() - started
         with TransferLedger(device) as ledger:
             run_steps(train_step, warmup + timed, total)
+        device.synchronize()  # (outside the ledger: the bench's wait, not the step's)
+        counted_seconds = time.perf_counter() - started - seconds  # opening the ledger too
         train_step.scalars.drain(total)
     rate = timed * trainer.tokens_per_step / seconds
     return {
@@ -78,6 +81,9 @@ def measure_data_path(
         "step_ms": seconds * 1e3 / timed,
         "mfu": trainer.mfu(rate),
         **ledger.summary().totals.per_step(counted),
+        # What counting costs the step: the interval under the ledger against the timed one.
+        "ledger_step_ms": counted_seconds * 1e3 / counted,
+        "ledger_cost": counted_seconds / counted / (seconds / timed) - 1,
         # What the allocator holds from the device after the row (None off CUDA).
         "reserved_bytes": device.memory_sample()["device_reserved_bytes"],
     }
@@ -156,7 +162,8 @@ def print_train_table(result: dict[str, Any]) -> None:
         "d2h bytes",
         "host syncs",
         "cudaMalloc calls",
-        title="bus traffic per step, from the transfer ledger",
+        "ledger cost",
+        title="bus traffic per step, from the transfer ledger (and what counting costs)",
     )
     for row in result["rows"]:
         mfu = row.get("mfu")
@@ -177,6 +184,7 @@ def print_train_table(result: dict[str, Any]) -> None:
             f"{row['d2h_bytes_per_step']:,.1f}",
             f"{row['syncs_per_step']:g}",
             f"{row['device_allocs_per_step']:g}",
+            f"{row['ledger_cost']:+.0%}",
         )
     out_console.print(speed)
     out_console.print(bus)

@@ -86,6 +86,13 @@ def test_the_text_loop_trains_through_both_feeds(bench):
                                     row["pin_to_tokens_s_per_round"], strict=True)]  # fmt: skip
     assert row["pair_ratios"] == ratios
     assert row["speedup"] == statistics.median(ratios)
+    feed = row["feed_us"]
+    assert set(feed) == {"pin_to", "deviceloader", "source_alone"}
+    assert all(us > 0 for us in feed.values())
+    step_ms = 1e3 * cfg.text_batch * cfg.text_context / row["pin_to_tokens_s"]
+    assert row["step_ms"] == pytest.approx(step_ms)
+    extra = (feed["deviceloader"] - feed["pin_to"]) / 1e3 / step_ms
+    assert row["feed_extra_share"] == pytest.approx(extra)
 
 
 def test_paired_rounds_alternate_which_loop_goes_first_and_compare_pairs():

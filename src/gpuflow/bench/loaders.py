@@ -54,6 +54,9 @@ class LoaderBenchConfig:
     text_width: int = 256
     text_steps: int = 200
     text_rounds: int = 12
+    # The text feeds alone, no model: host time per batch, measured apart from the loop's
+    # round-to-round spread
+    text_feed_batches: int = 2000
 
     @classmethod
     def quick(cls) -> LoaderBenchConfig:
@@ -72,6 +75,7 @@ class LoaderBenchConfig:
             text_width=32,
             text_steps=6,
             text_rounds=1,
+            text_feed_batches=8,
         )
 
 
@@ -488,4 +492,59 @@ def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
         "batch": cfg.text_batch, "context": cfg.text_context,
         "batch_bytes": 2 * cfg.text_batch * cfg.text_context * 8,
     }  # fmt: skip
-    return row | paired_rounds(idiom, ours, cfg.text_rounds, "pin_to", "tokens")
+    row |= paired_rounds(idiom, ours, cfg.text_rounds, "pin_to", "tokens")
+    row["feed_us"] = text_feed_cost(device, tokens, cfg)
+    row["step_ms"] = 1e3 * cfg.text_batch * cfg.text_context / row["pin_to_tokens_s"]
+    extra_ms = (row["feed_us"]["deviceloader"] - row["feed_us"]["pin_to"]) / 1e3
+    row["feed_extra_share"] = extra_ms / row["step_ms"]  # of the idiom's step
+    return row
+
+
+def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -> dict[str, float]:
+    """Host microseconds per batch of each text feed with no model: the source's batches
+    through the idiom, through ``DeviceLoader``, and as they are (``source_alone``: the same
+    cutting of batches and the same one-op consumer, with nothing moved), each in five
+    rounds in alternating order, medians. A loop bound by the host pays each feed's time
+    on top of its step, so the difference is what the feed costs a step, without the
+    round-to-round spread of whole training runs."""
+    target = device.torch
+    placed = (torch.zeros(1, 1, dtype=torch.int64, device=target),) * 2
+
+    def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return token_batches(tokens, cfg.text_batch, cfg.text_context, cfg.text_feed_batches)
+
+    def pin_to() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        if not device.supports_pinned_memory:
+            return ((x.to(target), y.to(target)) for x, y in source())
+        return (
+            (x.pin_memory().to(target, non_blocking=True),
+             y.pin_memory().to(target, non_blocking=True))
+            for x, y in source()
+        )  # fmt: skip
+
+    feeds: dict[str, Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]] = {
+        "pin_to": pin_to,
+        "deviceloader": lambda: DeviceLoader(source(), device),
+        "source_alone": lambda: (placed for _ in source()),
+    }
+
+    def consume(feed: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        total = torch.zeros((), dtype=torch.int64, device=target)
+        device.synchronize()
+        started = time.perf_counter()
+        for x, y in feed:
+            total += x[0, 0] + y[0, 0]
+        device.synchronize()
+        seconds = time.perf_counter() - started
+        if isinstance(feed, DeviceLoader):
+            feed.close()
+        return seconds / cfg.text_feed_batches * 1e6
+
+    for make in feeds.values():  # untimed warm-up
+        consume(make())
+    runs: dict[str, list[float]] = {name: [] for name in feeds}
+    order = list(feeds.items())
+    for round_ in range(5):
+        for name, make in order if round_ % 2 == 0 else order[::-1]:
+            runs[name].append(consume(make()))
+    return {name: statistics.median(us) for name, us in runs.items()}

@@ -105,7 +105,7 @@ def test_a_device_given_as_an_int_is_that_cuda_device(cuda):
 
 class _Filled(torch.utils.data.Dataset):
     """Item ``i``: 64 KiB of float ``i`` (batches of 16 are 1 MiB, copied directly) and the
-    label ``i`` (narrowed, staged)."""
+    label ``i`` (staged)."""
 
     def __len__(self) -> int:
         return 24 * 16
@@ -114,12 +114,25 @@ class _Filled(torch.utils.data.Dataset):
         return {"x": torch.full((1 << 14,), float(i)), "y": i}
 
 
-def test_a_worker_fed_batch_made_on_the_reader_thread_is_complete_and_kept_until_used(
+def test_a_worker_fed_batch_pinned_by_the_dataloaders_thread_is_complete_and_kept_until_used(
     cuda, monkeypatch
 ):  # fmt: skip
-    """The reader thread's copies run late on its own stream, and the consumer's stream is
-    slow to read each batch it has already let go of: the consumer must wait for each copy,
-    and no batch's memory may be handed to a later batch before the consumer read it."""
+    """A DataLoader with workers and no pin-memory thread is read through one of its own
+    (every batch pinned there), and the user's DataLoader is left as it was. The copies run
+    late, and the consumer's stream is slow to read each batch it has already let go of: the
+    consumer must wait for each copy, and no batch's memory may be handed to a later batch
+    before the consumer read it."""
+    import torch.utils.data._utils.pin_memory as dataloader_pinning
+
+    pinned = []
+    real_pin = dataloader_pinning.pin_memory
+
+    def counted_pin(data, *args, **kwargs):
+        if isinstance(data, dict):  # a whole batch (its tensors are pinned by calls of their own)
+            pinned.append(1)
+        return real_pin(data, *args, **kwargs)
+
+    monkeypatch.setattr(dataloader_pinning, "pin_memory", counted_pin)
     real = issuing.Issuer._copy
 
     def late(self, crossing, stream):
@@ -140,6 +153,7 @@ def test_a_worker_fed_batch_made_on_the_reader_thread_is_complete_and_kept_until
     assert torch.equal(got, expected)
     assert torch.cat(labels).cpu().tolist() == list(range(24 * 16))
     assert loader.stats.batches == 24
+    assert len(pinned) == 24 and source.pin_memory is False
 
 
 def test_batches_copied_as_read_hold_bounded_device_memory_when_the_host_runs_ahead(cuda):

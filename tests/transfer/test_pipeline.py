@@ -1,4 +1,4 @@
-"""The loader's pipeline driven by hand on the cpu, as DeviceReader's thread drives it: an
+"""The loader's pipeline driven by hand on the cpu, as DeviceLoader drives it: an
 epoch read ahead, staged, copied and taken in order; small batches sharing one copy when it
 coalesces; and everything given back on release."""
 

@@ -33,13 +33,10 @@ class Issuer:
     """Queues the crossings' copies and hands out their batches. ``pool`` takes each staging
     buffer back once its copy has run; ``counts`` are the loader's stats."""
 
-    def __init__(
-        self, device: Device, pool: PinnedPool, timing: bool, side_copies: bool = True
-    ) -> None:
+    def __init__(self, device: Device, pool: PinnedPool, timing: bool) -> None:
         self.device, self.pool, self.timing = device, pool, timing
-        # Large copies on a stream of their own, apart from the consumer's work (off where
-        # the current stream is already one that runs only copies: ``DeviceReader``'s).
-        self.side_copies = side_copies and device.has_streams
+        # Large copies on a stream of their own, apart from the consumer's work.
+        self.side_copies = device.has_streams
         self.copy_stream = device.new_stream()
         self.early_stream: Any = None  # copies made as batches are read (made at the first)
         # the consumer's stream as each crossing holding such copies was issued
@@ -72,11 +69,7 @@ class Issuer:
         such copies are issued ahead of the consumer's stream, which bounds the device memory
         they hold when the host runs ahead of the device."""
         if self.early_stream is None:
-            # A DeviceReader's stream runs only copies: its early copies run there, so every
-            # epoch's blocks come from the one stream the loader keeps for its readers.
-            use_current = not self.side_copies
-            stream = self.device.current_stream() if use_current else self.device.new_stream()
-            self.early_stream = stream
+            self.early_stream = self.device.new_stream()
         with housekeeping():
             while len(self.early_marks) > EARLY_AHEAD:
                 self.early_marks.popleft().synchronize()

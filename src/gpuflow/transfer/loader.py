@@ -15,7 +15,6 @@ file (What DeviceLoader promises).
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -27,11 +26,9 @@ import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.device_reader import DeviceReader
 from gpuflow.transfer.packing import LossyFloat, Planner
 from gpuflow.transfer.pinned import PoolStats
 from gpuflow.transfer.pipeline import Pipeline
-from gpuflow.transfer.reader import ThreadedSource, reads_slowly
 from gpuflow.transfer.staging import BatchTiming, Epoch
 from gpuflow.transfer.tally import housekeeping
 
@@ -94,8 +91,7 @@ class DeviceLoader:
     link is slow or shared. ``pool_bytes`` caps the
     pinned staging memory (default: ``depth + 3`` staging buffers per epoch under way).
     ``timing`` records events for the device times in ``stats`` (off by default: they cost
-    host time per batch; a ``DataLoader`` with workers is then staged and copied on the
-    training thread, where the events are). ``coalesce=False`` gives every batch its own
+    host time per batch). ``coalesce=False`` gives every batch its own
     copy, so that a ledger or profiler window of N steps sees N copies (``gpuflow train``'s
     streamed path, whose copies are profiled).
 
@@ -113,6 +109,11 @@ class DeviceLoader:
     staging memory is shared and reused from one epoch to the next. ``next(loader)`` reads
     from an epoch of its own, started by the first ``next``. ``len()`` is the source's. A
     source that is itself an iterator (a generator) gives one epoch.
+
+    A ``DataLoader`` with workers is read as ``pin_memory=True`` would read it, where the
+    device has pinned memory: its own pin-memory thread takes each batch from the workers
+    and pins it, and the loader copies it from there (the DataLoader itself is left as it
+    was given).
     """
 
     def __init__(
@@ -140,14 +141,10 @@ class DeviceLoader:
         # Runs on close(), on collection of a loader never closed, and at interpreter exit.
         self._finalizer = weakref.finalize(self, self._pipeline.release)
         self._epochs = 0
-        self._own_epoch: Epoch | DeviceReader | None = None  # the one next(loader) reads
+        self._own_epoch: Epoch | None = None  # the one next(loader) reads
         self._unread: deque[BatchTiming] = deque()  # timings of batches let go of
         self._device_times = {"transfer_ms": 0.0, "exposed_ms": 0.0, "compute_ms": 0.0}
         self._closed = False
-        # Epochs of a worker-fed source, each made on a thread of its own, and their counts.
-        self._readers: weakref.WeakSet[DeviceReader] = weakref.WeakSet()
-        self._reader_stream: Any = None  # the worker-fed epochs' copy stream, made once
-        self._reader_counts: list[dict[str, int]] = []
 
     def __len__(self) -> int:
         if not hasattr(self._source, "__len__"):
@@ -162,9 +159,9 @@ class DeviceLoader:
         """A new epoch over the source, as an iterator of its own."""
         return _EpochIterator(self, self._start_epoch())
 
-    def _start_epoch(self) -> Epoch | DeviceReader:
+    def _start_epoch(self) -> Epoch:
         self._check_open()
-        batches = iter(self._source)
+        batches = self._iterate_source()
         if batches is self._source and self._epochs > 0:
             raise GpuflowError(
                 "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
@@ -172,27 +169,24 @@ class DeviceLoader:
             )
         owned = self.fresh_batches or _makes_fresh_batches(self._source)
         self._epochs += 1
-        if self.depth > 0 and reads_slowly(self._source):
-            if not self._pipeline.timing:  # (the reader's copies are not timed)
-                if self._reader_stream is None:
-                    # One for every epoch's reader: the device memory cached for the
-                    # batches of one epoch serves the next (a stream per epoch kept each
-                    # epoch's blocks apart, and the next one allocated anew).
-                    self._reader_stream = self.device.new_stream()
-                reader = DeviceReader(
-                    batches, self.device, Planner(*self._codecs), self.depth, owned,
-                    self._pipeline.coalesce, self._reader_stream,
-                )  # fmt: skip
-                self._readers.add(reader)
-                self._reader_counts.append(reader.counts)
-                return reader
-            batches = ThreadedSource(
-                batches, ahead=self.depth + 1, pin_for=self.device, copy=not owned
-            )
-            owned = True  # copied on the reading thread
         epoch = Epoch(batches, owned)
         self._pipeline.epochs.append(epoch)
         return epoch
+
+    def _iterate_source(self) -> Iterator[Any]:
+        """``iter(source)``; for a ``DataLoader`` with workers and no pin-memory thread, on a
+        device with pinned memory, an iterator that has one (``pin_memory`` is set only while
+        it is made): batches come from the workers already pinned, taken over and pinned on
+        that thread, and the training thread only issues their copies
+        (docs/decisions/039)."""
+        source = self._source
+        if not (_fed_by_workers(source) and self.device.supports_pinned_memory):
+            return iter(source)
+        source.pin_memory = True
+        try:
+            return iter(source)
+        finally:
+            source.pin_memory = False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -205,12 +199,10 @@ class DeviceLoader:
             self._own_epoch = self._start_epoch()
         return self._next_of(self._own_epoch)
 
-    def _next_of(self, epoch: Epoch | DeviceReader) -> Any:
+    def _next_of(self, epoch: Epoch) -> Any:
         self._check_open()
         if epoch.ended:
             raise StopIteration
-        if isinstance(epoch, DeviceReader):
-            return self._take_made(epoch)
         self._let_go_of_held(epoch)
         key = self.device.current_stream_key()
         pipeline = self._pipeline
@@ -227,22 +219,8 @@ class DeviceLoader:
         batch, epoch.held = taken
         return batch
 
-    def _take_made(self, reader: DeviceReader) -> Any:
-        """The next batch a ``DeviceReader`` made; the wait for it counts as reading."""
-        started = time.perf_counter()
-        try:
-            return reader.take(self._pipeline.stream(self.device.current_stream_key()))
-        except BaseException:
-            reader.close()
-            raise
-        finally:
-            self._pipeline.times["source_s"] += time.perf_counter() - started
-
-    def _end(self, epoch: Epoch | DeviceReader) -> None:
+    def _end(self, epoch: Epoch) -> None:
         """Let go of the epoch's batch in use and drop what it read ahead (device work only)."""
-        if isinstance(epoch, DeviceReader):
-            epoch.close()
-            return
         self._let_go_of_held(epoch)
         self._pipeline.end_epoch(epoch)
 
@@ -271,10 +249,7 @@ class DeviceLoader:
     @property
     def stats(self) -> LoaderStats:
         self._read_finished_timings()
-        counts = dict(self._pipeline.counts)
-        for made in self._reader_counts:
-            for name, value in made.items():
-                counts[name] += value
+        counts = self._pipeline.counts
         return LoaderStats(**counts, **self._pipeline.times, **self._device_times)
 
     @property
@@ -289,7 +264,7 @@ class DeviceLoader:
         if self._closed:
             return
         self._closed = True
-        for epoch in [*self._pipeline.epochs, *self._readers]:
+        for epoch in list(self._pipeline.epochs):
             self._end(epoch)
         with housekeeping():
             self._read_finished_timings(wait=True)
@@ -306,12 +281,9 @@ class _EpochIterator:
     """One epoch over a ``DeviceLoader``'s source. It keeps its loader alive; dropped before
     its end (a ``break``), it drops what it read ahead when collected."""
 
-    def __init__(self, loader: DeviceLoader, epoch: Epoch | DeviceReader) -> None:
+    def __init__(self, loader: DeviceLoader, epoch: Epoch) -> None:
         self._loader, self._epoch = loader, epoch
-        if isinstance(epoch, DeviceReader):
-            self._finalizer = weakref.finalize(self, epoch.close)
-        else:
-            self._finalizer = weakref.finalize(self, loader._pipeline.end_epoch, epoch)
+        self._finalizer = weakref.finalize(self, loader._pipeline.end_epoch, epoch)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -321,6 +293,15 @@ class _EpochIterator:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+
+def _fed_by_workers(source: object) -> bool:
+    """A ``DataLoader`` with worker processes and no pin-memory thread of its own."""
+    return (
+        isinstance(source, torch.utils.data.DataLoader)
+        and source.num_workers > 0
+        and not source.pin_memory
+    )
 
 
 def _makes_fresh_batches(source: object) -> bool:

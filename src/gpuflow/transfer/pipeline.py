@@ -25,13 +25,13 @@ class Pipeline:
 
     def __init__(
         self, device: Device, depth: int, planner: Planner, pool_bytes: int | None,
-        timing: bool, coalesce: bool, side_copies: bool = True,
+        timing: bool, coalesce: bool,
     ) -> None:  # fmt: skip
         self.device, self.depth, self.timing = device, depth, timing
         self.epochs: list[Epoch] = []  # those under way: each iter() starts one
         self.times = {"source_s": 0.0, "stall_s": 0.0}
         self.stager = Stager(device, depth, planner, pool_bytes, coalesce, self.times, self.epochs)
-        self.issuer = Issuer(device, self.stager.pool, timing, side_copies)
+        self.issuer = Issuer(device, self.stager.pool, timing)
         self.stager.cross_early = self.issuer.cross_early
         self.coalesce = self.stager.coalesce
         self.pool = self.stager.pool

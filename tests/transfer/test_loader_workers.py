@@ -1,10 +1,11 @@
-"""A DataLoader with workers is read on a thread of its own; that thread never outlives its
-use, never hangs a close, and hands errors over in their turn."""
+"""A DataLoader with workers as a DeviceLoader's source: read on the training thread (its
+workers and, where the device has pinned memory, its own pin-memory thread read ahead), its
+workers never outlive the loader's use of them, and errors come in their turn."""
 
 from __future__ import annotations
 
 import gc
-import threading
+import multiprocessing
 import time
 
 import pytest
@@ -12,14 +13,13 @@ import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.transfer.loader import DeviceLoader
-from gpuflow.transfer.reader import ThreadedSource, reads_slowly
 
 
-def _readers() -> int:
-    return sum(t.name == "gpuflow-read" for t in threading.enumerate())
+def _workers() -> int:
+    return len(multiprocessing.active_children())
 
 
-def _wait_for(condition, seconds: float = 5.0) -> bool:
+def _wait_for(condition, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if condition():
@@ -39,84 +39,45 @@ class Squares(torch.utils.data.Dataset):
         return {"x": torch.full((3,), float(i * i)), "i": torch.tensor(i)}
 
 
-def test_only_a_dataloader_with_workers_is_read_on_a_thread():
-    data = Squares()
-    assert reads_slowly(torch.utils.data.DataLoader(data, num_workers=1))
-    assert not reads_slowly(torch.utils.data.DataLoader(data, num_workers=0))
-    assert not reads_slowly([torch.ones(2)])
-
-
 def test_two_epochs_over_a_dataloader_with_workers_give_the_same_batches():
     source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2)
-    before = _readers()
     with DeviceLoader(source, "cpu") as loader:
         epochs = [[(b["x"].clone(), b["i"].clone()) for b in loader] for _ in range(2)]
         assert len(loader) == 6
     assert [torch.cat([i for _, i in e]).tolist() for e in epochs] == [list(range(24))] * 2
     for x, i in epochs[1]:
         assert torch.equal(x[:, 0], (i * i).float())
-    assert _wait_for(lambda: _readers() == before)
+    assert not source.pin_memory  # the user's DataLoader as it was given
+    assert _wait_for(lambda: _workers() == 0)
 
 
-def test_an_error_comes_after_the_batches_before_it():
-    def source():
-        yield 1
-        yield 2
-        raise ValueError("bad record 3")
-
-    reader = ThreadedSource(source(), ahead=4)
-    assert next(reader) == 1 and next(reader) == 2
-    with pytest.raises(ValueError, match="bad record 3"):
-        next(reader)
-    with pytest.raises(StopIteration):
-        next(reader)
-
-
-def test_close_returns_at_once_even_when_the_source_is_blocked():
-    release = threading.Event()
-
-    def blocked():
-        yield 0
-        release.wait(30)  # a worker that never answers
-        yield 1
-
-    before = _readers()
-    reader = ThreadedSource(blocked(), ahead=2)
-    assert next(reader) == 0
-    started = time.perf_counter()
-    reader.close()
-    assert time.perf_counter() - started < 0.5
-    with pytest.raises(StopIteration):
-        next(reader)
-    release.set()  # once the source answers, the thread sees the close and ends
-    assert _wait_for(lambda: _readers() == before)
-
-
-def test_a_reader_dropped_without_close_stops_its_thread():
-    def endless():
-        n = 0
-        while True:
-            n += 1
-            yield n
-
-    before = _readers()
-    reader = ThreadedSource(endless(), ahead=2)
-    assert next(reader) == 1
-    del reader
-    gc.collect()
-    assert _wait_for(lambda: _readers() == before)
-
-
-def test_a_loader_left_mid_epoch_stops_its_reader():
-    # more batches than the loader reads ahead, so that the reader is still at work
-    source = torch.utils.data.DataLoader(Squares(10_000), batch_size=2, num_workers=1)
-    before = _readers()
+def test_a_loader_left_mid_epoch_stops_the_workers():
+    # more batches than the loader reads ahead, so that the workers are still at work
+    source = torch.utils.data.DataLoader(Squares(10_000), batch_size=2, num_workers=2)
     loader = DeviceLoader(source, "cpu")
-    next(iter(loader))
-    assert _readers() == before + 1
-    del loader
+    epoch = iter(loader)
+    next(epoch)
+    assert _workers() == 2
+    del loader, epoch
     gc.collect()
-    assert _wait_for(lambda: _readers() == before)
+    assert _wait_for(lambda: _workers() == 0)
+
+
+def test_an_error_in_a_worker_comes_after_the_batches_before_it():
+    class Broken(Squares):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            if i == 9:
+                raise ValueError("bad record 9")
+            return super().__getitem__(i)
+
+    source = torch.utils.data.DataLoader(Broken(), batch_size=4, num_workers=1)
+    got = []
+    with DeviceLoader(source, "cpu") as loader, pytest.raises(ValueError, match="bad record 9"):
+        for batch in loader:
+            got += batch["i"].tolist()
+    assert got == list(range(8))
+    gc.collect()  # (the error's traceback held the DataLoader's iterator)
+    assert _wait_for(lambda: _workers() == 0)
 
 
 def test_a_closed_loader_refuses_a_new_epoch():
@@ -127,7 +88,7 @@ def test_a_closed_loader_refuses_a_new_epoch():
         iter(loader)
 
 
-def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it():
+def test_a_worker_fed_loader_counts_what_it_moved_and_the_ledger_sees_it():
     from gpuflow.accounting.ledger import TransferLedger
 
     source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2)
@@ -148,9 +109,8 @@ def test_a_worker_fed_loader_counts_what_its_reader_moved_and_the_ledger_sees_it
     assert sum(e.nbytes for e in copies) == stats.bytes_moved and len(copies) == 6
 
 
-def test_an_exception_in_the_consumer_stops_the_reader_and_a_new_epoch_starts_afresh():
+def test_an_exception_in_the_consumer_ends_the_epoch_and_a_new_one_starts_afresh():
     source = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=1)
-    before = _readers()
     with DeviceLoader(source, "cpu") as loader:
         with pytest.raises(RuntimeError, match="mid-loop"):
             for n, _ in enumerate(loader):
@@ -159,4 +119,4 @@ def test_an_exception_in_the_consumer_stops_the_reader_and_a_new_epoch_starts_af
         assert [b["i"][0].item() for b in loader] == [0, 4, 8, 12, 16, 20]
         pairs = [(a["i"][0].item(), b["i"][0].item()) for a, b in zip(loader, loader, strict=True)]
         assert pairs == [(i, i) for i in (0, 4, 8, 12, 16, 20)]
-    assert _wait_for(lambda: _readers() == before)
+    assert _wait_for(lambda: _workers() == 0)

@@ -1,0 +1,72 @@
+"""Probe: the image loop (a ``DataLoader`` with 6 workers, the small CNN, batches of B
+3x64x64 uint8 images) through DeviceLoader, against the idiom
+(``DataLoader(pin_memory=True)`` + ``.to()``) in PAIRS pairs of rounds whose order
+alternates; the median of the pairs' ratios. Appends its lines to OUT.
+
+Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes it) and
+``pinned_source`` (over ``DataLoader(pin_memory=True)``). The ``reader``, ``threaded`` and
+``threaded_pinall`` rows of ``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt``
+came from an earlier form of this probe, at commit 46a03dc, that switched the loader to the
+ways it read a worker-fed source then: the whole crossing on a thread of its own
+(``transfer/device_reader.py``, the default), or a thread only taking batches and pinning
+those of 256 KiB or more (``threaded``) or all of them (``threaded_pinall``,
+``ThreadedSource`` in ``transfer/reader.py``). Cited by docs/decisions/039.
+
+PYTHONPATH=src python3 benchmarks/probes/imagefeeds.py OUT B PAIRS FEED...
+"""
+
+import statistics
+import sys
+
+import torch
+
+from gpuflow.bench.loaders import SyntheticImages, small_cnn, train_images
+from gpuflow.device.accelerator import Device
+from gpuflow.transfer.loader import DeviceLoader
+
+dev = Device.resolve("cuda")
+model = small_cnn().cuda().to(memory_format=torch.channels_last)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+B, PAIRS = int(sys.argv[2]), int(sys.argv[3])
+steps = 240
+data = SyntheticImages(B * (steps + 30), 64)
+
+
+def source(pin):
+    return torch.utils.data.DataLoader(
+        data, batch_size=B, num_workers=6, pin_memory=pin, prefetch_factor=4
+    )
+
+
+def idiom():
+    feed = ({k: v.to("cuda", non_blocking=True) for k, v in b.items()} for b in source(True))
+    return train_images(dev, feed, model, opt, 30)
+
+
+def ours(pin):
+    with DeviceLoader(source(pin), dev) as loader:
+        return train_images(dev, loader, model, opt, 30)
+
+
+variants = {"deviceloader": lambda: ours(False), "pinned_source": lambda: ours(True)}
+chosen = sys.argv[4:]
+idiom()
+for name in chosen:  # untimed warm-up
+    variants[name]()
+lines = []
+for name in chosen:
+    ratios = []
+    for pair in range(PAIRS):
+        order = [("idiom", idiom), (name, variants[name])]
+        rates = {}
+        for label, run in order if pair % 2 == 0 else order[::-1]:
+            seconds, images = run()
+            rates[label] = images / seconds
+        ratios.append(rates[name] / rates["idiom"])
+    lines.append(
+        f"B={B} {name}: median pair ratio {statistics.median(ratios):.3f} "
+        f"pairs {[round(r, 3) for r in ratios]}"
+    )
+    print(lines[-1], flush=True)
+with open(sys.argv[1], "a") as out:
+    out.write("\n".join(lines) + "\n")

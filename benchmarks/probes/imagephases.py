@@ -3,7 +3,8 @@
 For each feed, the training thread's time inside ``next(feed)`` and in the step, per step,
 and the loader's own ``stats`` (time waiting on its source, waiting for staging). Feeds, in
 alternating rounds: the idiom (``DataLoader(pin_memory=True)`` + ``.to()``); DeviceLoader
-as it is (each batch made on its reader thread, ``transfer.device_reader``); with
+as it is (when this ran, each batch made on its reader thread, ``transfer.device_reader``,
+gone since docs/decisions/039); with
 ``narrow=False`` (labels cross as int64, no staging, no widening kernel); over
 ``DataLoader(pin_memory=True)`` (no reader thread of its own); and the source alone (the
 idiom's feed with no training: the workers' ceiling).

@@ -4,6 +4,8 @@ every copy read ahead runs late: each batch must arrive as the source yielded it
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -154,6 +156,31 @@ def test_a_worker_fed_batch_pinned_by_the_dataloaders_thread_is_complete_and_kep
     assert torch.cat(labels).cpu().tolist() == list(range(24 * 16))
     assert loader.stats.batches == 24
     assert len(pinned) == 24 and source.pin_memory is False
+
+
+def _collate_filled(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    xs, ys = [it["x"] for it in items], [it["y"] for it in items]
+    return {"x": torch.stack(xs), "y": torch.tensor(ys)}
+
+
+def test_batches_a_dataloaders_pin_thread_made_are_read_where_they_lie(cuda, monkeypatch):
+    """Whatever its collate_fn, a DataLoader with workers hands over batches that its
+    pin-memory thread copied out of shared memory: pinned memory made for that batch, which
+    the loader copies from where it lies, with no copy of its own as it reads."""
+    early = []
+    real = issuing.Issuer.cross_early
+
+    def counted(self, source):
+        early.append(source.nbytes)
+        return real(self, source)
+
+    monkeypatch.setattr(issuing.Issuer, "cross_early", counted)
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2, collate_fn=_collate_filled)
+    with DeviceLoader(source, cuda) as loader:
+        sums = [batch["x"].sum(dim=1) for batch in loader]
+    expected = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
+    assert torch.equal(torch.cat(sums).cpu(), expected)
+    assert early == []
 
 
 def test_batches_copied_as_read_hold_bounded_device_memory_when_the_host_runs_ahead(cuda):

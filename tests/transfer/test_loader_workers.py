@@ -120,3 +120,24 @@ def test_an_exception_in_the_consumer_ends_the_epoch_and_a_new_one_starts_afresh
         pairs = [(a["i"][0].item(), b["i"][0].item()) for a, b in zip(loader, loader, strict=True)]
         assert pairs == [(i, i) for i in (0, 4, 8, 12, 16, 20)]
     assert _wait_for(lambda: _workers() == 0)
+
+
+def test_a_dataloader_with_persistent_workers_serves_one_epoch_at_a_time():
+    source = torch.utils.data.DataLoader(
+        Squares(), batch_size=4, num_workers=2, persistent_workers=True
+    )
+    with DeviceLoader(source, "cpu") as loader:
+        assert [[b["i"][0].item() for b in loader] for _ in range(2)] == [[0, 4, 8, 12, 16, 20]] * 2
+        for n, _ in enumerate(loader):
+            if n == 1:
+                break  # the epoch left behind lets the next one start
+        with pytest.raises(RuntimeError, match="mid-loop"):
+            for _ in loader:
+                raise RuntimeError("mid-loop")
+        assert [b["i"][0].item() for b in loader] == [0, 4, 8, 12, 16, 20]
+        with pytest.raises(GpuflowError, match="persistent_workers=True"):
+            list(zip(loader, loader, strict=True))
+        assert [b["i"][0].item() for b in loader] == [0, 4, 8, 12, 16, 20]
+    del loader, source
+    gc.collect()
+    assert _wait_for(lambda: _workers() == 0)

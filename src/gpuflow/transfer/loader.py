@@ -112,8 +112,10 @@ class DeviceLoader:
 
     A ``DataLoader`` with workers is read as ``pin_memory=True`` would read it, where the
     device has pinned memory: its own pin-memory thread takes each batch from the workers
-    and pins it, and the loader copies it from there (the DataLoader itself is left as it
-    was given).
+    and pins it, and the loader copies it from there. The DataLoader's ``pin_memory`` is
+    set only while the loader makes its iterator; one with ``persistent_workers=True`` keeps
+    that iterator (and its pin-memory thread) for its later epochs, and serves one epoch at
+    a time.
     """
 
     def __init__(
@@ -161,13 +163,26 @@ class DeviceLoader:
 
     def _start_epoch(self) -> Epoch:
         self._check_open()
+        if _keeps_one_iterator(self._source) and any(
+            ep.source is not None for ep in self._pipeline.epochs
+        ):
+            raise GpuflowError(
+                "this DeviceLoader's DataLoader has persistent_workers=True, so it serves one "
+                "epoch at a time (a second iter() restarts the first); finish or leave the "
+                "epoch under way before starting another, or make the DataLoader with "
+                "persistent_workers=False to read two at once (zip(loader, loader))"
+            )
         batches = self._iterate_source()
         if batches is self._source and self._epochs > 0:
             raise GpuflowError(
                 "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
                 "something that can be iterated again (a list, a DataLoader) for more epochs"
             )
-        owned = self.fresh_batches or _makes_fresh_batches(self._source)
+        owned = (
+            self.fresh_batches
+            or _makes_fresh_batches(self._source)
+            or _pinned_from_workers(self._source, batches)
+        )
         self._epochs += 1
         epoch = Epoch(batches, owned)
         self._pipeline.epochs.append(epoch)
@@ -178,7 +193,8 @@ class DeviceLoader:
         device with pinned memory, an iterator that has one (``pin_memory`` is set only while
         it is made): batches come from the workers already pinned, taken over and pinned on
         that thread, and the training thread only issues their copies
-        (docs/decisions/039)."""
+        (docs/decisions/039). A DataLoader with persistent workers keeps the iterator it
+        makes first, pin-memory thread and all (or none, if it was iterated before)."""
         source = self._source
         if not (_fed_by_workers(source) and self.device.supports_pinned_memory):
             return iter(source)
@@ -301,6 +317,26 @@ def _fed_by_workers(source: object) -> bool:
         isinstance(source, torch.utils.data.DataLoader)
         and source.num_workers > 0
         and not source.pin_memory
+    )
+
+
+def _keeps_one_iterator(source: object) -> bool:
+    """A ``DataLoader`` whose every ``iter()`` resets one cached iterator."""
+    return (
+        isinstance(source, torch.utils.data.DataLoader)
+        and source.num_workers > 0
+        and source.persistent_workers
+    )
+
+
+def _pinned_from_workers(source: object, batches: Iterator[Any]) -> bool:
+    """Whether ``batches`` come from worker processes through a pin-memory thread: every
+    tensor is then a pinned copy made for that batch (a worker's tensors reach this process
+    in shared memory, which ``pin_memory()`` copies from), whatever the ``collate_fn``."""
+    return (
+        isinstance(source, torch.utils.data.DataLoader)
+        and source.num_workers > 0
+        and getattr(batches, "_pin_memory", False) is True  # (torch's iterator, as made)
     )
 
 

@@ -392,3 +392,61 @@ def test_large_pageable_tensors_are_pinned_then_copied_directly_and_smaller_ones
     assert not medium.direct and not ids.direct and ids.wire == torch.uint16
     assert plan.nbytes == DIRECT_MIN_BYTES + PIN_MIN_BYTES // 4
     assert not Planner(True, None, direct=False).plan_pack(torch.zeros(PIN_MIN_BYTES)).has_direct
+
+
+def _columns(i: int) -> dict[str, torch.Tensor]:
+    """A table batch: five fp32 columns (one a strided view), five int64 columns that
+    narrow, and a column of another shape between them."""
+    g = torch.Generator().manual_seed(i)
+    floats = {f"f{k}": torch.randn(64, generator=g) for k in range(4)}
+    floats["f4"] = torch.randn(128, generator=g)[::2]  # not contiguous: stacked all the same
+    ints = {f"i{k}": torch.randint(0, 1000, (32,), generator=g) for k in range(5)}
+    return {**floats, "odd": torch.randn(3, generator=g), **ints}
+
+
+def test_columns_of_one_shape_cross_as_one_run_and_come_back_as_they_were():
+    from gpuflow.transfer.packing import Planner
+
+    batch = _columns(0)
+    plan = Planner(narrow=True, lossy_float=None).plan_pack(batch)
+    # one run of the five float columns, one of the five narrowed int columns
+    assert [whole.shape for _, whole in plan.spec.runs] == [(5, 64), (5, 32)]
+    assert plan.spec.runs[1][1].wire == torch.uint16
+    assert [count for count, _ in plan.layout.write_runs.values()] == [5]  # (as they are)
+    packed = pack(batch, narrow=True)
+    back = unpack(packed, "cpu")
+    assert list(back) == list(batch)
+    for key, sent in batch.items():
+        assert back[key].dtype == sent.dtype and torch.equal(back[key], sent), key
+
+
+def test_a_run_of_like_batches_with_column_runs_equals_each_rebuilt_alone():
+    from gpuflow.transfer.packing import Planner, rebuild_run
+
+    planner = Planner(narrow=True, lossy_float=None)
+    batches = [_columns(i) for i in range(5)]
+    plans = [planner.plan_pack(b) for b in batches]
+    assert all(p.layout is plans[0].layout for p in plans)
+    stride = plans[0].nbytes
+    buffer = torch.zeros(stride * 5, dtype=torch.uint8)
+    for i, plan in enumerate(plans):
+        plan.write_into(buffer, i * stride)
+    run = rebuild_run(buffer, plans[0].spec, 0, stride, 5)
+    for i, (got, sent) in enumerate(zip(run, batches, strict=True)):
+        alone = rebuild(buffer[i * stride : (i + 1) * stride], plans[i].spec)
+        for out in (got, alone):
+            assert list(out) == list(sent)
+            for key in sent:
+                assert out[key].dtype == sent[key].dtype and torch.equal(out[key], sent[key])
+
+
+def test_a_loader_of_table_batches_hands_out_every_column_as_it_was():
+    from gpuflow.transfer.loader import DeviceLoader
+
+    batches = [_columns(i) for i in range(40)]  # small: many share one copy
+    with DeviceLoader(batches, "cpu", narrow=True) as loader:
+        got = list(loader)
+        assert loader.stats.copies < 40
+    for out, sent in zip(got, batches, strict=True):
+        for key in sent:
+            assert torch.equal(out[key], sent[key]), key

@@ -114,12 +114,26 @@ class _StackSpec:
 
 @dataclass(frozen=True)
 class _Node:
-    """A container in the spec tree: a mapping (with ``keys``), namedtuple, list or tuple."""
+    """A container in the spec tree: a mapping (with ``keys``), namedtuple, list or tuple.
+
+    ``runs``: (first child, leaf) for each run of ``_MIN_RUN`` or more children that are
+    staged tensors of one shape and dtype lying end to end in the buffer (the columns of a
+    table, say), with ``leaf`` covering the whole run as one (count, *shape) tensor: such a
+    run is written by one ``torch.stack`` and rebuilt by one view and one ``unbind``, which
+    cost the host less than a view per tensor (docs/decisions/040)."""
 
     kind: Callable[..., Any]
     children: tuple[Any, ...]
     keys: tuple[Any, ...] | None = None
     keywords: bool = False  # a dataclass: built as kind(**fields)
+    runs: tuple[tuple[int, Leaf], ...] = ()
+
+    @classmethod
+    def of(
+        cls, kind: Callable[..., Any], children: tuple[Any, ...],
+        keys: tuple[Any, ...] | None = None, keywords: bool = False,
+    ) -> _Node:  # fmt: skip
+        return cls(kind, children, keys, keywords, _sibling_runs(children))
 
     def build(self, items: list[Any]) -> Any:
         if self.keywords:
@@ -129,6 +143,69 @@ class _Node:
         if hasattr(self.kind, "_fields"):
             return self.kind(*items)
         return self.kind(items)
+
+    def items(self, one: Callable[[Any], Any], run: Callable[[Leaf], list[Any]]) -> list[Any]:
+        """The children's items in order: ``one(child)`` for a child, ``run(leaf)`` (a list
+        of the run's items) for each run."""
+        if not self.runs:
+            return [one(child) for child in self.children]
+        out: list[Any] = []
+        runs = iter(self.runs)
+        start, leaf = next(runs, (-1, None))
+        i = 0
+        while i < len(self.children):
+            if i == start:
+                out.extend(run(leaf))  # type: ignore[arg-type]
+                i += leaf.shape[0]  # type: ignore[union-attr]
+                start, leaf = next(runs, (-1, None))
+            else:
+                out.append(one(self.children[i]))
+                i += 1
+        return out
+
+
+_MIN_RUN = 4  # children in a run: fewer are cheaper one by one
+
+
+def _nodes(spec: Any) -> Iterator[_Node]:
+    """Every ``_Node`` of a spec tree."""
+    if isinstance(spec, _Node):
+        yield spec
+        for child in spec.children:
+            yield from _nodes(child)
+
+
+def _sibling_runs(children: tuple[Any, ...]) -> tuple[tuple[int, Leaf], ...]:
+    """The runs of ``children`` (see ``_Node``)."""
+
+    def joins(leaf: Any) -> bool:
+        return (
+            type(leaf) is Leaf
+            and not leaf.direct
+            and leaf.order is None
+            and leaf.nbytes > 0
+            and leaf.nbytes % ALIGN == 0  # (so the next one starts where it ends)
+        )
+
+    runs: list[tuple[int, Leaf]] = []
+    i = 0
+    while i < len(children):
+        first = children[i]
+        j = i + 1
+        if joins(first):
+            while j < len(children):
+                leaf, last = children[j], children[j - 1]
+                if not (joins(leaf) and leaf.shape == first.shape and leaf.wire == first.wire
+                        and leaf.dtype == first.dtype
+                        and leaf.offset == last.offset + last.nbytes):  # fmt: skip
+                    break
+                j += 1
+        if j - i >= _MIN_RUN:
+            whole = Leaf(first.offset, first.nbytes * (j - i), (j - i, *first.shape),
+                         first.wire, first.dtype)  # fmt: skip
+            runs.append((i, whole))
+        i = j
+    return tuple(runs)
 
 
 class Layout:
@@ -141,7 +218,7 @@ class Layout:
     ``wire_nbytes`` every byte of the batch that crosses the bus, direct leaves included."""
 
     __slots__ = ("direct", "direct_leaves", "has_direct", "has_staged", "leaves",
-                 "logical_nbytes", "nbytes", "spec", "wire_nbytes")  # fmt: skip
+                 "logical_nbytes", "nbytes", "spec", "wire_nbytes", "write_runs")  # fmt: skip
 
     def __init__(
         self, spec: Any, nbytes: int, logical_nbytes: int, leaves: tuple[Leaf, ...]
@@ -154,6 +231,15 @@ class Layout:
         self.wire_nbytes = staged_end + sum(x.nbytes for x in leaves if x.direct)
         self.has_staged = not all(self.direct)
         self.has_direct = any(self.direct)
+        # {index of a run's first leaf: (its length, the leaf covering it)} for the runs
+        # (see _Node) of tensors that cross as they are: one torch.stack writes each
+        index = {id(leaf): i for i, leaf in enumerate(leaves)}
+        self.write_runs = {
+            index[id(node.children[start])]: (whole.shape[0], whole)
+            for node in _nodes(spec)
+            for start, whole in node.runs
+            if whole.wire == whole.dtype
+        }
 
 
 class PackPlan:
@@ -200,8 +286,18 @@ class PackPlan:
         layout = self.layout
         _check_buffer(buffer, offset + layout.nbytes)
         base = buffer.data_ptr() + offset
-        for leaf, source, direct in zip(layout.leaves, self.sources, layout.direct, strict=True):
-            if direct:
+        leaves, sources, runs = layout.leaves, self.sources, layout.write_runs
+        i = 0
+        while i < len(leaves):
+            leaf, source = leaves[i], sources[i]
+            run = runs.get(i) if runs else None
+            if run is not None:  # tensors end to end in the buffer: one call for them all
+                count, whole = run
+                torch.stack(sources[i : i + count], out=_view(buffer, whole, whole.wire, offset))
+                i += count
+                continue
+            i += 1
+            if leaf.direct:
                 continue
             if 0 < leaf.nbytes <= _MEMMOVE_MAX_BYTES and _crosses_as_is(source, leaf):
                 # small: one memmove, not four torch calls
@@ -495,7 +591,7 @@ class Planner:
             self.lossy = LOSSY_FLOATS.get(self.by_key.get(key) or "")
             children.append(self.plan(batch[key]))
         self.lossy = None
-        return _Node(_mapping_type(batch), tuple(children), keys)
+        return _Node.of(_mapping_type(batch), tuple(children), keys)
 
     def plan(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -513,13 +609,13 @@ class Planner:
             return self._ragged(obj)
         if isinstance(obj, Mapping):
             keys = tuple(obj)
-            return _Node(_mapping_type(obj), tuple(self.plan(obj[k]) for k in keys), keys)
+            return _Node.of(_mapping_type(obj), tuple(self.plan(obj[k]) for k in keys), keys)
         if _looks_ragged(obj):
             return self._ragged(Ragged.from_sequences(obj))
         if isinstance(obj, list | tuple):  # namedtuples too
             if not hasattr(obj, "_fields") and _same_shape_tensors(obj):
                 return self._stack(obj)
-            return _Node(type(obj), tuple(map(self.plan, obj)))
+            return _Node.of(type(obj), tuple(map(self.plan, obj)))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return self._dataclass(obj)
         if hasattr(obj, "to") or hasattr(obj, "pin_memory"):
@@ -539,7 +635,7 @@ class Planner:
             )
         keys = tuple(f.name for f in fields)
         children = tuple(self.plan(getattr(obj, k)) for k in keys)
-        return _Node(type(obj), children, keys, keywords=True)
+        return _Node.of(type(obj), children, keys, keywords=True)
 
     def _stack(self, items: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> _StackSpec:
         first = items[0]
@@ -660,7 +756,12 @@ def rebuild(
         values = rebuild(buffer, spec.values, direct)
         return Ragged(values, rebuild(buffer, spec.offsets, direct), spec.host_offsets)
     if isinstance(spec, _Node):
-        return spec.build([rebuild(buffer, child, direct) for child in spec.children])
+        return spec.build(
+            spec.items(
+                lambda child: rebuild(buffer, child, direct),
+                lambda whole: list(rebuild(buffer, whole).unbind(0)),
+            )
+        )
     return spec
 
 
@@ -697,9 +798,17 @@ def rebuild_run(
         offsets = rebuild_run(buffer, spec.offsets, offset, stride, n, direct)
         return [Ragged(v, o, spec.host_offsets) for v, o in zip(values, offsets, strict=True)]
     if isinstance(spec, _Node):
-        columns = [rebuild_run(buffer, child, offset, stride, n, direct) for child in spec.children]
+        columns = spec.items(
+            lambda child: rebuild_run(buffer, child, offset, stride, n, direct),
+            lambda whole: _run_columns(rebuild_run(buffer, whole, offset, stride, n)),
+        )
         return [spec.build(list(row)) for row in zip(*columns, strict=True)]
     return [spec] * n  # a value that is not data to move
+
+
+def _run_columns(stacked: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A run's (count, *shape) tensor of each of n batches as count columns of n tensors."""
+    return [list(column) for column in zip(*(t.unbind(0) for t in stacked), strict=True)]
 
 
 def unpack(

@@ -285,16 +285,22 @@ def test_write_jobs_fill_the_buffer_exactly_as_write_into_does():
 
     batch = {
         "x": torch.randn(3000),  # crosses as it is: split into 1 KiB byte ranges
-        "ids": torch.arange(500),  # narrowed to uint16: one converting job
-        "rows": [torch.randn(7) for _ in range(4)],  # stacked: one job
-        "t": torch.randn(10, 12).t(),  # not contiguous: one copying job
+        "ids": torch.arange(500),  # narrowed to uint16: written at once
+        "rows": [torch.randn(7) for _ in range(4)],  # stacked: written at once
+        "t": torch.randn(10, 12).t(),  # stored in its memory order: one byte range
     }
     plan = plan_pack(batch)
     whole = torch.zeros(plan.nbytes, dtype=torch.uint8)
     plan.write_into(whole)
     jobs_buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
     jobs = plan.write_jobs(jobs_buffer, chunk=1024)
-    assert len(jobs) == 12 + 3  # ceil(12000 / 1024) ranges for x, one job for each other
+    assert len(jobs) == 12 + 1  # ceil(12000 / 1024) ranges for x, one for t's 480 bytes
+    x, ids, rows, t = plan.layout.leaves
+    for leaf in (ids, rows):  # converted or stacked: written already, by torch
+        where = slice(leaf.offset, leaf.offset + leaf.nbytes)
+        assert torch.equal(jobs_buffer[where], whole[where])
+    for leaf in (x, t):
+        assert not jobs_buffer[leaf.offset : leaf.offset + leaf.nbytes].any()
     for job in reversed(jobs):  # in any order
         job()
     assert torch.equal(whole, jobs_buffer)

@@ -312,12 +312,12 @@ class PackPlan:
     def write_jobs(
         self, buffer: torch.Tensor, chunk: int, offset: int = 0
     ) -> list[Callable[[], object]]:
-        """``write_into(buffer, offset)`` as independent jobs for threads to share: each
-        tensor that crosses as it is split into byte ranges of about ``chunk``, each copied
-        by one ``memmove`` (a plain memcpy that lets go of the interpreter lock, so that jobs
-        on several threads copy in parallel; torch's copy on such a thread starts intra-op
-        threads of its own and oversubscribes the cores); each converted or stacked tensor
-        as one torch job."""
+        """``write_into(buffer, offset)`` split for threads to share: each tensor that crosses
+        as it is becomes byte ranges of about ``chunk``, returned as jobs that each copy one
+        by ``memmove`` (a plain memcpy that lets go of the interpreter lock, so that jobs on
+        several threads copy in parallel); each converted, stacked or strided tensor is
+        written now, on this thread, where torch's copy runs on its intra-op threads (on a
+        thread of its own the same copy took three times as long: docs/decisions/041)."""
         layout = self.layout
         _check_buffer(buffer, offset + layout.nbytes)
         base = buffer.data_ptr() + offset
@@ -328,9 +328,9 @@ class PackPlan:
             if not _crosses_as_is(source, leaf):
                 target = _view(buffer, leaf, leaf.wire, offset)
                 if isinstance(source, list):
-                    jobs.append(lambda t=target, s=source: torch.stack(s, out=t))
+                    torch.stack(source, out=target)
                 else:
-                    jobs.append(lambda t=target, s=source: t.copy_(s))
+                    target.copy_(source)
                 continue
             dst, src = base + leaf.offset, source.data_ptr()
             for begin in range(0, leaf.nbytes, chunk):

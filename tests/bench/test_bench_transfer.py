@@ -95,6 +95,22 @@ def test_the_text_loop_trains_through_both_feeds(bench):
     assert row["feed_extra_share"] == pytest.approx(extra)
 
 
+def test_the_image_loop_trains_through_both_feeds_and_times_the_feeds_alone(bench):
+    cfg = bench.config.loaders
+    (row,) = bench.image_loop()
+    assert row["batch_size"] == cfg.image_batch_sizes[0]
+    for name in ("dataloader", "deviceloader"):
+        rates = row[f"{name}_images_s_per_round"]
+        assert len(rates) == cfg.image_rounds and all(rate > 0 for rate in rates)
+    feed = row["feed_us"]
+    assert set(feed) == {"dataloader", "deviceloader", "source_alone"}
+    assert all(us > 0 for us in feed.values())
+    step_ms = 1e3 * row["batch_size"] / row["dataloader_images_s"]
+    assert row["step_ms"] == pytest.approx(step_ms)
+    extra = (feed["deviceloader"] - feed["dataloader"]) / 1e3 / step_ms
+    assert row["feed_extra_share"] == pytest.approx(extra)
+
+
 def test_paired_rounds_alternate_which_loop_goes_first_and_compare_pairs():
     calls = []
     speeds = iter([100.0, 90.0, 80.0, 120.0, 50.0, 60.0])  # items per second, in call order

@@ -9,7 +9,9 @@
   token array on the host, as a hand-written loop does.
 
 Paths run in alternating rounds and the median round counts (for the training loops, the
-median ratio of rounds run side by side). What each part compares, and
+median ratio of rounds run side by side, and each loop's feeds also timed alone, with no
+model: what the loader adds to a step, apart from the rounds' spread). What each part
+compares, and
 why the rounds alternate: docs/architecture/benches.md (The loaders section).
 """
 
@@ -47,6 +49,7 @@ class LoaderBenchConfig:
     image_steps: int = 240
     image_rounds: int = 8
     image_workers: int = 6
+    image_feed_batches: int = 600  # the image feeds alone, as text_feed_batches
     case_batches: int = 400  # per round, per path
     # The text loop: (text_batch, text_context) int64 inputs and targets, 8 KiB a step
     text_batch: int = 4
@@ -69,6 +72,7 @@ class LoaderBenchConfig:
             image_steps=6,
             image_rounds=1,
             image_workers=2,
+            image_feed_batches=8,
             case_batches=16,
             text_batch=2,
             text_context=32,
@@ -369,7 +373,8 @@ def train_images(
 
 
 def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
-    """Images per second through both feeds, at each batch size."""
+    """Images per second through both feeds, at each batch size, and the feeds alone
+    (``image_feed_cost``): what ``DeviceLoader`` adds to the training thread's step."""
     target = device.torch
     model = small_cnn().to(target).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -397,7 +402,12 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
 
         batch_bytes = batch_size * (3 * cfg.image_side**2 + 8)
         row: dict[str, Any] = {"batch_size": batch_size, "batch_bytes": batch_bytes}
-        rows.append(row | paired_rounds(idiom, ours, cfg.image_rounds, "dataloader", "images"))
+        row |= paired_rounds(idiom, ours, cfg.image_rounds, "dataloader", "images")
+        row["feed_us"] = image_feed_cost(device, batch_size, cfg)
+        row["step_ms"] = 1e3 * batch_size / row["dataloader_images_s"]
+        extra_ms = (row["feed_us"]["deviceloader"] - row["feed_us"]["dataloader"]) / 1e3
+        row["feed_extra_share"] = extra_ms / row["step_ms"]  # of the idiom's step
+        rows.append(row)
     return rows
 
 
@@ -500,13 +510,43 @@ def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
     return row
 
 
+def feed_cost(
+    device: Device, feeds: dict[str, Callable[[], Iterable[Any]]],
+    first: Callable[[Any], torch.Tensor], batches: int, rounds: int = 5,
+) -> dict[str, float]:  # fmt: skip
+    """Host microseconds per batch of each feed with no model: ``batches`` batches, each
+    read by one small device op on ``first(batch)``, in ``rounds`` rounds in alternating
+    order; medians. A loop bound by the host pays its feed's time on top of its step, so
+    the difference between two feeds is what one costs a step more than the other, without
+    the round-to-round spread of whole training runs."""
+    target = device.torch
+
+    def consume(feed: Iterable[Any]) -> float:
+        total = torch.zeros((), device=target)
+        device.synchronize()
+        started = time.perf_counter()
+        for batch in feed:
+            total += first(batch)
+        device.synchronize()
+        seconds = time.perf_counter() - started
+        if isinstance(feed, DeviceLoader):
+            feed.close()
+        return seconds / batches * 1e6
+
+    for make in feeds.values():  # untimed warm-up
+        consume(make())
+    runs: dict[str, list[float]] = {name: [] for name in feeds}
+    order = list(feeds.items())
+    for round_ in range(rounds):
+        for name, make in order if round_ % 2 == 0 else order[::-1]:
+            runs[name].append(consume(make()))
+    return {name: statistics.median(us) for name, us in runs.items()}
+
+
 def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -> dict[str, float]:
-    """Host microseconds per batch of each text feed with no model: the source's batches
-    through the idiom, through ``DeviceLoader``, and as they are (``source_alone``: the same
-    cutting of batches and the same one-op consumer, with nothing moved), each in five
-    rounds in alternating order, medians. A loop bound by the host pays each feed's time
-    on top of its step, so the difference is what the feed costs a step, without the
-    round-to-round spread of whole training runs."""
+    """``feed_cost`` of the text loop's feeds: the source's batches through the idiom,
+    through ``DeviceLoader``, and as they are (``source_alone``: the same cutting of
+    batches, nothing moved)."""
     target = device.torch
     placed = (torch.zeros(1, 1, dtype=torch.int64, device=target),) * 2
 
@@ -522,29 +562,40 @@ def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -
             for x, y in source()
         )  # fmt: skip
 
-    feeds: dict[str, Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]] = {
+    feeds: dict[str, Callable[[], Iterable[Any]]] = {
         "pin_to": pin_to,
         "deviceloader": lambda: DeviceLoader(source(), device),
         "source_alone": lambda: (placed for _ in source()),
     }
+    return feed_cost(device, feeds, lambda b: b[0][0, 0] + b[1][0, 0], cfg.text_feed_batches)
 
-    def consume(feed: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        total = torch.zeros((), dtype=torch.int64, device=target)
-        device.synchronize()
-        started = time.perf_counter()
-        for x, y in feed:
-            total += x[0, 0] + y[0, 0]
-        device.synchronize()
-        seconds = time.perf_counter() - started
-        if isinstance(feed, DeviceLoader):
-            feed.close()
-        return seconds / cfg.text_feed_batches * 1e6
 
-    for make in feeds.values():  # untimed warm-up
-        consume(make())
-    runs: dict[str, list[float]] = {name: [] for name in feeds}
-    order = list(feeds.items())
-    for round_ in range(5):
-        for name, make in order if round_ % 2 == 0 else order[::-1]:
-            runs[name].append(consume(make()))
-    return {name: statistics.median(us) for name, us in runs.items()}
+def image_feed_cost(device: Device, batch_size: int, cfg: LoaderBenchConfig) -> dict[str, float]:
+    """``feed_cost`` of the image loop's feeds from the point where both take their batches
+    from DataLoader's pin-memory thread: a bank of pinned batches (uint8 images, int64
+    labels) through ``{k: v.to(non_blocking=True)}``, through ``DeviceLoader`` (which reads
+    such batches where they lie), and as they are (``source_alone``)."""
+    target = device.torch
+    pin = device.supports_pinned_memory
+    generator = torch.Generator().manual_seed(0)
+    side = cfg.image_side
+
+    def made() -> dict[str, torch.Tensor]:
+        batch = {
+            "image": torch.randint(0, 256, (batch_size, 3, side, side), dtype=torch.uint8,
+                                   generator=generator),
+            "label": torch.arange(batch_size),
+        }  # fmt: skip
+        return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+
+    bank = [made() for _ in range(4)]
+    batches = [bank[i % len(bank)] for i in range(cfg.image_feed_batches)]
+    placed = {"image": torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=target)}
+    feeds: dict[str, Callable[[], Iterable[Any]]] = {
+        "dataloader": lambda: (
+            {k: v.to(target, non_blocking=True) for k, v in b.items()} for b in batches
+        ),
+        "deviceloader": lambda: DeviceLoader(batches, device, fresh_batches=True),
+        "source_alone": lambda: (placed for _ in batches),
+    }
+    return feed_cost(device, feeds, lambda b: b["image"][0, 0, 0, 0], cfg.image_feed_batches)

@@ -3,8 +3,10 @@
 (``DataLoader(pin_memory=True)`` + ``.to()``) in PAIRS pairs of rounds whose order
 alternates; the median of the pairs' ratios. Appends its lines to OUT.
 
-Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes it) and
-``pinned_source`` (over ``DataLoader(pin_memory=True)``). The ``reader``, ``threaded`` and
+Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes it),
+``pinned_source`` (over ``DataLoader(pin_memory=True)``), ``depth1`` (``depth=1``: one
+copy queued ahead, not two) and ``torchcopies`` (``GPUFLOW_TORCH_COPIES=1``: torch's copies
+instead of driver calls). The ``reader``, ``threaded`` and
 ``threaded_pinall`` rows of ``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt``
 came from an earlier form of this probe, at commit 46a03dc, that switched the loader to the
 ways it read a worker-fed source then: the whole crossing on a thread of its own
@@ -15,6 +17,7 @@ those of 256 KiB or more (``threaded``) or all of them (``threaded_pinall``,
 PYTHONPATH=src python3 benchmarks/probes/imagefeeds.py OUT B PAIRS FEED...
 """
 
+import os
 import statistics
 import sys
 
@@ -43,12 +46,25 @@ def idiom():
     return train_images(dev, feed, model, opt, 30)
 
 
-def ours(pin):
-    with DeviceLoader(source(pin), dev) as loader:
+def ours(pin, **options):
+    with DeviceLoader(source(pin), dev, **options) as loader:
         return train_images(dev, loader, model, opt, 30)
 
 
-variants = {"deviceloader": lambda: ours(False), "pinned_source": lambda: ours(True)}
+def torch_copies():
+    os.environ["GPUFLOW_TORCH_COPIES"] = "1"  # read when a loader is made
+    try:
+        return ours(False)
+    finally:
+        del os.environ["GPUFLOW_TORCH_COPIES"]
+
+
+variants = {
+    "deviceloader": lambda: ours(False),
+    "pinned_source": lambda: ours(True),
+    "depth1": lambda: ours(False, depth=1),
+    "torchcopies": torch_copies,
+}
 chosen = sys.argv[4:]
 idiom()
 for name in chosen:  # untimed warm-up

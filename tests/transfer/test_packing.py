@@ -325,23 +325,31 @@ def test_a_planner_shares_one_layout_among_like_batches_and_only_among_them():
     assert odd[0].layout is not odd[1].layout
 
 
+def _run_and_each_alone(planner, batches):
+    """``batches`` planned by ``planner`` (one layout), written end to end into one buffer:
+    (rebuilt as one run, rebuilt alone, as sent) for each."""
+    from gpuflow.transfer.packing import rebuild_run
+
+    plans = [planner.plan_pack(b) for b in batches]
+    stride = plans[0].nbytes
+    assert stride % ALIGN == 0
+    buffer = torch.zeros(stride * len(plans), dtype=torch.uint8)
+    for i, plan in enumerate(plans):
+        plan.write_into(buffer, i * stride)
+    run = rebuild_run(buffer, plans[0].spec, 0, stride, len(plans))
+    alone = [rebuild(buffer[i * stride : (i + 1) * stride], p.spec) for i, p in enumerate(plans)]
+    return list(zip(run, alone, batches, strict=True))
+
+
 def test_rebuilding_a_run_of_like_batches_equals_rebuilding_each():
-    from gpuflow.transfer.packing import Planner, rebuild_run
+    from gpuflow.transfer.packing import Planner
 
     planner = Planner(narrow=True, lossy_float=None)
     batches = [
         {"x": torch.randn(2, 3), "ids": torch.arange(i, i + 4), "pair": (torch.ones(1) * i, 7)}
         for i in range(5)
     ]
-    plans = [planner.plan_pack(b) for b in batches]
-    stride = plans[0].nbytes
-    assert stride % ALIGN == 0
-    buffer = torch.zeros(stride * 5, dtype=torch.uint8)
-    for i, plan in enumerate(plans):
-        plan.write_into(buffer, i * stride)
-    run = rebuild_run(buffer, plans[0].spec, 0, stride, 5)
-    for i, (got, sent) in enumerate(zip(run, batches, strict=True)):
-        alone = rebuild(buffer[i * stride : (i + 1) * stride], plans[i].spec)
+    for got, alone, sent in _run_and_each_alone(planner, batches):
         for out in (got, alone):
             assert torch.equal(out["x"], sent["x"])
             assert out["ids"].dtype == torch.int64 and torch.equal(out["ids"], sent["ids"])
@@ -427,19 +435,12 @@ def test_columns_of_one_shape_cross_as_one_run_and_come_back_as_they_were():
 
 
 def test_a_run_of_like_batches_with_column_runs_equals_each_rebuilt_alone():
-    from gpuflow.transfer.packing import Planner, rebuild_run
+    from gpuflow.transfer.packing import Planner
 
     planner = Planner(narrow=True, lossy_float=None)
     batches = [_columns(i) for i in range(5)]
-    plans = [planner.plan_pack(b) for b in batches]
-    assert all(p.layout is plans[0].layout for p in plans)
-    stride = plans[0].nbytes
-    buffer = torch.zeros(stride * 5, dtype=torch.uint8)
-    for i, plan in enumerate(plans):
-        plan.write_into(buffer, i * stride)
-    run = rebuild_run(buffer, plans[0].spec, 0, stride, 5)
-    for i, (got, sent) in enumerate(zip(run, batches, strict=True)):
-        alone = rebuild(buffer[i * stride : (i + 1) * stride], plans[i].spec)
+    assert planner.plan_pack(batches[0]).layout is planner.plan_pack(batches[1]).layout
+    for got, alone, sent in _run_and_each_alone(planner, batches):
         for out in (got, alone):
             assert list(out) == list(sent)
             for key in sent:

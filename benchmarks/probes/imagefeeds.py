@@ -4,8 +4,9 @@
 alternates; the median of the pairs' ratios. Appends its lines to OUT.
 
 Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes it),
-``pinned_source`` (over ``DataLoader(pin_memory=True)``), ``depth1`` (``depth=1``: one
-copy queued ahead, not two) and ``torchcopies`` (``GPUFLOW_TORCH_COPIES=1``: torch's copies
+``pinned_source`` (over ``DataLoader(pin_memory=True)``), ``depth1`` and ``depth0``
+(``depth=1``: one copy queued ahead, not two; ``depth=0``: none, each batch read when asked
+for, as the idiom reads it) and ``torchcopies`` (``GPUFLOW_TORCH_COPIES=1``: torch's copies
 instead of driver calls). The ``reader``, ``threaded`` and
 ``threaded_pinall`` rows of ``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt``
 came from an earlier form of this probe, at commit 46a03dc, that switched the loader to the
@@ -63,6 +64,7 @@ variants = {
     "deviceloader": lambda: ours(False),
     "pinned_source": lambda: ours(True),
     "depth1": lambda: ours(False, depth=1),
+    "depth0": lambda: ours(False, depth=0),
     "torchcopies": torch_copies,
 }
 chosen = sys.argv[4:]

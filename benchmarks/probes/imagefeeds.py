@@ -7,7 +7,8 @@ Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes
 ``pinned_source`` (over ``DataLoader(pin_memory=True)``), ``depth1`` and ``depth0``
 (``depth=1``: one copy queued ahead, not two; ``depth=0``: none, each batch read when asked
 for, as the idiom reads it) and ``torchcopies`` (``GPUFLOW_TORCH_COPIES=1``: torch's copies
-instead of driver calls). The ``reader``, ``threaded`` and
+instead of driver calls), ``alldirect`` (every pinned tensor copied where it lies, the
+labels too: no staging buffer, ``DIRECT_MIN_BYTES`` set to 0). The ``reader``, ``threaded`` and
 ``threaded_pinall`` rows of ``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt``
 came from an earlier form of this probe, at commit 46a03dc, that switched the loader to the
 ways it read a worker-fed source then: the whole crossing on a thread of its own
@@ -26,7 +27,10 @@ import torch
 
 from gpuflow.bench.loaders import SyntheticImages, small_cnn, train_images
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer import packing
 from gpuflow.transfer.loader import DeviceLoader
+
+default_direct_min = packing.DIRECT_MIN_BYTES
 
 dev = Device.resolve("cuda")
 model = small_cnn().cuda().to(memory_format=torch.channels_last)
@@ -52,6 +56,14 @@ def ours(pin, **options):
         return train_images(dev, loader, model, opt, 30)
 
 
+def all_direct():
+    packing.DIRECT_MIN_BYTES = 0  # every pinned tensor copied where it lies: no staging
+    try:
+        return ours(False)
+    finally:
+        packing.DIRECT_MIN_BYTES = default_direct_min
+
+
 def torch_copies():
     os.environ["GPUFLOW_TORCH_COPIES"] = "1"  # read when a loader is made
     try:
@@ -66,6 +78,7 @@ variants = {
     "depth1": lambda: ours(False, depth=1),
     "depth0": lambda: ours(False, depth=0),
     "torchcopies": torch_copies,
+    "alldirect": all_direct,
 }
 chosen = sys.argv[4:]
 idiom()

@@ -403,11 +403,8 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
         batch_bytes = batch_size * (3 * cfg.image_side**2 + 8)
         row: dict[str, Any] = {"batch_size": batch_size, "batch_bytes": batch_bytes}
         row |= paired_rounds(idiom, ours, cfg.image_rounds, "dataloader", "images")
-        row["feed_us"] = image_feed_cost(device, batch_size, cfg)
-        row["step_ms"] = 1e3 * batch_size / row["dataloader_images_s"]
-        extra_ms = (row["feed_us"]["deviceloader"] - row["feed_us"]["dataloader"]) / 1e3
-        row["feed_extra_share"] = extra_ms / row["step_ms"]  # of the idiom's step
-        rows.append(row)
+        feed = image_feed_cost(device, batch_size, cfg)
+        rows.append(row | feed_figures(feed, "dataloader", batch_size / row["dataloader_images_s"]))
     return rows
 
 
@@ -450,6 +447,20 @@ def token_batches(
         yield torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
 
 
+def pin_to_pairs(
+    device: Device, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The text loop's idiom: each of a pair's tensors moved by
+    ``.pin_memory().to(non_blocking=True)`` (``.to()`` where there is no pinned memory)."""
+    target = device.torch
+    if not device.supports_pinned_memory:
+        return ((x.to(target), y.to(target)) for x, y in pairs)
+    return (
+        (x.pin_memory().to(target, non_blocking=True), y.pin_memory().to(target, non_blocking=True))
+        for x, y in pairs
+    )
+
+
 def train_text(
     device: Device, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], model: SmallLM,
     optimizer: torch.optim.Optimizer, warmup: int,
@@ -484,15 +495,7 @@ def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
         return token_batches(tokens, cfg.text_batch, cfg.text_context, steps)
 
     def idiom() -> tuple[float, int]:
-        if device.supports_pinned_memory:
-            feed = (
-                (x.pin_memory().to(target, non_blocking=True),
-                 y.pin_memory().to(target, non_blocking=True))
-                for x, y in source()
-            )  # fmt: skip
-        else:
-            feed = ((x.to(target), y.to(target)) for x, y in source())
-        return train_text(device, feed, model, optimizer, warmup)
+        return train_text(device, pin_to_pairs(device, source()), model, optimizer, warmup)
 
     def ours() -> tuple[float, int]:
         with DeviceLoader(source(), device) as loader:
@@ -503,11 +506,16 @@ def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
         "batch_bytes": 2 * cfg.text_batch * cfg.text_context * 8,
     }  # fmt: skip
     row |= paired_rounds(idiom, ours, cfg.text_rounds, "pin_to", "tokens")
-    row["feed_us"] = text_feed_cost(device, tokens, cfg)
-    row["step_ms"] = 1e3 * cfg.text_batch * cfg.text_context / row["pin_to_tokens_s"]
-    extra_ms = (row["feed_us"]["deviceloader"] - row["feed_us"]["pin_to"]) / 1e3
-    row["feed_extra_share"] = extra_ms / row["step_ms"]  # of the idiom's step
-    return row
+    step_s = cfg.text_batch * cfg.text_context / row["pin_to_tokens_s"]
+    return row | feed_figures(text_feed_cost(device, tokens, cfg), "pin_to", step_s)
+
+
+def feed_figures(feed_us: dict[str, float], idiom: str, step_s: float) -> dict[str, Any]:
+    """A loop's row fields from its feeds timed alone: the feeds' host us per batch, the
+    idiom's step (ms), and DeviceLoader's host time beyond the idiom's as a share of it."""
+    step_ms = step_s * 1e3
+    extra_ms = (feed_us["deviceloader"] - feed_us[idiom]) / 1e3
+    return {"feed_us": feed_us, "step_ms": step_ms, "feed_extra_share": extra_ms / step_ms}
 
 
 def feed_cost(
@@ -553,17 +561,8 @@ def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -
     def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return token_batches(tokens, cfg.text_batch, cfg.text_context, cfg.text_feed_batches)
 
-    def pin_to() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        if not device.supports_pinned_memory:
-            return ((x.to(target), y.to(target)) for x, y in source())
-        return (
-            (x.pin_memory().to(target, non_blocking=True),
-             y.pin_memory().to(target, non_blocking=True))
-            for x, y in source()
-        )  # fmt: skip
-
     feeds: dict[str, Callable[[], Iterable[Any]]] = {
-        "pin_to": pin_to,
+        "pin_to": lambda: pin_to_pairs(device, source()),
         "deviceloader": lambda: DeviceLoader(source(), device),
         "source_alone": lambda: (placed for _ in source()),
     }

@@ -645,13 +645,8 @@ def _print_image_loop(r: dict[str, Any]) -> None:
         )
     out_console.print(grid)
     for row in r["image_loop"]:
-        feed = row["feed_us"]
         out_console.print(
-            f"the feeds alone at {row['batch_bytes'] / 1e6:.1f} MB, host us per batch from "
-            f"pinned batches: .to {feed['dataloader']:.1f}, DeviceLoader "
-            f"{feed['deviceloader']:.1f}, the batches alone {feed['source_alone']:.1f}; "
-            f"DeviceLoader's extra is {row['feed_extra_share']:+.1%} of a "
-            f"{row['step_ms']:.2f} ms step"
+            _feeds_alone(row, f"at {row['batch_bytes'] / 1e6:.1f} MB", "dataloader", ".to")
         )
 
 
@@ -673,10 +668,16 @@ def _print_text_loop(r: dict[str, Any]) -> None:
         f"{row['speedup']:.2f}x",
     )
     out_console.print(grid)
+    which = f"at {_size(row['batch_bytes'])}"
+    out_console.print(_feeds_alone(row, which, "pin_to", ".pin_memory().to"))
+
+
+def _feeds_alone(row: dict[str, Any], which: str, idiom: str, label: str) -> str:
+    """One line of a loop's feeds timed alone (``feed_figures``)."""
     feed = row["feed_us"]
-    out_console.print(
-        f"the feeds alone, host us per batch: .pin_memory().to {feed['pin_to']:.1f}, "
-        f"DeviceLoader {feed['deviceloader']:.1f}, the source alone {feed['source_alone']:.1f}; "
+    return (
+        f"the feeds alone {which}, host us per batch: {label} {feed[idiom]:.1f}, DeviceLoader "
+        f"{feed['deviceloader']:.1f}, the source alone {feed['source_alone']:.1f}; "
         f"DeviceLoader's extra is {row['feed_extra_share']:+.1%} of a {row['step_ms']:.2f} ms "
         "step"
     )

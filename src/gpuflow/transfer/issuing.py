@@ -35,8 +35,6 @@ class Issuer:
 
     def __init__(self, device: Device, pool: PinnedPool, timing: bool) -> None:
         self.device, self.pool, self.timing = device, pool, timing
-        # Large copies on a stream of their own, apart from the consumer's work.
-        self.side_copies = device.has_streams
         self.copy_stream = device.new_stream()
         self.early_stream: Any = None  # copies made as batches are read (made at the first)
         # the consumer's stream as each crossing holding such copies was issued
@@ -92,7 +90,8 @@ class Issuer:
         to_copy = crossing.host is not None or any(
             source.is_cpu for sources in crossing.direct_sources for source in sources
         )
-        side = crossing.wire >= SIDE_STREAM_BYTES and self.side_copies and to_copy
+        # large copies on a stream of their own, apart from the consumer's work
+        side = crossing.wire >= SIDE_STREAM_BYTES and self.device.has_streams and to_copy
         stream = self.stream(key)
         in_flight = self.sources_in_flight
         # Let go of sources whose copies have run (an event query each, cheap): held

@@ -311,33 +311,27 @@ class _EpochIterator:
         return len(self._loader)
 
 
+def _with_workers(source: object) -> bool:
+    """A ``DataLoader`` that reads its batches in worker processes."""
+    return isinstance(source, torch.utils.data.DataLoader) and source.num_workers > 0
+
+
 def _fed_by_workers(source: object) -> bool:
     """A ``DataLoader`` with worker processes and no pin-memory thread of its own."""
-    return (
-        isinstance(source, torch.utils.data.DataLoader)
-        and source.num_workers > 0
-        and not source.pin_memory
-    )
+    return _with_workers(source) and not source.pin_memory  # type: ignore[attr-defined]
 
 
 def _keeps_one_iterator(source: object) -> bool:
     """A ``DataLoader`` whose every ``iter()`` resets one cached iterator."""
-    return (
-        isinstance(source, torch.utils.data.DataLoader)
-        and source.num_workers > 0
-        and source.persistent_workers
-    )
+    return _with_workers(source) and source.persistent_workers  # type: ignore[attr-defined]
 
 
 def _pinned_from_workers(source: object, batches: Iterator[Any]) -> bool:
     """Whether ``batches`` come from worker processes through a pin-memory thread: every
     tensor is then a pinned copy made for that batch (a worker's tensors reach this process
     in shared memory, which ``pin_memory()`` copies from), whatever the ``collate_fn``."""
-    return (
-        isinstance(source, torch.utils.data.DataLoader)
-        and source.num_workers > 0
-        and getattr(batches, "_pin_memory", False) is True  # (torch's iterator, as made)
-    )
+    # (torch's iterator keeps whether it pins, as it was made)
+    return _with_workers(source) and getattr(batches, "_pin_memory", False) is True
 
 
 def _makes_fresh_batches(source: object) -> bool:

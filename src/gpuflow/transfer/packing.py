@@ -303,11 +303,7 @@ class PackPlan:
                 # small: one memmove, not four torch calls
                 ctypes.memmove(base + leaf.offset, source.data_ptr(), leaf.nbytes)
                 continue
-            target = _view(buffer, leaf, leaf.wire, offset)
-            if isinstance(source, list):
-                torch.stack(source, out=target)  # one call for the whole list
-            else:
-                target.copy_(source)
+            _write_with_torch(buffer, offset, leaf, source)
 
     def write_jobs(
         self, buffer: torch.Tensor, chunk: int, offset: int = 0
@@ -326,11 +322,7 @@ class PackPlan:
             if direct:
                 continue
             if not _crosses_as_is(source, leaf):
-                target = _view(buffer, leaf, leaf.wire, offset)
-                if isinstance(source, list):
-                    torch.stack(source, out=target)
-                else:
-                    target.copy_(source)
+                _write_with_torch(buffer, offset, leaf, source)
                 continue
             dst, src = base + leaf.offset, source.data_ptr()
             for begin in range(0, leaf.nbytes, chunk):
@@ -343,6 +335,18 @@ class PackPlan:
         """Each direct leaf with the pinned tensor it is copied from, in leaf order."""
         leaves, sources = self.layout.leaves, self.sources
         return [(leaves[i], sources[i]) for i in self.layout.direct_leaves]
+
+
+def _write_with_torch(
+    buffer: torch.Tensor, offset: int, leaf: Leaf, source: torch.Tensor | list[torch.Tensor]
+) -> None:
+    """``source`` converted into the leaf's place in ``buffer`` by torch (a list stacked by
+    one call)."""
+    target = _view(buffer, leaf, leaf.wire, offset)
+    if isinstance(source, list):
+        torch.stack(source, out=target)
+    else:
+        target.copy_(source)
 
 
 def _memmove(dst: int, src: int, nbytes: int) -> None:

@@ -31,12 +31,6 @@ def size_class(nbytes: int, minimum: int = MIN_CLASS_BYTES) -> int:
     return max(minimum, 1 << max(0, nbytes - 1).bit_length())
 
 
-def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of the host ``tensor`` in pinned memory of its own (torch's pinned cache): what
-    a reader keeps of a source that may write its own memory again."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
-
-
 @dataclass(frozen=True)
 class PoolStats:
     hits: int  # acquires served by a buffer already pinned

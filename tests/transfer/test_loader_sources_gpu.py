@@ -107,7 +107,7 @@ def test_a_device_given_as_an_int_is_that_cuda_device(cuda):
 
 class _Filled(torch.utils.data.Dataset):
     """Item ``i``: 64 KiB of float ``i`` (batches of 16 are 1 MiB, copied directly) and the
-    label ``i`` (staged)."""
+    label ``i`` (copied where it lies too: the one small tensor of a batch the loader owns)."""
 
     def __len__(self) -> int:
         return 24 * 16
@@ -166,7 +166,8 @@ def _collate_filled(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def test_batches_a_dataloaders_pin_thread_made_are_read_where_they_lie(cuda, monkeypatch):
     """Whatever its collate_fn, a DataLoader with workers hands over batches that its
     pin-memory thread copied out of shared memory: pinned memory made for that batch, which
-    the loader copies from where it lies, with no copy of its own as it reads."""
+    the loader copies from where it lies, with no copy of its own as it reads, and no staging
+    for a lone small tensor beside the large one."""
     early = []
     real = issuing.Issuer.cross_early
 
@@ -177,10 +178,13 @@ def test_batches_a_dataloaders_pin_thread_made_are_read_where_they_lie(cuda, mon
     monkeypatch.setattr(issuing.Issuer, "cross_early", counted)
     source = DataLoader(_Filled(), batch_size=16, num_workers=2, collate_fn=_collate_filled)
     with DeviceLoader(source, cuda) as loader:
-        sums = [batch["x"].sum(dim=1) for batch in loader]
+        batches = [(batch["x"].sum(dim=1), batch["y"]) for batch in loader]
+        staging = loader.pool_stats.high_water_bytes
     expected = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
-    assert torch.equal(torch.cat(sums).cpu(), expected)
+    assert torch.equal(torch.cat([x for x, _ in batches]).cpu(), expected)
+    assert torch.cat([y for _, y in batches]).cpu().tolist() == list(range(24 * 16))
     assert early == []
+    assert staging == 0  # the labels, the one small tensor, crossed where they lie too
 
 
 def test_batches_copied_as_read_hold_bounded_device_memory_when_the_host_runs_ahead(cuda):

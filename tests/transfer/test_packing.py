@@ -390,6 +390,98 @@ def test_direct_leaves_take_no_room_in_the_buffer_and_come_back_in_order(monkeyp
         assert got["label"].dtype == torch.int64 and got["label"].item() == i
 
 
+def test_a_lone_small_pinned_tensor_beside_direct_ones_crosses_where_it_lies_when_owned(
+    monkeypatch,
+):
+    """An image batch pinned by DataLoader's thread: the image is copied where it lies, and
+    the labels, the only tensor left to stage, are too when the loader owns the batch and it
+    is too large to share a crossing; staged when it is not owned (staging is what takes a
+    source's memory) or small, when the labels would be narrowed or are not pinned, or when
+    a second small tensor shares the staging."""
+    from gpuflow.transfer.packing import DIRECT_MIN_BYTES, Planner
+
+    pinned: set[int] = set()  # addresses of tensors kept alive below (no address reused)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.data_ptr() in pinned)
+    made = []
+
+    def batch(i: int, labels_pinned: bool = True, extra: bool = False) -> dict:
+        out = {"image": torch.full((DIRECT_MIN_BYTES // 4,), float(i)),
+               "label": torch.arange(4) + i}  # fmt: skip
+        if extra:
+            out["weight"] = torch.full((3,), float(i))
+            pinned.add(out["weight"].data_ptr())
+        pinned.add(out["image"].data_ptr())
+        if labels_pinned:
+            pinned.add(out["label"].data_ptr())
+        made.append(out)
+        return out
+
+    over = DIRECT_MIN_BYTES  # a batch of more bytes crosses alone (this one: 32 more)
+    planner = Planner(narrow=False, lossy_float=None, direct=True)
+    for i in range(3):  # the first planned in full, the rest from the layout it made
+        sent = batch(i)
+        plan = planner.plan_pack(sent, lone_direct_over=over)
+        assert [leaf.direct for leaf in plan.layout.leaves] == [True, True]
+        assert plan.nbytes == 0 and not plan.has_staged
+        assert plan.wire_nbytes == DIRECT_MIN_BYTES + 32
+        own = [src.clone() for _, src in plan.direct_pairs()]  # the device copies
+        got = rebuild(None, plan.spec, iter(own))
+        assert torch.equal(got["label"], sent["label"]) and got["image"] is own[0]
+
+    def staged(plan) -> list[str]:
+        leaves = zip(plan.spec.keys, plan.layout.leaves, strict=True)
+        return [key for key, leaf in leaves if not leaf.direct]
+
+    assert staged(planner.plan_pack(batch(3), lone_direct_over=None)) == ["label"]
+    pageable = planner.plan_pack(batch(4, labels_pinned=False), lone_direct_over=over)
+    assert staged(pageable) == ["label"]
+    two_small = planner.plan_pack(batch(5, extra=True), lone_direct_over=over)
+    assert staged(two_small) == ["label", "weight"]
+    narrowing = Planner(narrow=True, lossy_float=None, direct=True)
+    assert staged(narrowing.plan_pack(batch(6), lone_direct_over=over)) == ["label"]
+    small = planner.plan_pack(batch(9), lone_direct_over=DIRECT_MIN_BYTES + 32)
+    assert staged(small) == ["label"]  # a batch that may share a crossing: labels gathered
+    alone = planner.plan_pack({"label": batch(7)["label"]}, lone_direct_over=over)
+    assert alone.has_staged  # nothing else crosses where it lies: staging gathers batches
+    fresh = Planner(narrow=False, lossy_float=None, direct=True)  # planned in full
+    pageable = fresh.plan_pack(batch(8, labels_pinned=False), lone_direct_over=over)
+    assert staged(pageable) == ["label"]
+
+
+def test_a_batch_known_pinned_is_laid_out_without_asking_each_tensor(monkeypatch):
+    """Batches DataLoader's pin thread made are pinned throughout: a later one of the same
+    signature is laid out as the first was, asking none of its tensors whether it is pinned
+    (each ask cost the training thread time); a batch in a dataclass, which that thread does
+    not pin, is still asked about."""
+    import dataclasses
+
+    from gpuflow.transfer.packing import DIRECT_MIN_BYTES, Planner
+
+    asked: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: asked.append(1) or True)
+
+    def batch(i: int) -> dict[str, torch.Tensor]:
+        return {"image": torch.full((DIRECT_MIN_BYTES // 4,), float(i)), "label": torch.arange(4)}
+
+    planner = Planner(narrow=False, lossy_float=None, direct=True)
+    first = planner.plan_pack(batch(0), DIRECT_MIN_BYTES, pinned=True)  # planned in full
+    assert asked and [leaf.direct for leaf in first.layout.leaves] == [True, True]
+    asked.clear()
+    later = planner.plan_pack(batch(1), DIRECT_MIN_BYTES, pinned=True)
+    assert asked == [] and later.layout is first.layout
+    assert [source[0].item() for _, source in later.direct_pairs()] == [1.0, 0]
+
+    @dataclasses.dataclass
+    class Pair:
+        image: torch.Tensor
+        label: torch.Tensor
+
+    for i in range(2):
+        asked.clear()
+        planner.plan_pack(Pair(**batch(i)), DIRECT_MIN_BYTES, pinned=True)
+        assert asked  # not walked: planned in full, asking each tensor
+
+
 def test_large_pageable_tensors_are_pinned_then_copied_directly_and_smaller_ones_staged():
     from gpuflow.transfer.packing import DIRECT_MIN_BYTES, PIN_MIN_BYTES, Planner
 

@@ -178,13 +178,10 @@ class DeviceLoader:
                 "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
                 "something that can be iterated again (a list, a DataLoader) for more epochs"
             )
-        owned = (
-            self.fresh_batches
-            or _makes_fresh_batches(self._source)
-            or _pinned_from_workers(self._source, batches)
-        )
+        pinned = _pinned_from_workers(self._source, batches)
+        owned = self.fresh_batches or _makes_fresh_batches(self._source) or pinned
         self._epochs += 1
-        epoch = Epoch(batches, owned)
+        epoch = Epoch(batches, owned, pinned)
         self._pipeline.epochs.append(epoch)
         return epoch
 

@@ -478,6 +478,9 @@ def _looks_ragged(obj: Any) -> bool:
     )
 
 
+_LONE_DIRECT = "lone pinned tensor direct"  # a signature's mark: Planner.plan_in_full
+
+
 class Planner:
     """Plans batches one after another with one set of codecs (what ``plan_pack`` does once).
 
@@ -504,39 +507,93 @@ class Planner:
         self.offset = 0
         self.logical = 0
         self.direct = direct
+        self._forced_direct: torch.Tensor | None = None  # the lone tensor plan_in_full sends direct
+        self._known_pinned = False  # plan_pack's walk over a batch whose tensors are all pinned
         self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor]]] = []
         self.layouts: dict[tuple[Any, ...], Layout] = {}
 
-    def plan_pack(self, batch: Any) -> PackPlan:
-        """``batch`` measured and laid out; nothing is copied yet."""
+    def plan_pack(
+        self, batch: Any, lone_direct_over: int | None = None, pinned: bool = False
+    ) -> PackPlan:
+        """``batch`` measured and laid out; nothing is copied yet. With ``lone_direct_over``,
+        in a batch of more bytes than that, a pinned tensor that would be the only one staged,
+        beside tensors copied where they lie, is copied where it lies too
+        (``plan_in_full``). ``pinned``: every tensor in the batch's dicts, lists and tuples
+        is pinned (DataLoader's pin thread pins them all), so none is asked: while that
+        thread runs, asking cost the image loop's training thread about 80 us a batch
+        (docs/decisions/042)."""
         signature: list[Any] | None = None
         sources: list[Any] = []
         if self.by_key is None:
-            signature = []
-            if self._walk(batch, signature, sources):
+            signature, staged = [], []
+            self._known_pinned = pinned  # for the walk only: a full plan asks each tensor
+            try:
+                walked = self._walk(batch, signature, sources, staged)
+                if walked and lone_direct_over is not None and len(staged) == 1:
+                    wire = sum(source.nbytes for source in sources)  # (the lone one unchanged)
+                    if self._lone_staged(staged, len(sources), wire, lone_direct_over) is not None:
+                        signature.append(_LONE_DIRECT)
+            finally:
+                self._known_pinned = False
+            if walked:
                 layout = self.layouts.get(tuple(signature))
                 if layout is not None:
                     return PackPlan(layout, tuple(sources))
             else:
                 signature = None
-        plan = self.plan_in_full(batch)
+        plan = self.plan_in_full(batch, lone_direct_over)
         if signature is not None:
             if len(self.layouts) >= self._CACHED_LAYOUTS:
                 self.layouts.clear()
             self.layouts[tuple(signature)] = plan.layout
         return plan
 
-    def plan_in_full(self, batch: Any) -> PackPlan:
-        """``batch`` planned from scratch, without looking for a layout made before."""
+    def plan_in_full(self, batch: Any, lone_direct_over: int | None = None) -> PackPlan:
+        """``batch`` planned from scratch, without looking for a layout made before.
+
+        With ``lone_direct_over``: staging exists to gather small tensors into one copy, and
+        batches of more bytes than that cross alone, gathering no other batch's. So such a
+        batch whose tensors all cross where they lie but one small pinned one that crosses
+        unchanged (an image and its labels, pinned by DataLoader's thread) copies that one
+        where it lies as well: staging it alone would cost a host copy, a staging buffer and
+        an event, and gather nothing (docs/decisions/042)."""
+        plan = self._plan_once(batch)
+        if lone_direct_over is not None:
+            staged = [(s, leaf.wire) for leaf, s in self.layout if not leaf.direct]
+            lone = self._lone_staged(staged, len(self.layout), plan.wire_nbytes, lone_direct_over)
+            if lone is not None:
+                self._forced_direct = lone
+                try:
+                    plan = self._plan_once(batch)
+                finally:
+                    self._forced_direct = None
+        return plan
+
+    def _plan_once(self, batch: Any) -> PackPlan:
         self.offset = self.logical = 0
         self.layout = []
         spec = self.plan_batch(batch)
         layout = Layout(spec, self.offset, self.logical, tuple(leaf for leaf, _ in self.layout))
         return PackPlan(layout, tuple(source for _, source in self.layout))
 
-    def _walk(self, obj: Any, signature: list[Any], sources: list[Any]) -> bool:
-        """Append ``obj``'s signature and host tensors; False if it is not a nest of plain
-        host tensors in dicts, lists and tuples (then it is planned in full)."""
+    def _lone_staged(
+        self, staged: list[tuple[Any, torch.dtype]], tensors: int, wire: int, over: int | None
+    ) -> Any:
+        """The one staged tensor of a batch of more than ``over`` bytes (``wire``) whose
+        other tensors (one at least) cross where they lie, if it is pinned, contiguous and
+        crosses unchanged; else None."""
+        if not self.direct or over is None or wire <= over or len(staged) != 1 or tensors < 2:
+            return None
+        tensor, wire_dtype = staged[0]
+        unchanged = isinstance(tensor, torch.Tensor) and wire_dtype == tensor.dtype
+        if unchanged and tensor.is_contiguous() and (self._known_pinned or tensor.is_pinned()):
+            return tensor
+        return None
+
+    def _walk(self, obj: Any, signature: list[Any], sources: list[Any], staged: list) -> bool:
+        """Append ``obj``'s signature and host tensors (and to ``staged`` those staged, with
+        their wire dtype); False if it is not a nest of plain host tensors in dicts, lists and
+        tuples (then it is planned in full)."""
         kind = type(obj)
         if kind is torch.Tensor:
             if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
@@ -545,17 +602,20 @@ class Planner:
             if order is not None:
                 obj = obj.permute(order)  # contiguous: stored in its memory order
             wire = self._wire_dtype(obj)
-            signature.append((obj.dtype, obj.shape, wire, self._direct_kind(obj, wire), order))
+            direct = self._direct_kind(obj, wire)
+            signature.append((obj.dtype, obj.shape, wire, direct, order))
             sources.append(obj)
+            if not direct:
+                staged.append((obj, wire))
             return True
         if kind is dict:
             signature.append(("dict", *obj))
-            return all(self._walk(value, signature, sources) for value in obj.values())
+            return all(self._walk(value, signature, sources, staged) for value in obj.values())
         if kind is list or kind is tuple:
             if _same_shape_tensors(obj):  # stacked, which needs a copy per batch anyway
                 return False
             signature.append((kind, len(obj)))
-            return all(self._walk(item, signature, sources) for item in obj)
+            return all(self._walk(item, signature, sources, staged) for item in obj)
         return False
 
     def _direct_kind(self, tensor: torch.Tensor, wire: torch.dtype) -> int:
@@ -564,6 +624,8 @@ class Planner:
         (pageable and ``PIN_MIN_BYTES`` or more), then copied like 1. (The driver's own
         asynchronous copy from pageable memory ran at 7-8 GB/s on an H100 host, a quarter of
         a staged one, so pageable memory is never its source; docs/decisions/018.)"""
+        if tensor is self._forced_direct:
+            return 1
         if (
             not self.direct
             or wire != tensor.dtype
@@ -571,7 +633,7 @@ class Planner:
             or not tensor.is_contiguous()
         ):
             return 0
-        if tensor.is_pinned():
+        if self._known_pinned or tensor.is_pinned():
             return 1
         return 2 if tensor.nbytes >= PIN_MIN_BYTES else 0
 

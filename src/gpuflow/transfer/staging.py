@@ -88,14 +88,16 @@ class Epoch:
     """One pass over the source: what it has read ahead and not yet handed out.
 
     ``owned``: whether what the source yields is the loader's as soon as it is read (batches
-    made fresh for each read, which nothing else writes). Otherwise every batch is copied when
+    made fresh for each read, which nothing else writes); ``pinned``: whether its tensors
+    are all pinned (DataLoader's pin thread made the batches). Otherwise every batch is copied when
     it is read (into staging memory; a large pinned tensor straight to the device), and the
     copy has finished before the source is asked for the next one, so a source that refills
     one buffer, or a pinned buffer it reuses, is read as it was when it yielded."""
 
-    def __init__(self, source: Iterator[Any], owned: bool) -> None:
+    def __init__(self, source: Iterator[Any], owned: bool, pinned: bool = False) -> None:
         self.source: Iterator[Any] | None = source  # None once it is used up
         self.owned = owned
+        self.pinned = pinned  # every tensor the source yields is pinned (a pin thread made it)
         self.carried: Crossing | None = None  # started by a batch that did not fit the last
         self.failure: Exception | None = None  # the source's error, raised in its turn
         self.pulled: deque[Crossing] = deque()  # staged, copies not queued yet
@@ -143,7 +145,10 @@ class Stager:
         started = time.perf_counter()
         try:
             batch = next(ep.source)
-            return self.planner.plan_pack(batch)
+            # a lone pinned tensor crosses where it lies only in a batch that is the loader's
+            # own (staging is what takes a source's memory) and too large to share a crossing
+            lone_over = _COALESCE_MAX_BATCH if ep.owned else None
+            return self.planner.plan_pack(batch, lone_over, pinned=ep.pinned)
         except StopIteration:
             self.end_source(ep)
         except Exception as exc:  # raised to the consumer after the batches before it

@@ -12,6 +12,12 @@ its own allocator; ``DeviceLoader`` keeps the source tensors until its event com
 copy only from pinned memory (from pageable memory the driver copies synchronously); and,
 when the driver refuses (a thread with no CUDA context current, a stream of another
 device), copy through torch instead.
+
+The call keeps the interpreter lock (``ctypes.PyDLL``): from pinned memory it only queues
+the copy, and letting go of the lock for those microseconds let another Python thread
+(DataLoader's pin-memory thread, in a worker-fed loop) take it, so the training thread then
+waited to get it back: two copies a batch took 181-219 us of its time in the image loop
+against 86-106 us with the lock kept (docs/decisions/042).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ DriverCopy = Callable[[int, int, int, int], int]
 def driver_copy() -> DriverCopy | None:
     """The driver's asynchronous host->device copy, or None where there is no CUDA driver."""
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
+        driver = ctypes.PyDLL("libcuda.so.1")  # the lock kept: see above
         call = driver.cuMemcpyHtoDAsync_v2
     except (OSError, AttributeError):
         return None

@@ -8,13 +8,19 @@ Feeds: ``deviceloader`` (over ``DataLoader(pin_memory=False)``, as a user passes
 (``depth=1``: one copy queued ahead, not two; ``depth=0``: none, each batch read when asked
 for, as the idiom reads it) and ``torchcopies`` (``GPUFLOW_TORCH_COPIES=1``: torch's copies
 instead of driver calls), ``alldirect`` (every pinned tensor copied where it lies, the
-labels too: no staging buffer, ``DIRECT_MIN_BYTES`` set to 0). The ``reader``, ``threaded`` and
-``threaded_pinall`` rows of ``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt``
-came from an earlier form of this probe, at commit 46a03dc, that switched the loader to the
-ways it read a worker-fed source then: the whole crossing on a thread of its own
-(``transfer/device_reader.py``, the default), or a thread only taking batches and pinning
-those of 256 KiB or more (``threaded``) or all of them (``threaded_pinall``,
-``ThreadedSource`` in ``transfer/reader.py``). Cited by docs/decisions/039.
+labels too: no staging buffer, ``DIRECT_MIN_BYTES`` set to 0). Idiom variants that ask what
+slows a loop fed this way: ``idiom_spin`` (the idiom plus SPIN_US of Python work holding the
+interpreter lock per batch), ``idiom_rest`` (plus a sleep as long, the lock let go) and
+``idiom_sidestream`` (the idiom's copies on a side stream, as DeviceLoader issues them).
+SWITCH_US sets the interpreter's forced hand-off interval (``sys.setswitchinterval``).
+
+The ``reader``, ``threaded`` and ``threaded_pinall`` rows of
+``benchmarks/results/2026-11-26-probe-imagefeeds-h100.txt`` came from an earlier form of
+this probe, at commit 46a03dc, that switched the loader to the ways it read a worker-fed
+source then: the whole crossing on a thread of its own (``transfer/device_reader.py``, the
+default), or a thread only taking batches and pinning those of 256 KiB or more
+(``threaded``) or all of them (``threaded_pinall``, ``ThreadedSource`` in
+``transfer/reader.py``). Cited by docs/decisions/039 and 042.
 
 PYTHONPATH=src python3 benchmarks/probes/imagefeeds.py OUT B PAIRS FEED...
 """
@@ -22,6 +28,7 @@ PYTHONPATH=src python3 benchmarks/probes/imagefeeds.py OUT B PAIRS FEED...
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -49,6 +56,40 @@ def source(pin):
 def idiom():
     feed = ({k: v.to("cuda", non_blocking=True) for k, v in b.items()} for b in source(True))
     return train_images(dev, feed, model, opt, 30)
+
+
+def idiom_with(extra):
+    def feed():
+        for b in source(True):
+            extra()
+            yield {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
+
+    return train_images(dev, feed(), model, opt, 30)
+
+
+def spin():  # holds the interpreter lock for SPIN_US, as Python work on the training thread
+    end = time.perf_counter() + SPIN_US / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def rest():  # lets go of the lock for about SPIN_US, as a wait would
+    time.sleep(SPIN_US / 1e6)
+
+
+def idiom_side_stream():
+    copies = torch.cuda.Stream()
+
+    def feed():
+        for b in source(True):
+            with torch.cuda.stream(copies):
+                placed = {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
+            torch.cuda.current_stream().wait_stream(copies)
+            for v in placed.values():
+                v.record_stream(torch.cuda.current_stream())
+            yield placed
+
+    return train_images(dev, feed(), model, opt, 30)
 
 
 def ours(pin, **options):
@@ -79,7 +120,13 @@ variants = {
     "depth0": lambda: ours(False, depth=0),
     "torchcopies": torch_copies,
     "alldirect": all_direct,
+    "idiom_spin": lambda: idiom_with(spin),
+    "idiom_rest": lambda: idiom_with(rest),
+    "idiom_sidestream": idiom_side_stream,
 }
+SPIN_US = float(os.environ.get("SPIN_US", "50"))
+if "SWITCH_US" in os.environ:  # the interpreter's forced hand-off interval (default 5 ms)
+    sys.setswitchinterval(float(os.environ["SWITCH_US"]) / 1e6)
 chosen = sys.argv[4:]
 idiom()
 for name in chosen:  # untimed warm-up
@@ -95,7 +142,8 @@ for name in chosen:
             rates[label] = images / seconds
         ratios.append(rates[name] / rates["idiom"])
     lines.append(
-        f"B={B} {name}: median pair ratio {statistics.median(ratios):.3f} "
+        f"B={B} switch={sys.getswitchinterval() * 1e6:.0f}us {name}: "
+        f"median pair ratio {statistics.median(ratios):.3f} "
         f"pairs {[round(r, 3) for r in ratios]}"
     )
     print(lines[-1], flush=True)

@@ -4,6 +4,8 @@ every copy read ahead runs late: each batch must arrive as the source yielded it
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from typing import Any
 
 import pytest
@@ -185,6 +187,71 @@ def test_batches_a_dataloaders_pin_thread_made_are_read_where_they_lie(cuda, mon
     assert torch.cat([y for _, y in batches]).cpu().tolist() == list(range(24 * 16))
     assert early == []
     assert staging == 0  # the labels, the one small tensor, crossed where they lie too
+
+
+@dataclasses.dataclass
+class _Fields:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+_Named = collections.namedtuple("_Named", "x y")
+
+
+def _xs_ys(items: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([it["x"] for it in items]), torch.tensor([it["y"] for it in items])
+
+
+def _as_tuple(items):
+    return _xs_ys(items)
+
+
+def _as_namedtuple(items):
+    return _Named(*_xs_ys(items))
+
+
+def _as_dataclass(items):  # DataLoader's pin thread leaves a dataclass's tensors as they are
+    return _Fields(*_xs_ys(items))
+
+
+def _with_empty_and_strided(items):  # three small tensors: staged together
+    x, y = _xs_ys(items)
+    return {"x": x, "none": torch.empty(0, dtype=torch.int64), "y": y.repeat_interleave(2)[::2]}
+
+
+def _with_strided_labels(items):  # the one small tensor not contiguous: staged
+    x, y = _xs_ys(items)
+    return {"x": x, "y": y.repeat_interleave(2)[::2]}
+
+
+@pytest.mark.parametrize(
+    "collate,narrow",
+    [(_as_tuple, False), (_as_namedtuple, False), (_as_dataclass, False),
+     (_with_empty_and_strided, False), (_with_strided_labels, False), (_as_tuple, True)],
+    ids=["tuple", "namedtuple", "dataclass", "empty-and-strided", "strided-labels", "narrowed"],
+)  # fmt: skip
+def test_worker_fed_batches_of_any_shape_arrive_exact_in_every_epoch(cuda, collate, narrow):
+    """Batches from DataLoader's pin thread, whatever their container and small tensors
+    (laid out without asking each tensor whether it is pinned, the labels copied where they
+    lie when they are the one small tensor), arrive as the workers made them, epoch after
+    epoch."""
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2, collate_fn=collate)
+    expected_x = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
+    with DeviceLoader(source, cuda, narrow=narrow) as loader:
+        for _ in range(2):
+            xs, ys = [], []
+            for batch in loader:
+                if isinstance(batch, dict):
+                    x, y = batch["x"], batch["y"]
+                    assert batch.get("none", torch.empty(0)).numel() == 0
+                else:
+                    x, y = (batch.x, batch.y) if hasattr(batch, "x") else batch
+                assert x.is_cuda and y.is_cuda and y.dtype == torch.int64
+                xs.append(x.sum(dim=1))
+                ys.append(y)
+            assert torch.equal(torch.cat(xs).cpu(), expected_x)
+            assert torch.cat(ys).cpu().tolist() == list(range(24 * 16))
+    assert type(batch) is type(collate([{"x": torch.zeros(1), "y": 0}]))
 
 
 def test_batches_copied_as_read_hold_bounded_device_memory_when_the_host_runs_ahead(cuda):

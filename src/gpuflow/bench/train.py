@@ -2,9 +2,11 @@
 
 For each data path (``gpuflow.train.datapath.DataPath``) a fresh model from the same seed
 trains ``warmup`` untimed steps, ``timed`` steps between two device synchronisations (tokens/s and
-MFU), then one logging interval under the transfer ledger (bytes each way, host syncs and
-cudaMalloc calls per step, the interval's scalar readback included; and its steps' time
-against the timed ones': what counting costs a step). The same step on a
+MFU), then ``LEDGER_PAIRS`` pairs of logging intervals, one under the transfer ledger and
+one not, in alternating order: the first counted interval gives bytes each way, host syncs
+and cudaMalloc calls per step (its scalar readback included), and the median of the pairs'
+time ratios what counting costs a step, side by side so that the host's drift over the row
+does not enter it. The same step on a
 pre-placed synthetic batch (the batch drawn once and reused: no data path at all), eager and
 captured, shows each path's data-path overhead as a percentage.
 """
@@ -12,6 +14,7 @@ captured, shows each path's data-path overhead as a percentage.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from gpuflow.train.step import StepOptions
 from gpuflow.train.trainer import Trainer
 
 MODES = tuple(str(path) for path in DataPath.runnable())
+LEDGER_PAIRS = 3  # logging intervals under the ledger, each beside one without it
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def measure_data_path(
 ) -> dict[str, Any]:
     """One row: ``path`` (on a pre-placed batch if ``synthetic``), built with ``options``."""
     counted = config.train.log_interval
-    total = warmup + timed + counted
+    total = warmup + timed + 2 * LEDGER_PAIRS * counted
     config = apply_overrides(config, {"train": {"data_path": str(path)}}, "bench train")
     trainer = Trainer(config, run_dir, device, options)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
@@ -69,11 +73,22 @@ def measure_data_path(
         run_steps(train_step, warmup, warmup + timed)
         device.synchronize()
         seconds = time.perf_counter() - started
-        with TransferLedger(device) as ledger:
-            run_steps(train_step, warmup + timed, total)
-        device.synchronize()  # (outside the ledger: the bench's wait, not the step's)
-        counted_seconds = time.perf_counter() - started - seconds  # opening the ledger too
+        first, intervals = warmup + timed, {True: [], False: []}
+        ledger = None
+        for pair in range(LEDGER_PAIRS):
+            for counting in (True, False) if pair % 2 == 0 else (False, True):
+                started = time.perf_counter()
+                if counting:
+                    with TransferLedger(device) as interval_ledger:
+                        run_steps(train_step, first, first + counted)
+                    ledger = ledger or interval_ledger
+                else:
+                    run_steps(train_step, first, first + counted)
+                device.synchronize()  # (outside the ledger: the bench's wait, not the step's)
+                intervals[counting].append(time.perf_counter() - started)  # opening it too
+                first += counted
         train_step.scalars.drain(total)
+    ratios = [a / b for a, b in zip(intervals[True], intervals[False], strict=True)]
     rate = timed * trainer.tokens_per_step / seconds
     return {
         "mode": str(path) + (" (synthetic batch)" if synthetic else ""),
@@ -81,16 +96,20 @@ def measure_data_path(
         "step_ms": seconds * 1e3 / timed,
         "mfu": trainer.mfu(rate),
         **ledger.summary().totals.per_step(counted),
-        # What counting costs the step: the interval under the ledger against the timed one.
-        "ledger_step_ms": counted_seconds * 1e3 / counted,
-        "ledger_cost": counted_seconds / counted / (seconds / timed) - 1,
+        # What counting costs the step: intervals under the ledger against those beside them.
+        "ledger_step_ms": statistics.median(intervals[True]) * 1e3 / counted,
+        "unledgered_step_ms": statistics.median(intervals[False]) * 1e3 / counted,
+        "ledger_pair_ratios": ratios,
+        "ledger_cost": statistics.median(ratios) - 1,
         # What the allocator holds from the device after the row (None off CUDA).
         "reserved_bytes": device.memory_sample()["device_reserved_bytes"],
     }
 
 
 def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
-    steps = bench.warmup + bench.timed + 100  # the schedule's length: every step in warmup+cosine
+    interval = resolve_config(bench.preset, None, list(bench.overrides)).train.log_interval
+    # the schedule's length: every step in warmup+cosine
+    steps = bench.warmup + bench.timed + max(100, 2 * LEDGER_PAIRS * interval)
     config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpuflow.bench.loaders import SyntheticImages, small_cnn, train_images
+from gpuflow.bench.loaders import SyntheticImages, image_step, small_cnn, train_images
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 
@@ -75,12 +75,7 @@ feeds = {
 
 
 def step(batch):
-    x = batch["image"].float().div_(255)
-    with dev.autocast():
-        loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    image_step(dev, model, opt, batch)
 
 
 for make in feeds.values():  # warm-up

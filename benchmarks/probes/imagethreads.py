@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from gpuflow.bench.loaders import SyntheticImages, small_cnn
+from gpuflow.bench.loaders import SyntheticImages, image_step, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer import issuing
 from gpuflow.transfer.loader import DeviceLoader
@@ -101,12 +101,7 @@ def thread_times():
 
 
 def step(batch):
-    x = batch["image"].float().div_(255)
-    with dev.autocast():
-        loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    image_step(dev, model, opt, batch)
 
 
 def run(kind):

@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -354,22 +355,26 @@ def timed_steps(
     return time.perf_counter() - started, items
 
 
+def image_step(
+    device: Device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+) -> int:  # fmt: skip
+    """One training step of the image loop on ``batch``; the images in it."""
+    x = batch["image"].float().div_(255)  # (B, 3, H, W) uint8 crossed; widened here
+    with device.autocast():
+        loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return len(batch["label"])
+
+
 def train_images(
     device: Device, batches: Iterable[dict[str, torch.Tensor]], model: torch.nn.Module,
     optimizer: torch.optim.Optimizer, warmup: int,
 ) -> tuple[float, int]:  # fmt: skip
     """(seconds after ``warmup`` steps until the last step is done, images in that time)."""
-
-    def step(batch: dict[str, torch.Tensor]) -> int:
-        x = batch["image"].float().div_(255)  # (B, 3, H, W) uint8 crossed; widened here
-        with device.autocast():
-            loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return len(batch["label"])
-
-    return timed_steps(device, batches, step, warmup)
+    return timed_steps(device, batches, partial(image_step, device, model, optimizer), warmup)
 
 
 def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:

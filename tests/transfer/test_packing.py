@@ -448,6 +448,43 @@ def test_a_lone_small_pinned_tensor_beside_direct_ones_crosses_where_it_lies_whe
     assert staged(pageable) == ["label"]
 
 
+def test_a_lone_tensor_stored_in_its_memory_order_goes_direct_and_a_conjugate_one_is_staged(
+    monkeypatch,
+):
+    """The lone small tensor beside a direct one: transposed, it goes direct as well (stored
+    in its memory order, a new view at each planning) and comes back with its strides; a
+    lazily conjugated one, whose bytes are not its values, is staged and written resolved,
+    and so is a large one that would otherwise be copied where it lies."""
+    from gpuflow.transfer.packing import DIRECT_MIN_BYTES, Planner
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    image = torch.arange(DIRECT_MIN_BYTES // 4, dtype=torch.float32)
+    over = DIRECT_MIN_BYTES
+
+    m = torch.arange(8).reshape(2, 4).t()  # (4, 2), strides (1, 4)
+    for planner in (Planner(False, None, direct=True), Planner(False, None, direct=True)):
+        for _ in range(2):  # planned in full, then from the cached layout
+            plan = planner.plan_pack({"image": image, "m": m}, over, pinned=True)
+            assert [leaf.direct for leaf in plan.layout.leaves] == [True, True]
+            own = [src.clone() for _, src in plan.direct_pairs()]
+            got = rebuild(None, plan.spec, iter(own))
+            assert torch.equal(got["m"], m) and got["m"].stride() == m.stride()
+
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    big = torch.full((DIRECT_MIN_BYTES // 8,), 1 + 1j, dtype=torch.complex64).conj()
+    planner = Planner(False, None, direct=True)
+    for batch in ({"image": image, "z": z}, {"image": image, "z": z, "big": big}):
+        plan = planner.plan_pack(batch, over)
+        staged = {k for k, leaf in zip(batch, plan.layout.leaves, strict=True) if not leaf.direct}
+        assert staged == set(batch) - {"image"}
+        buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        plan.write_into(buffer)
+        own = [src.clone() for _, src in plan.direct_pairs()]
+        got = rebuild(buffer, plan.spec, iter(own))
+        for key in staged:
+            assert torch.equal(got[key], batch[key].resolve_conj())
+
+
 def test_a_batch_known_pinned_is_laid_out_without_asking_each_tensor(monkeypatch):
     """Batches DataLoader's pin thread made are pinned throughout: a later one of the same
     signature is laid out as the first was, asking none of its tensors whether it is pinned

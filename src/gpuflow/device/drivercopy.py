@@ -17,7 +17,9 @@ The call keeps the interpreter lock (``ctypes.PyDLL``): from pinned memory it on
 the copy, and letting go of the lock for those microseconds let another Python thread
 (DataLoader's pin-memory thread, in a worker-fed loop) take it, so the training thread then
 waited to get it back: two copies a batch took 181-219 us of its time in the image loop
-against 86-106 us with the lock kept (docs/decisions/042).
+against 86-106 us with the lock kept (docs/decisions/042). From pageable memory the call
+would copy synchronously with every Python thread stopped: one more reason it is only
+given pinned memory.
 """
 
 from __future__ import annotations

@@ -374,10 +374,14 @@ def _crosses_as_is(source: torch.Tensor | list[torch.Tensor], leaf: Leaf) -> boo
         isinstance(source, torch.Tensor)
         and source.dtype == leaf.wire
         and source.is_cpu
-        and source.is_contiguous()
-        and not source.is_conj()
-        and not source.is_neg()
+        and _bytes_as_they_lie(source)
     )
+
+
+def _bytes_as_they_lie(tensor: torch.Tensor) -> bool:
+    """Whether a copy of ``tensor``'s bytes is the tensor: contiguous, with no lazy
+    conjugate or negation (a view flag that a byte copy would drop)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def _view(buffer: torch.Tensor, leaf: Leaf, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -507,7 +511,7 @@ class Planner:
         self.offset = 0
         self.logical = 0
         self.direct = direct
-        self._forced_direct: torch.Tensor | None = None  # the lone tensor plan_in_full sends direct
+        self._forced_index: int | None = None  # the leaf plan_in_full sends direct, by position
         self._known_pinned = False  # plan_pack's walk over a batch whose tensors are all pinned
         self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor]]] = []
         self.layouts: dict[tuple[Any, ...], Layout] = {}
@@ -531,7 +535,7 @@ class Planner:
                 walked = self._walk(batch, signature, sources, staged)
                 if walked and lone_direct_over is not None and len(staged) == 1:
                     wire = sum(source.nbytes for source in sources)  # (the lone one unchanged)
-                    if self._lone_staged(staged, len(sources), wire, lone_direct_over) is not None:
+                    if self._lone_staged(staged, len(sources), wire, lone_direct_over):
                         signature.append(_LONE_DIRECT)
             finally:
                 self._known_pinned = False
@@ -559,14 +563,16 @@ class Planner:
         an event, and gather nothing (docs/decisions/042)."""
         plan = self._plan_once(batch)
         if lone_direct_over is not None:
-            staged = [(s, leaf.wire) for leaf, s in self.layout if not leaf.direct]
-            lone = self._lone_staged(staged, len(self.layout), plan.wire_nbytes, lone_direct_over)
-            if lone is not None:
-                self._forced_direct = lone
+            at = [i for i, (leaf, _) in enumerate(self.layout) if not leaf.direct]
+            staged = [(self.layout[i][1], self.layout[i][0].wire) for i in at]
+            tensors, wire = len(self.layout), plan.wire_nbytes
+            if self._lone_staged(staged, tensors, wire, lone_direct_over):
+                # by position: a tensor stored in its memory order is a new view each time
+                self._forced_index = at[0]
                 try:
                     plan = self._plan_once(batch)
                 finally:
-                    self._forced_direct = None
+                    self._forced_index = None
         return plan
 
     def _plan_once(self, batch: Any) -> PackPlan:
@@ -578,17 +584,19 @@ class Planner:
 
     def _lone_staged(
         self, staged: list[tuple[Any, torch.dtype]], tensors: int, wire: int, over: int | None
-    ) -> Any:
-        """The one staged tensor of a batch of more than ``over`` bytes (``wire``) whose
-        other tensors (one at least) cross where they lie, if it is pinned, contiguous and
-        crosses unchanged; else None."""
+    ) -> bool:
+        """Whether a batch of more than ``over`` bytes (``wire``) whose tensors (two at
+        least) all cross where they lie but one staged has that one pinned and crossing as
+        its bytes lie (unchanged, contiguous, no conjugate or negative bit)."""
         if not self.direct or over is None or wire <= over or len(staged) != 1 or tensors < 2:
-            return None
+            return False
         tensor, wire_dtype = staged[0]
-        unchanged = isinstance(tensor, torch.Tensor) and wire_dtype == tensor.dtype
-        if unchanged and tensor.is_contiguous() and (self._known_pinned or tensor.is_pinned()):
-            return tensor
-        return None
+        return (
+            isinstance(tensor, torch.Tensor)
+            and wire_dtype == tensor.dtype
+            and _bytes_as_they_lie(tensor)
+            and (self._known_pinned or tensor.is_pinned())
+        )
 
     def _walk(self, obj: Any, signature: list[Any], sources: list[Any], staged: list) -> bool:
         """Append ``obj``'s signature and host tensors (and to ``staged`` those staged, with
@@ -624,13 +632,11 @@ class Planner:
         (pageable and ``PIN_MIN_BYTES`` or more), then copied like 1. (The driver's own
         asynchronous copy from pageable memory ran at 7-8 GB/s on an H100 host, a quarter of
         a staged one, so pageable memory is never its source; docs/decisions/018.)"""
-        if tensor is self._forced_direct:
-            return 1
         if (
             not self.direct
             or wire != tensor.dtype
             or tensor.nbytes < DIRECT_MIN_BYTES
-            or not tensor.is_contiguous()
+            or not _bytes_as_they_lie(tensor)
         ):
             return 0
         if self._known_pinned or tensor.is_pinned():
@@ -727,7 +733,8 @@ class Planner:
         if order is not None:
             tensor = tensor.permute(order)  # contiguous: stored in its memory order
         wire = self._wire_dtype(tensor)
-        kind = self._direct_kind(tensor, wire)
+        forced = len(self.layout) == self._forced_index  # (plan_in_full's lone tensor)
+        kind = 1 if forced else self._direct_kind(tensor, wire)
         back = None if order is None else tuple(order.index(d) for d in range(len(order)))
         return self._place(tuple(tensor.shape), wire, tensor.dtype, tensor, kind, back)
 

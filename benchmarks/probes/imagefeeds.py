@@ -26,13 +26,12 @@ PYTHONPATH=src python3 benchmarks/probes/imagefeeds.py OUT B PAIRS FEED...
 """
 
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from gpuflow.bench.loaders import SyntheticImages, small_cnn, train_images
+from gpuflow.bench.loaders import SyntheticImages, paired_rounds, small_cnn, train_images
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer import packing
 from gpuflow.transfer.loader import DeviceLoader
@@ -133,18 +132,11 @@ for name in chosen:  # untimed warm-up
     variants[name]()
 lines = []
 for name in chosen:
-    ratios = []
-    for pair in range(PAIRS):
-        order = [("idiom", idiom), (name, variants[name])]
-        rates = {}
-        for label, run in order if pair % 2 == 0 else order[::-1]:
-            seconds, images = run()
-            rates[label] = images / seconds
-        ratios.append(rates[name] / rates["idiom"])
+    paired = paired_rounds(idiom, variants[name], PAIRS, "idiom", "images")
     lines.append(
         f"B={B} switch={sys.getswitchinterval() * 1e6:.0f}us {name}: "
-        f"median pair ratio {statistics.median(ratios):.3f} "
-        f"pairs {[round(r, 3) for r in ratios]}"
+        f"median pair ratio {paired['speedup']:.3f} "
+        f"pairs {[round(r, 3) for r in paired['pair_ratios']]}"
     )
     print(lines[-1], flush=True)
 with open(sys.argv[1], "a") as out:

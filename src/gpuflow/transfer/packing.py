@@ -512,7 +512,6 @@ class Planner:
         self.logical = 0
         self.direct = direct
         self._forced_index: int | None = None  # the leaf plan_in_full sends direct, by position
-        self._known_pinned = False  # plan_pack's walk over a batch whose tensors are all pinned
         self.layout: list[tuple[Leaf, torch.Tensor | list[torch.Tensor]]] = []
         self.layouts: dict[tuple[Any, ...], Layout] = {}
 
@@ -530,15 +529,12 @@ class Planner:
         sources: list[Any] = []
         if self.by_key is None:
             signature, staged = [], []
-            self._known_pinned = pinned  # for the walk only: a full plan asks each tensor
-            try:
-                walked = self._walk(batch, signature, sources, staged)
-                if walked and lone_direct_over is not None and len(staged) == 1:
-                    wire = sum(source.nbytes for source in sources)  # (the lone one unchanged)
-                    if self._lone_staged(staged, len(sources), wire, lone_direct_over):
-                        signature.append(_LONE_DIRECT)
-            finally:
-                self._known_pinned = False
+            # (pinned for the walk only: a full plan asks each tensor)
+            walked = self._walk(batch, signature, sources, staged, pinned)
+            if walked and lone_direct_over is not None and len(staged) == 1:
+                wire = sum(source.nbytes for source in sources)  # (the lone one unchanged)
+                if self._lone_staged(staged, len(sources), wire, lone_direct_over, pinned):
+                    signature.append(_LONE_DIRECT)
             if walked:
                 layout = self.layouts.get(tuple(signature))
                 if layout is not None:
@@ -583,11 +579,13 @@ class Planner:
         return PackPlan(layout, tuple(source for _, source in self.layout))
 
     def _lone_staged(
-        self, staged: list[tuple[Any, torch.dtype]], tensors: int, wire: int, over: int | None
-    ) -> bool:
+        self, staged: list[tuple[Any, torch.dtype]], tensors: int, wire: int, over: int | None,
+        pinned: bool = False,
+    ) -> bool:  # fmt: skip
         """Whether a batch of more than ``over`` bytes (``wire``) whose tensors (two at
-        least) all cross where they lie but one staged has that one pinned and crossing as
-        its bytes lie (unchanged, contiguous, no conjugate or negative bit)."""
+        least) all cross where they lie but one staged has that one pinned (known to be, with
+        ``pinned``) and crossing as its bytes lie (unchanged, contiguous, no conjugate or
+        negative bit)."""
         if not self.direct or over is None or wire <= over or len(staged) != 1 or tensors < 2:
             return False
         tensor, wire_dtype = staged[0]
@@ -595,13 +593,15 @@ class Planner:
             isinstance(tensor, torch.Tensor)
             and wire_dtype == tensor.dtype
             and _bytes_as_they_lie(tensor)
-            and (self._known_pinned or tensor.is_pinned())
+            and (pinned or tensor.is_pinned())
         )
 
-    def _walk(self, obj: Any, signature: list[Any], sources: list[Any], staged: list) -> bool:
+    def _walk(
+        self, obj: Any, signature: list[Any], sources: list[Any], staged: list, pinned: bool
+    ) -> bool:
         """Append ``obj``'s signature and host tensors (and to ``staged`` those staged, with
         their wire dtype); False if it is not a nest of plain host tensors in dicts, lists and
-        tuples (then it is planned in full)."""
+        tuples (then it is planned in full). ``pinned``: its tensors are known to be."""
         kind = type(obj)
         if kind is torch.Tensor:
             if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
@@ -610,7 +610,7 @@ class Planner:
             if order is not None:
                 obj = obj.permute(order)  # contiguous: stored in its memory order
             wire = self._wire_dtype(obj)
-            direct = self._direct_kind(obj, wire)
+            direct = self._direct_kind(obj, wire, pinned)
             signature.append((obj.dtype, obj.shape, wire, direct, order))
             sources.append(obj)
             if not direct:
@@ -618,20 +618,23 @@ class Planner:
             return True
         if kind is dict:
             signature.append(("dict", *obj))
-            return all(self._walk(value, signature, sources, staged) for value in obj.values())
+            return all(
+                self._walk(value, signature, sources, staged, pinned) for value in obj.values()
+            )
         if kind is list or kind is tuple:
             if _same_shape_tensors(obj):  # stacked, which needs a copy per batch anyway
                 return False
             signature.append((kind, len(obj)))
-            return all(self._walk(item, signature, sources, staged) for item in obj)
+            return all(self._walk(item, signature, sources, staged, pinned) for item in obj)
         return False
 
-    def _direct_kind(self, tensor: torch.Tensor, wire: torch.dtype) -> int:
+    def _direct_kind(self, tensor: torch.Tensor, wire: torch.dtype, pinned: bool = False) -> int:
         """How ``tensor`` crosses: 0 staged; 1 copied from where it lies (pinned, and large
         enough that staging would only add a host copy); 2 pinned by ``pin_memory()`` first
         (pageable and ``PIN_MIN_BYTES`` or more), then copied like 1. (The driver's own
         asynchronous copy from pageable memory ran at 7-8 GB/s on an H100 host, a quarter of
-        a staged one, so pageable memory is never its source; docs/decisions/018.)"""
+        a staged one, so pageable memory is never its source; docs/decisions/018.)
+        ``pinned``: the tensor is known to be pinned, so it is not asked."""
         if (
             not self.direct
             or wire != tensor.dtype
@@ -639,7 +642,7 @@ class Planner:
             or not _bytes_as_they_lie(tensor)
         ):
             return 0
-        if self._known_pinned or tensor.is_pinned():
+        if pinned or tensor.is_pinned():
             return 1
         return 2 if tensor.nbytes >= PIN_MIN_BYTES else 0
 

@@ -148,6 +148,42 @@ def test_an_item_in_a_gradient_hook_is_counted_at_its_line(accel):
     assert norms == [pytest.approx(3 * 8**0.5)]
 
 
+def test_backwards_of_two_threads_count_in_their_own_ledgers(accel):
+    """Autograd's device thread serves both threads' backwards: each hook's read counts in
+    the ledger of the thread whose backward ran it, and a backward run outside any ledger
+    while one is open elsewhere counts nowhere."""
+    import threading
+
+    from gpuflow.accounting.ledger import TransferLedger
+
+    downloads: dict[str, int] = {}
+    start = threading.Barrier(3)
+
+    def train(name: str, reads: int, counted: bool) -> None:
+        weight = torch.ones(8, device=accel.torch, requires_grad=True)
+        weight.register_hook(lambda grad: [grad.sum().item() for _ in range(reads)] and None)
+        start.wait()
+        for _ in range(5):
+            if not counted:
+                (weight * 2).sum().backward()
+                continue
+            with TransferLedger(accel) as ledger:
+                (weight * 2).sum().backward()
+            found = sum(e.kind == "d2h" for e in ledger.events)
+            downloads[name] = downloads.get(name, 0) + found
+
+    threads = [
+        threading.Thread(target=train, args=("one", 1, True)),
+        threading.Thread(target=train, args=("two", 2, True)),
+        threading.Thread(target=train, args=("none", 3, False)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert downloads == {"one": 1 * 5, "two": 2 * 5}
+
+
 def test_printing_a_device_tensor_is_a_counted_wait(accel, capsys):
     from gpuflow.accounting.ledger import TransferLedger
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import gpuflow
+from gpuflow.accounting import ledger as ledger_module
 from gpuflow.accounting.budgets import BudgetExceeded, budget
 from gpuflow.accounting.crosscheck import Interval, device_activity
 from gpuflow.accounting.ledger import TransferLedger
@@ -544,25 +545,138 @@ def test_printing_a_device_tensor_counts_as_a_wait():
 # ---- threads that work for the region: autograd's device threads ---------------------------
 
 
-def test_waits_on_a_thread_that_inherits_the_ledger_are_counted_at_their_line():
-    """On CUDA the backward (and any gradient hook) runs on autograd's device thread, which
-    takes over the calling thread's dispatch modes, as this thread does."""
-    x = torch.ones(4, device="meta")
-    with TransferLedger("cpu") as ledger:
-        mode = _get_current_dispatch_mode()
+def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line():
+    """On CUDA a backward and its gradient hooks run on autograd's device thread, which takes
+    over the calling thread's thread-local Python objects; a thread that does the same here,
+    from inside a backward, is counted the same. A thread that does not is not."""
+    host = torch.ones(4)
+    w = torch.ones(3, requires_grad=True)
+    taken_over = []
+    key = ledger_module._CARRIED
 
-        def hook_body() -> None:
-            _push_mode(mode)  # what the autograd engine does
-            try:
-                _meta_raises(lambda: x.sum().item())  # hook-item
-                Device("cpu").synchronize()  # hook-wait
-            finally:
-                _pop_mode()
+    def on_worker() -> None:
+        for obj in taken_over:
+            torch._C._stash_obj_in_tls(key, obj)  # what the autograd engine does
+        host.to("meta")  # hook-copy
+        Device("cpu").synchronize()  # hook-wait
 
-        worker = threading.Thread(target=hook_body)
+    def in_worker_thread() -> None:
+        worker = threading.Thread(target=on_worker)
         worker.start()
         worker.join()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        taken_over[:] = [torch._C._get_obj_in_tls(key)]
+        in_worker_thread()
+        taken_over.clear()
+        return grad
+
+    w.register_hook(hook)
+    with TransferLedger("cpu") as ledger:
+        (w * 2).sum().backward()
+        in_worker_thread()  # a thread that takes nothing over works for no ledger
     syncs = [e for e in ledger.events if e.kind == "sync"]
-    assert [s.op for s in syncs] == ["blocking d2h item", "Device.synchronize"]
-    assert syncs[0].location.endswith(f"{HERE}:{_line('# hook-item')}")
+    assert [s.op for s in syncs] == ["blocking h2d to", "Device.synchronize"]
+    assert syncs[0].location.endswith(f"{HERE}:{_line('# hook-copy')}")
     assert syncs[1].location.endswith(f"{HERE}:{_line('# hook-wait')}")
+
+
+# ---- how it counts: kernels at one dispatch key, not a Python call per operation ------------
+
+
+def _counting_kernel_installed() -> bool:
+    table = torch._C._dispatch_dump_table("aten::copy_")
+    [line] = [row for row in table.splitlines() if row.startswith("ADInplaceOrView:")]
+    return "gpuflow" in line
+
+
+def test_only_the_watched_operations_reach_python_and_torch_s_kernels_come_back():
+    x = torch.ones(4)
+    assert not _counting_kernel_installed()
+    with TransferLedger("cpu") as ledger:
+        assert _get_current_dispatch_mode() is None  # no mode that every operation would pay
+        assert _counting_kernel_installed()
+        x.to("meta", non_blocking=True)
+    assert not _counting_kernel_installed()
+    assert [e.kind for e in ledger.events] == ["h2d"]
+
+
+def test_in_place_writes_keep_their_version_counts_under_a_ledger():
+    """The counter stands where torch bumps an in-place write's version: autograd must still
+    see a saved tensor changed under it."""
+
+    def bumps(write) -> int:
+        a = torch.zeros(4)
+        before = a._version
+        write(a)
+        return a._version - before
+
+    writes = (
+        lambda a: a.copy_(torch.ones(4)),
+        lambda a: a.index_put_((torch.tensor([1, 2]),), torch.tensor([5.0, 6.0])),
+        lambda a: a.__setitem__(a > -1, 3.0),
+    )
+    outside = [bumps(write) for write in writes]
+    with TransferLedger("cpu"):
+        inside = [bumps(write) for write in writes]
+        w = torch.ones(3, requires_grad=True)
+        saved = w.exp()
+        out = saved.exp()  # exp saves its output for the backward
+        saved.copy_(torch.zeros(3))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    assert inside == outside and all(n >= 1 for n in inside)
+
+
+def test_python_scalars_written_under_a_ledger_keep_their_values_and_types():
+    expected = []
+    got = []
+    for results in (expected, got):
+        halves = torch.zeros(4, dtype=torch.float16)
+        flags = torch.zeros(4, dtype=torch.bool)
+        counts = torch.zeros(4, dtype=torch.int32)
+        context = TransferLedger("cpu") if results is got else torch.no_grad()
+        with context:
+            halves[halves == 0] = 1.5  # a wrapped float, written as float16
+            flags[counts == 0] = True
+            counts[counts == 0] = 7
+            mixed = counts.float().add_(2)  # int and float mixed: a cast inside the op
+        results += [halves, flags, counts, mixed]
+    for want, have in zip(expected, got, strict=True):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+def test_inference_mode_is_counted_however_the_two_nest():
+    host = torch.arange(4.0)
+    with TransferLedger("cpu") as outer:
+        with torch.inference_mode():
+            made = host * 2  # an inference tensor
+            made.sum().item()  # infer-item
+            made.to("meta", non_blocking=True)  # infer-copy
+        made.tolist()  # after-tolist
+    with torch.inference_mode(), TransferLedger("cpu") as inner:
+        (host * 2).sum().item()  # inner-item
+    assert _get_current_dispatch_mode() is None
+    assert [(e.kind, e.location.split(":")[-1]) for e in outer.events] == [
+        ("sync", str(_line("# infer-item"))),
+        ("h2d", str(_line("# infer-copy"))),
+        ("sync", str(_line("# after-tolist"))),
+    ]
+    [item] = inner.events
+    assert item.location.endswith(f"{HERE}:{_line('# inner-item')}")
+
+
+def test_a_copy_under_a_users_own_dispatch_mode_counts_once():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with TransferLedger("cpu") as ledger, Watching():
+        torch.ones(4).to("meta", non_blocking=True)
+    assert "aten._to_copy.default" in seen
+    assert [e.kind for e in ledger.events] == ["h2d"]

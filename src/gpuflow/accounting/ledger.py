@@ -7,16 +7,18 @@
     print(ledger.summary().table())      # totals, per-step medians, top locations
 
 What it counts and how, what it cannot see, and what it costs: docs/architecture/ledger.md.
-Longer than most modules: the dispatch mode, the wait wrappers and the ledgers share one
-thread-local state.
+Longer than most modules: the counting kernels, the inference-mode counter, the wait
+wrappers and the ledgers share one thread-local state.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -50,8 +52,26 @@ _DATA_DEPENDENT = {
     _aten.repeat_interleave.Tensor: "repeat_interleave without output_size",
 }
 _MASK_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
-# Every other operation passes straight through.
+# Every other operation passes the counter's dispatch key in C++, unseen.
 _WATCHED = {_ITEM, _TO_COPY, _COPY, _LIFT_FRESH, *_DATA_DEPENDENT, *_MASK_INDEXING}
+# The counting kernels' key: the one below autograd where view and in-place ops update
+# their metadata, which every other watched operation passes straight through. Operations
+# a torch operation makes inside itself run with it excluded, unseen and uncharged.
+_KEY = torch._C.DispatchKey.ADInplaceOrView
+# torch.tensor(data, device=...) makes its copy with that key excluded, then passes the new
+# tensor through lift_fresh, also excluded: lift_fresh is watched at the backend-select key
+# instead, which nothing excludes.
+_KEY_OF = {_LIFT_FRESH: torch._C.DispatchKey.BackendSelect}
+_PYTHON = torch._C.DispatchKey.Python
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+# Python modes that trace rather than run (torch.compile, torch.export): what they see is not
+# an operation that runs.
+_TRACING_MODES = tuple(
+    getattr(torch._C._TorchDispatchModeKey, name)
+    for name in ("FAKE", "PROXY", "FUNCTIONAL")
+    if hasattr(torch._C._TorchDispatchModeKey, name)
+)
+_IN_PLACE = {_COPY, _aten.index_put_.default}  # whose kernel at that key bumps the version
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 # The layers that carry a crossing out (gpuflow.common.layers): their frames are skipped when
@@ -222,14 +242,16 @@ def caller_location() -> str:
     return "<unknown>"
 
 
-# ---- the recorder: one dispatch mode and one set of wrappers, shared by nested ledgers ------
+# ---- the recorder: kernels and wrappers shared by nested ledgers and threads ---------------
 
 
 class _State(threading.local):
     def __init__(self) -> None:
         self.ledgers: list[TransferLedger] = []
-        self.mode: _Dispatch | None = None
+        self.inside_op = False  # a counted operation runs: what it calls is part of it
+        self.inference_counter: _InferenceCounter | None = None
         self.inside_wait = False  # a counted wait or read is running: what it calls is its own
+        self.inside_repr = False  # torch is formatting a tensor: its reads are the print's
 
 
 _state = _State()
@@ -237,6 +259,8 @@ _patch_lock = threading.Lock()
 _ABSENT = object()  # an attribute the owner only inherits: deleted again, not set back
 _patched: dict[tuple[Any, str], Any] = {}
 _patch_users = 0
+_kernels: torch.library.Library | None = None
+_kernel_of: dict[Any, Callable[..., Any]] = {}  # made once, registered while a ledger is open
 
 # Frames that only carry a read to its cause (the dispatch machinery and the wrapper that
 # keeps torch.compile out of the dispatch mode, Tensor's Python methods, this module); and
@@ -260,16 +284,55 @@ _HOST_SIDE = (
 )
 
 
+# A thread's ledger list, kept in torch's thread-local Python objects too: autograd's device
+# threads, where a CUDA backward and its gradient hooks run, take those over from the thread
+# that called backward, and find its ledgers there.
+_CARRIED = "gpuflow.accounting.ledgers"
+
+
+_stash_steals: bool | None = None
+
+
+def _carry(ledgers: list[TransferLedger]) -> None:
+    """Keep ``ledgers`` where autograd's threads will find them (see ``_CARRIED``). Some torch
+    versions (2.11) keep a stashed object without a reference of their own, and drop one when
+    it is replaced or the thread ends: the reference is then given to them here."""
+    global _stash_steals
+    if _stash_steals is None:
+        probe = object()
+        before = sys.getrefcount(probe)
+        torch._C._stash_obj_in_tls(_CARRIED, probe)
+        _stash_steals = sys.getrefcount(probe) == before
+        if _stash_steals:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))
+    if _stash_steals:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(ledgers))
+    torch._C._stash_obj_in_tls(_CARRIED, ledgers)
+
+
 def _ledgers_here() -> list[TransferLedger]:
-    """The ledgers counting this thread's work: those whose dispatch mode is active here.
-    That is the thread that opened them and the threads that take over its dispatch modes
-    (autograd's device threads running a CUDA backward and its hooks), and not while torch
-    has set the modes aside (during compilation, inside a tensor's repr)."""
-    for i in range(torch._C._len_torch_dispatch_stack()):
-        mode = torch._C._get_dispatch_stack_at(i)
-        if isinstance(mode, _Dispatch):
-            return mode.ledgers
-    return []
+    """The ledgers counting this thread's work: those it opened, or on autograd's device
+    threads, those of the thread whose backward they run."""
+    if _state.ledgers or not torch._C._is_key_in_tls(_CARRIED):
+        return _state.ledgers
+    return torch._C._get_obj_in_tls(_CARRIED)
+
+
+# Frames of torch.compile at work (tracing, code generation, autotuning): what runs under them
+# is the compiler's, not the region's. The code it makes runs without them, and is counted.
+_COMPILER_FILES = frozenset(
+    str(Path(_TORCH_DIR, *part.split("/")))
+    for part in ("_dynamo/convert_frame.py", "_inductor/compile_fx.py")
+)
+
+
+def _inside_the_compiler() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename in _COMPILER_FILES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _emit(
@@ -279,6 +342,8 @@ def _emit(
 ) -> None:
     """Count one event in ``ledgers`` (``host_only``: in those of them open for the host)."""
     if tally.in_housekeeping():  # the transfer layer's own clean-up: not the region's work
+        return
+    if _inside_the_compiler():
         return
     violation: Exception | None = None
     for ledger in list(ledgers):  # another thread (a backward's) may close one meanwhile
@@ -342,10 +407,10 @@ def _host_pinned(t: torch.Tensor) -> bool:
         return False
 
 
-class _Dispatch(TorchDispatchMode):
-    """Looks at every aten operation of its thread and counts copies and host waits, for
-    ``ledgers``: the list of the thread that opened them, shared with the threads that take
-    the mode over (autograd's device threads)."""
+class _InferenceCounter(TorchDispatchMode):
+    """Inference mode excludes the counting kernels' key, and tensors made in it lack it: while
+    a ledger thread is in inference mode, this mode counts the watched operations instead,
+    each operation there paying a Python call."""
 
     def __init__(self, ledgers: list[TransferLedger]) -> None:
         super().__init__()
@@ -353,75 +418,234 @@ class _Dispatch(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # torch.compile then compiles under the mode (with the mode set aside) and runs the
-        # compiled code under it, instead of running the function eagerly and marking its
-        # frames never to be compiled again. What the compiled code dispatches (a copy, an
-        # .item() at a graph break, a fallback kernel) still passes through here.
-        return True
+        return True  # compiled code runs compiled under it, as with no mode at all
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in _WATCHED:
-            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        if func is _ITEM:
-            if _is_device(args[0]):
-                self._copy("d2h", args[0], args[0].element_size(), "item", True, False)
-            else:
-                _record_host_read("item", self.ledgers)
-        elif func in _DATA_DEPENDENT:
-            if any(_is_device(a) for a in args):
-                _record_sync(_DATA_DEPENDENT[func], self.ledgers)
-            else:
-                _record_host_read(_DATA_DEPENDENT[func], self.ledgers)
-        elif func in _MASK_INDEXING and _has_mask(args[1]):
-            if _is_device(args[0]):
-                _record_sync("boolean-mask indexing", self.ledgers)
-            else:
-                _record_host_read("boolean-mask indexing", self.ledgers)
-        out = func(*args, **kwargs)
-        if func is _TO_COPY:
-            self._transfer(args[0], out, kwargs.get("non_blocking", False), "to")
-        elif func is _COPY:
-            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            self._transfer(args[1], args[0], non_blocking, "copy_")
-        elif func is _LIFT_FRESH and _is_device(out):  # made from host data, copied blocking
-            self._copy("h2d", out, out.numel() * out.element_size(), "torch.tensor", True, False)
-        return out
+        if not torch.is_inference_mode_enabled():  # inference_mode(False) within: the kernels count
+            return func(*args, **kwargs)
+        if func in _WATCHED and _counting_now():
+            return _counted_operation(
+                func, lambda: func(*args, **kwargs), args, kwargs, self.ledgers
+            )
+        # Without autograd's keys, torch's composite operations (item, to) arrive whole:
+        # their parts come back here.
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
 
-    def _transfer(self, src: Any, dst: Any, non_blocking: bool, op: str) -> None:
-        """Count ``src`` -> ``dst`` if it crosses between host and device or between two
-        devices (a dtype conversion on one device is compute, not a transfer)."""
-        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
-            return
-        s, d = _is_device(src), _is_device(dst)
-        if (not s and not d) or (s and d and src.device == dst.device):
-            return
-        kind = "d2d" if s and d else "h2d" if d else "d2h"
-        pinned = None if kind == "d2d" else _host_pinned(src if kind == "h2d" else dst)
-        # Without non_blocking, torch waits for a copy to or from the host to finish.
-        blocking = kind != "d2d" and not non_blocking
-        self._copy(kind, dst, dst.numel() * dst.element_size(), op, blocking, pinned)
 
-    def _copy(
-        self,
-        kind: str,
-        t: torch.Tensor,
-        nbytes: int,
-        op: str,
-        blocking: bool,
-        pinned: bool | None = None,
-    ) -> None:
-        where = caller_location()
-        dtype = str(t.dtype).removeprefix("torch.")
-        _emit(
-            lambda ledger: TransferEvent(
-                kind, op, where, ledger._step, nbytes, dtype, pinned, blocking
-            ),
-            self.ledgers,
-        )
-        if blocking:
-            label = f"blocking {kind} {op}"
-            _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step), self.ledgers)
+def _counting_now() -> bool:
+    """Not while a counted operation, a tensor's repr or torch.compile runs: what they call
+    is theirs (a compiler's tracing and autotuning; the compiled code is counted when it runs)."""
+    return not (_state.inside_op or _state.inside_repr or torch.compiler.is_compiling())
+
+
+# Python kernels are given a wrapped number (a Python scalar torch made into a tensor) as
+# the number; the operation below needs the tensor back, of the dtype it was made with.
+_WRAPPED_DTYPES = {
+    bool: torch.bool,
+    int: torch.int64,
+    float: torch.float64,
+    complex: torch.complex128,
+}
+
+
+def _tensor_positions(op: Any) -> tuple[int, ...]:
+    return tuple(i for i, a in enumerate(op._schema.arguments) if str(a.type) == "Tensor")
+
+
+def _rewrapped(args: tuple[Any, ...], positions: tuple[int, ...]) -> tuple[Any, ...]:
+    out = None
+    for i in positions:
+        if i < len(args) and isinstance(args[i], (bool, int, float, complex)):
+            out = out or list(args)
+            # A value written into a tensor (copy_, index_put_) was made in that tensor's dtype.
+            like = args[0].dtype if i and isinstance(args[0], torch.Tensor) else None
+            out[i] = torch.scalar_tensor(args[i], dtype=like or _WRAPPED_DTYPES[type(args[i])])
+    return args if out is None else tuple(out)
+
+
+def _traced(args: tuple[Any, ...]) -> bool:
+    """Whether a Python mode or tensor subclass below traces the operation instead of running
+    it. A user's own mode or subclass runs it, below the counter: it counts here, once."""
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
+
+
+def _counting_kernel(op: Any) -> Callable[..., Any]:
+    """``op``'s kernel at ``_KEY`` while a ledger is open: it counts ``op`` for the ledgers of
+    the thread it runs on, and does what the key's own kernel did: pass the operation on,
+    and for an in-place one bump the tensor's version. Every watched operation of every
+    thread comes here while a ledger is open: the way out for those not counted is short."""
+    positions = _tensor_positions(op)
+    below_key = torch._C._dispatch_keyset_full_after(_KEY_OF.get(op, _KEY))
+    in_place = op in _IN_PLACE
+    stays = _STAYS.get(op)  # a test that the operation can be neither a crossing nor a wait
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        args = _rewrapped(args, positions)
+        below = keyset & below_key
+
+        def run() -> Any:
+            if not in_place:
+                return op.redispatch(below, *args, **kwargs)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                op.redispatch(below, *args, **kwargs)
+            torch.autograd.graph.increment_version(args[0])
+            return args[0]
+
+        ledgers = _ledgers_here()
+        if (
+            not ledgers
+            or (stays is not None and stays(args, kwargs, ledgers))
+            or _state.inside_op
+            or _state.inside_repr
+            or (_state.inference_counter is not None and torch.is_inference_mode_enabled())
+            or torch.compiler.is_compiling()
+            or (keyset.has(_PYTHON) and _traced(args))
+        ):
+            return run()
+        return _counted_operation(op, run, args, kwargs, ledgers)
+
+    return kernel
+
+
+def _any_for_the_host(ledgers: list[TransferLedger]) -> bool:
+    return any(ledger.device.type == "cpu" for ledger in ledgers)
+
+
+# The watched operations that are most often nothing to count (an optimizer reading its
+# host step counters, autocast's casts, a copy within one device), told apart early.
+_STAYS: dict[Any, Callable[[tuple, dict, list[TransferLedger]], bool]] = {
+    _ITEM: lambda args, kwargs, ledgers: (
+        args[0].device.type == "cpu" and not _any_for_the_host(ledgers)
+    ),
+    _TO_COPY: lambda args, kwargs, ledgers: kwargs.get("device") in (None, args[0].device),
+    _COPY: lambda args, kwargs, ledgers: args[0].device == args[1].device,
+}
+
+
+def _counted_operation(
+    op: Any,
+    run: Callable[[], Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ledgers: list[TransferLedger],
+) -> Any:
+    """``run()`` ``op``, counting it in ``ledgers``."""
+    before, after = _COUNTERS[op]
+    if before is not None:
+        before(args, ledgers)
+    nested, _state.inside_op = _state.inside_op, True
+    try:
+        out = run()
+    finally:
+        _state.inside_op = nested
+    if after is not None:
+        after(args, kwargs, out, ledgers)
+    return out
+
+
+# What each watched operation counts: a wait before it runs (so that an at-site budget stops
+# it there), a copy after it.
+
+
+def _before_item(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+    if _is_device(args[0]):
+        _copy(ledgers, "d2h", args[0], args[0].element_size(), "item", True, False)
+    else:
+        _record_host_read("item", ledgers)
+
+
+def _waits_for(label: str) -> Callable[[tuple[Any, ...], list[TransferLedger]], None]:
+    def before(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+        if any(_is_device(a) for a in args):
+            _record_sync(label, ledgers)
+        else:
+            _record_host_read(label, ledgers)
+
+    return before
+
+
+def _before_indexing(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+    if _has_mask(args[1]):
+        if _is_device(args[0]):
+            _record_sync("boolean-mask indexing", ledgers)
+        else:
+            _record_host_read("boolean-mask indexing", ledgers)
+
+
+def _after_to_copy(args: tuple, kwargs: dict, out: Any, ledgers: list[TransferLedger]) -> None:
+    _transfer(ledgers, args[0], out, kwargs.get("non_blocking", False), "to")
+
+
+def _after_copy(args: tuple, kwargs: dict, out: Any, ledgers: list[TransferLedger]) -> None:
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    _transfer(ledgers, args[1], args[0], non_blocking, "copy_")
+
+
+def _after_lift_fresh(args: tuple, kwargs: dict, out: Any, ledgers: list[TransferLedger]) -> None:
+    if _is_device(out):  # made from host data, copied blocking
+        _copy(ledgers, "h2d", out, out.numel() * out.element_size(), "torch.tensor", True, False)
+
+
+_COUNTERS: dict[Any, tuple[Callable[..., None] | None, Callable[..., None] | None]] = {
+    _ITEM: (_before_item, None),
+    _TO_COPY: (None, _after_to_copy),
+    _COPY: (None, _after_copy),
+    _LIFT_FRESH: (None, _after_lift_fresh),
+    **{op: (_waits_for(label), None) for op, label in _DATA_DEPENDENT.items()},
+    **{op: (_before_indexing, None) for op in _MASK_INDEXING},
+}
+
+
+def _transfer(
+    ledgers: list[TransferLedger], src: Any, dst: Any, non_blocking: bool, op: str
+) -> None:
+    """Count ``src`` -> ``dst`` if it crosses between host and device or between two
+    devices (a dtype conversion on one device is compute, not a transfer)."""
+    if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+        return
+    if src.device == dst.device:  # a cast or a copy in place: compute, not a transfer
+        return
+    s, d = _is_device(src), _is_device(dst)
+    if (not s and not d) or (s and d and src.device == dst.device):
+        return
+    kind = "d2d" if s and d else "h2d" if d else "d2h"
+    pinned = None if kind == "d2d" else _host_pinned(src if kind == "h2d" else dst)
+    # Without non_blocking, torch waits for a copy to or from the host to finish.
+    blocking = kind != "d2d" and not non_blocking
+    _copy(ledgers, kind, dst, dst.numel() * dst.element_size(), op, blocking, pinned)
+
+
+def _copy(
+    ledgers: list[TransferLedger],
+    kind: str,
+    t: torch.Tensor,
+    nbytes: int,
+    op: str,
+    blocking: bool,
+    pinned: bool | None = None,
+) -> None:
+    where = caller_location()
+    dtype = str(t.dtype).removeprefix("torch.")
+    _emit(
+        lambda ledger: TransferEvent(
+            kind, op, where, ledger._step, nbytes, dtype, pinned, blocking
+        ),
+        ledgers,
+    )
+    if blocking:
+        label = f"blocking {kind} {op}"
+        _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step), ledgers)
 
 
 def _has_mask(indices: Any) -> bool:
@@ -453,7 +677,7 @@ def _wait_targets() -> list[tuple[Any, str, str]]:
 def _counted_wait(original: Callable[..., Any], label: str) -> Callable[..., Any]:
     def wait(*args: Any, **kwargs: Any) -> Any:
         ledgers = _ledgers_here()
-        if ledgers and not _state.inside_wait:
+        if ledgers and not _state.inside_wait and _counting_now():
             _record_sync(label, ledgers)
             _state.inside_wait = True  # one wait that calls another counts once
             try:
@@ -473,20 +697,60 @@ def _counted_read(original: Callable[..., Any], op: str) -> Callable[..., Any]:
 
     def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ledgers = _ledgers_here()
-        if ledgers and not _state.inside_wait and isinstance(tensor, torch.Tensor):
+        busy = _state.inside_wait or not _counting_now()
+        if ledgers and not busy and isinstance(tensor, torch.Tensor):
             if not _is_device(tensor):
                 _record_host_read(op, ledgers)
             elif op == "print":
                 _record_sync("print of a device tensor", ledgers)
-            _state.inside_wait = True  # the repr's own reads are part of this one
+            # What the read calls is part of it; a repr's copies too (a device tensor's
+            # tolist is counted as its copy to the host).
+            flag = "inside_repr" if op == "print" else "inside_wait"
+            setattr(_state, flag, True)
             try:
                 return original(tensor, *args, **kwargs)
             finally:
-                _state.inside_wait = False
+                setattr(_state, flag, False)
         return original(tensor, *args, **kwargs)
 
     read.__wrapped__ = original  # type: ignore[attr-defined]
     return read
+
+
+def _start_inference_counter(owner: Any) -> None:
+    """Counts for this thread's ledgers while it is in inference mode; ``owner`` (a ledger or
+    an inference_mode context) stops it when it ends."""
+    if _state.ledgers and _state.inference_counter is None and torch.is_inference_mode_enabled():
+        counter = _InferenceCounter(_state.ledgers)
+        counter.__enter__()
+        _state.inference_counter = counter
+        owner._gpuflow_inference_counter = counter
+
+
+def _stop_inference_counter(owner: Any) -> None:
+    counter = vars(owner).pop("_gpuflow_inference_counter", None)
+    if counter is not None:
+        _state.inference_counter = None
+        counter.__exit__(None, None, None)
+
+
+def _counted_inference_enter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def enter(self: Any) -> Any:
+        out = original(self)
+        _start_inference_counter(self)
+        return out
+
+    enter.__wrapped__ = original  # type: ignore[attr-defined]
+    return enter
+
+
+def _counted_inference_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    def exit_(self: Any, *exc: Any) -> Any:
+        _stop_inference_counter(self)
+        return original(self, *exc)
+
+    exit_.__wrapped__ = original  # type: ignore[attr-defined]
+    return exit_
 
 
 def _patch_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
@@ -501,6 +765,8 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Call
         *waits,
         (torch.Tensor, "tolist", lambda f: _counted_read(f, "tolist")),
         (torch._tensor_str, "_str", lambda f: _counted_read(f, "print")),
+        (torch.autograd.grad_mode.inference_mode, "__enter__", _counted_inference_enter),
+        (torch.autograd.grad_mode.inference_mode, "__exit__", _counted_inference_exit),
     ]
 
 
@@ -513,6 +779,15 @@ def _install_waits() -> None:
         for owner, attr, wrap in _patch_targets():
             _patched[(owner, attr)] = vars(owner).get(attr, _ABSENT)
             setattr(owner, attr, wrap(getattr(owner, attr)))
+        global _kernels
+        if not _kernel_of:
+            _kernel_of.update({op: _counting_kernel(op) for op in _WATCHED})
+        _kernels = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # copy_ and index_put_ have a kernel there: replaced
+            warnings.simplefilter("ignore", UserWarning)
+            for op in _WATCHED:
+                key = _KEY_OF.get(op, _KEY).name
+                _kernels.impl(op, _kernel_of[op], key, with_keyset=True)
 
 
 def _remove_waits() -> None:
@@ -527,6 +802,10 @@ def _remove_waits() -> None:
             else:
                 setattr(owner, attr, original)
         _patched.clear()
+        global _kernels
+        if _kernels is not None:
+            _kernels._destroy()
+            _kernels = None
 
 
 # ---- the public ledger ------------------------------------------------------------------------
@@ -559,23 +838,21 @@ class TransferLedger:
         self._allocator = _Allocator(self.device)
         self._region_start = dict(self._allocator.last)
         _install_waits()
-        _state.ledgers.append(self)
-        if _state.mode is None:
-            _state.mode = _Dispatch(_state.ledgers)
-            _state.mode.__enter__()
+        if not _state.ledgers:
             tally.listen(_record_reported)
+            _carry(_state.ledgers)
+        _state.ledgers.append(self)
+        _start_inference_counter(self)  # opened inside inference mode
         return self
 
     def __exit__(self, *exc: object) -> None:
+        was_open_here = any(ledger is self for ledger in _state.ledgers)
         try:
+            _stop_inference_counter(self)
             _state.ledgers[:] = [ledger for ledger in _state.ledgers if ledger is not self]
         finally:  # whatever happens, the last ledger out takes the recorder with it
-            if not _state.ledgers and _state.mode is not None:
-                mode, _state.mode = _state.mode, None
-                try:
-                    mode.__exit__(None, None, None)
-                finally:
-                    tally.stop_listening(_record_reported)
+            if was_open_here and not _state.ledgers:
+                tally.stop_listening(_record_reported)
             _remove_waits()
         self._region_end = self._allocator.read()
         if self._step_start < len(self._events) or not self._steps:

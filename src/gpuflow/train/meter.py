@@ -99,8 +99,7 @@ class BusMeter:
 
     def samples(self, step: int) -> bool:
         """Whether step ``step`` (about to run) is its interval's sampled one. Steps that
-        compile or capture are not: they are warm-up, and compiling under the ledger's
-        dispatch mode is best avoided."""
+        compile or capture are not: they are warm-up, not steps to count."""
         last_of_interval = (step + 1) % self.log_interval == 0
         return self.log_interval > 1 and last_of_interval and step >= self.first_sampled
 

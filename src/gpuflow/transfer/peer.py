@@ -51,7 +51,7 @@ def peer_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -
     nothing, so the checks and the accounting run without an accelerator), of equal shape
     and dtype. Stream order: see the module docstring. The copy counts once in the ledgers
     open on this thread, as ``d2d`` of ``dst``'s bytes (op ``peer_copy``), within one device
-    too: the ledger's dispatch mode counts only a copy between two devices, so the copy
+    too: the ledger itself counts only a copy between two devices, so the copy
     itself is kept out of it and reported here, as ``DeviceLoader`` does with its batches.
     """
     _check(dst, src)

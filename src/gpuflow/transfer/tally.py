@@ -1,6 +1,6 @@
 """Where transfer-layer code reports copies that the ledger cannot see for itself.
 
-A ``TorchDispatchMode`` sees the operations of its own thread only, when they are made.
+The ledger sees the operations of its own thread only, when they are made.
 ``DeviceLoader`` queues a batch's copy before the consumer takes it (and shares one copy
 among small batches), so it makes its copies as housekeeping and reports each batch here
 when the consumer takes it; the ledgers open on the consumer's thread count it then. This

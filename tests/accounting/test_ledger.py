@@ -7,6 +7,8 @@ path and are counted like real ones, so the accounting runs without an accelerat
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -547,18 +549,31 @@ def test_printing_a_device_tensor_counts_as_a_wait():
 
 def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line():
     """On CUDA a backward and its gradient hooks run on autograd's device thread, which takes
-    over the calling thread's thread-local Python objects; a thread that does the same here,
-    from inside a backward, is counted the same. A thread that does not is not."""
+    over the calling thread's thread-local Python objects and function modes; a thread that
+    does the same here, from inside a backward, is counted the same. A thread that does not
+    is not."""
     host = torch.ones(4)
     w = torch.ones(3, requires_grad=True)
     taken_over = []
-    key = ledger_module._CARRIED
+    carried_objects: list = []
+    inner: list[TransferLedger] = []
 
     def on_worker() -> None:
-        for obj in taken_over:
-            torch._C._stash_obj_in_tls(key, obj)  # what the autograd engine does
-        host.to("meta")  # hook-copy
-        Device("cpu").synchronize()  # hook-wait
+        # What the autograd engine does (the list is kept in one of the two).
+        for obj in carried_objects:
+            ledger_module._stash(obj)
+        for mode in taken_over:
+            torch.overrides._push_mode(mode)
+        try:
+            host.to("meta")  # hook-copy
+            Device("cpu").synchronize()  # hook-wait
+            with TransferLedger("cpu") as own:  # a hook's own ledger: both count what it sees
+                host.to("meta", non_blocking=True)
+            host.to("meta", non_blocking=True)  # and the carried one still counts after it
+            inner.append(own)
+        finally:
+            for _ in taken_over:
+                torch.overrides._pop_mode()
 
     def in_worker_thread() -> None:
         worker = threading.Thread(target=on_worker)
@@ -566,9 +581,12 @@ def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line()
         worker.join()
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        taken_over[:] = [torch._C._get_obj_in_tls(key)]
+        taken_over[:] = torch.overrides._get_current_function_mode_stack()
+        key = ledger_module._CARRIED
+        carried_objects[:] = [torch._C._get_obj_in_tls(key)] if torch._C._is_key_in_tls(key) else []
         in_worker_thread()
         taken_over.clear()
+        carried_objects.clear()
         return grad
 
     w.register_hook(hook)
@@ -578,6 +596,10 @@ def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line()
     syncs = [e for e in ledger.events if e.kind == "sync"]
     assert [s.op for s in syncs] == ["blocking h2d to", "Device.synchronize"]
     assert syncs[0].location.endswith(f"{HERE}:{_line('# hook-copy')}")
+    # The worker inside the backward: 3 copies for the carried ledger, 1 for its own; the
+    # worker that takes nothing over: only its own ledger's copy.
+    assert [len([e for e in led.events if e.kind == "h2d"]) for led in inner] == [1, 1]
+    assert len([e for e in ledger.events if e.kind == "h2d"]) == 3
     assert syncs[1].location.endswith(f"{HERE}:{_line('# hook-wait')}")
 
 
@@ -680,3 +702,74 @@ def test_a_copy_under_a_users_own_dispatch_mode_counts_once():
         torch.ones(4).to("meta", non_blocking=True)
     assert "aten._to_copy.default" in seen
     assert [e.kind for e in ledger.events] == ["h2d"]
+
+
+def test_python_numbers_copied_into_tensors_wrap_and_are_not_counted_as_crossings():
+    """copy_ of a Python number converts it as torch does (300 into uint8 wraps to 44), and
+    no host memory crosses for it; a thread with no ledger is not changed by one elsewhere."""
+    plain = torch.zeros(2, dtype=torch.uint8).copy_(300)
+    device = torch.empty(3, device="meta")
+    with TransferLedger("cpu") as ledger:
+        counted = torch.zeros(2, dtype=torch.uint8).copy_(300)
+        device.copy_(1.5)
+        results = []
+        worker = threading.Thread(target=lambda: results.append(torch.zeros(1).copy_(2**40)))
+        worker.start()
+        worker.join()
+    assert torch.equal(counted, plain) and counted.tolist() == [44, 44]
+    assert results[0].item() == float(2**40)
+    assert [e for e in ledger.events if e.kind != "sync"] == []
+
+
+def test_an_in_place_write_to_an_inference_tensor_fails_under_a_ledger_as_without():
+    with torch.inference_mode():
+        made = torch.ones(3)
+    with pytest.raises(RuntimeError, match="inference"):
+        made.copy_(torch.zeros(3))
+    with TransferLedger("cpu"), pytest.raises(RuntimeError, match="inference"):
+        made.copy_(torch.zeros(3))
+
+
+def test_repeat_interleave_waits_only_without_its_output_size():
+    counts = torch.tensor([1, 2, 3])
+    with TransferLedger("cpu") as ledger:
+        torch.repeat_interleave(counts)  # repeat-wait
+        counts.repeat_interleave(counts, output_size=6)  # told the size: no wait
+    [sync] = ledger.events
+    assert sync.location.endswith(f"{HERE}:{_line('# repeat-wait')}")
+    assert "repeat_interleave" in sync.op
+
+
+def test_ledgers_closed_out_of_order_inside_inference_mode_keep_counting():
+    host = torch.arange(4.0)
+    with torch.inference_mode():
+        outer = TransferLedger("cpu").__enter__()
+        inner = TransferLedger("cpu").__enter__()
+        outer.__exit__(None, None, None)
+        (host * 2).sum().item()
+        inner.__exit__(None, None, None)
+    assert [e.kind for e in inner.events] == ["sync"]
+    assert outer.events == []
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_ledger_opened_on_short_lived_threads_leaves_the_process_to_exit_cleanly(tmp_path):
+    """torch frees what a thread left in its thread-local objects as the thread ends; at
+    interpreter exit that aborted the process. The ledger leaves nothing there."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "import torch\n"
+        "from gpuflow.accounting.ledger import TransferLedger\n"
+        "def work(_):\n"
+        "    with TransferLedger('cpu') as ledger:\n"
+        "        torch.ones(2).sum().item()\n"
+        "    return len(ledger.events)\n"
+        "with ThreadPoolExecutor(4) as pool:\n"
+        "    print(list(pool.map(work, range(8))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([1] * 8)

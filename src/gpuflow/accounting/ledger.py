@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpuflow.common.layers import LOOKED_THROUGH
@@ -40,8 +41,8 @@ _aten = torch.ops.aten
 _ITEM = _aten._local_scalar_dense.default
 _TO_COPY = _aten._to_copy.default
 _COPY = _aten.copy_.default
-# torch.tensor / as_tensor of Python data: the host-to-device copy inside is hidden from
-# dispatch modes; the fresh tensor then passes through lift_fresh, on the device.
+# torch.tensor of Python data: the host-to-device copy inside is made with the counting
+# key excluded; the fresh tensor then passes through lift_fresh, on the device.
 _LIFT_FRESH = _aten.lift_fresh.default
 _DATA_DEPENDENT = {
     _aten.nonzero.default: "nonzero",
@@ -58,10 +59,15 @@ _WATCHED = {_ITEM, _TO_COPY, _COPY, _LIFT_FRESH, *_DATA_DEPENDENT, *_MASK_INDEXI
 # their metadata, which every other watched operation passes straight through. Operations
 # a torch operation makes inside itself run with it excluded, unseen and uncharged.
 _KEY = torch._C.DispatchKey.ADInplaceOrView
-# torch.tensor(data, device=...) makes its copy with that key excluded, then passes the new
-# tensor through lift_fresh, also excluded: lift_fresh is watched at the backend-select key
-# instead, which nothing excludes.
-_KEY_OF = {_LIFT_FRESH: torch._C.DispatchKey.BackendSelect}
+# Two watched operations never reach that key: torch.tensor(data, device=...) passes its new
+# tensor through lift_fresh with the key excluded, and autograd's kernel for
+# repeat_interleave.Tensor goes straight below it. They are watched at the backend-select
+# key instead, which nothing excludes.
+_REPEAT_INTERLEAVE = _aten.repeat_interleave.Tensor
+_KEY_OF = {
+    _LIFT_FRESH: torch._C.DispatchKey.BackendSelect,
+    _REPEAT_INTERLEAVE: torch._C.DispatchKey.BackendSelect,
+}
 _PYTHON = torch._C.DispatchKey.Python
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 # Python modes that trace rather than run (torch.compile, torch.export): what they see is not
@@ -72,6 +78,7 @@ _TRACING_MODES = tuple(
     if hasattr(torch._C._TorchDispatchModeKey, name)
 )
 _IN_PLACE = {_COPY, _aten.index_put_.default}  # whose kernel at that key bumps the version
+_COPIES = {_COPY, _TO_COPY}
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 # The layers that carry a crossing out (gpuflow.common.layers): their frames are skipped when
@@ -250,6 +257,9 @@ class _State(threading.local):
         self.ledgers: list[TransferLedger] = []
         self.inside_op = False  # a counted operation runs: what it calls is part of it
         self.inference_counter: _InferenceCounter | None = None
+        self.carried: list[TransferLedger] | None = None  # inside a _Carrier's call
+        self.stashed = False  # this thread's list is in torch's thread-local objects
+        self.recording = False  # this thread listens for copies the transfer layer reports
         self.inside_wait = False  # a counted wait or read is running: what it calls is its own
         self.inside_repr = False  # torch is formatting a tensor: its reads are the print's
 
@@ -262,8 +272,8 @@ _patch_users = 0
 _kernels: torch.library.Library | None = None
 _kernel_of: dict[Any, Callable[..., Any]] = {}  # made once, registered while a ledger is open
 
-# Frames that only carry a read to its cause (the dispatch machinery and the wrapper that
-# keeps torch.compile out of the dispatch mode, Tensor's Python methods, this module); and
+# Frames that only carry a read to its cause (the dispatch machinery, torch.compile's
+# wrappers, Tensor's Python methods, this module); and
 # frames whose reads are of host data on a GPU machine too: an optimizer's step counters, a
 # DataLoader's batches, compilation, gpuflow's transfer layer and its host buffers. A host
 # read made straight from a frame of the second kind is not one that would wait for a GPU.
@@ -284,24 +294,27 @@ _HOST_SIDE = (
 )
 
 
-# A thread's ledger list, kept in torch's thread-local Python objects too: autograd's device
-# threads, where a CUDA backward and its gradient hooks run, take those over from the thread
-# that called backward, and find its ledgers there.
+# How autograd's device threads, which run a CUDA backward and its gradient hooks, find the
+# ledgers of the thread whose backward it is. They take over that thread's thread-local
+# Python objects, where the thread keeps its ledger list from its first ledger to its last.
+# Torch frees what is left there as a thread ends, which aborts a process that is exiting
+# meanwhile: a torch that cannot take an object out again (2.11) keeps the list there for
+# the main thread only (its objects are freed after the interpreter), and other threads
+# carry theirs in a function mode pushed for each backward, which every Python-level torch
+# call during it pays for.
 _CARRIED = "gpuflow.accounting.ledgers"
-
-
+_CAN_REMOVE = hasattr(torch._C, "_remove_obj_from_tls")
 _stash_steals: bool | None = None
 
 
-def _carry(ledgers: list[TransferLedger]) -> None:
-    """Keep ``ledgers`` where autograd's threads will find them (see ``_CARRIED``). Some torch
-    versions (2.11) keep a stashed object without a reference of their own, and drop one when
-    it is replaced or the thread ends: the reference is then given to them here."""
+def _stash(ledgers: list[TransferLedger]) -> None:
+    """Some torch versions (2.11) keep a stashed object without a reference of their own
+    and drop one when it goes: the reference is given to them here."""
     global _stash_steals
     if _stash_steals is None:
         probe = object()
         before = sys.getrefcount(probe)
-        torch._C._stash_obj_in_tls(_CARRIED, probe)
+        torch._C._stash_obj_in_tls(_CARRIED + ".probe", probe)
         _stash_steals = sys.getrefcount(probe) == before
         if _stash_steals:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))
@@ -310,12 +323,62 @@ def _carry(ledgers: list[TransferLedger]) -> None:
     torch._C._stash_obj_in_tls(_CARRIED, ledgers)
 
 
+def _carry() -> None:
+    """At a thread's first ledger: its list where autograd's threads will find it. A thread
+    that runs another's backward keeps the list carried in."""
+    if _state.stashed or torch._C._is_key_in_tls(_CARRIED):
+        return
+    if _CAN_REMOVE or threading.current_thread() is threading.main_thread():
+        _stash(_state.ledgers)
+        _state.stashed = True
+
+
+def _uncarry() -> None:
+    """At a thread's last ledger: nothing of it left for torch to free as the thread ends."""
+    if _state.stashed and _CAN_REMOVE:
+        torch._C._remove_obj_from_tls(_CARRIED)
+        _state.stashed = False
+
+
+class _Carrier(TorchFunctionMode):
+    """Carries the ledgers of a thread that could not stash them into the backward it runs
+    (see ``_CARRIED``). On the stack only for that backward; it passes every call through."""
+
+    def __init__(self, ledgers: list[TransferLedger]) -> None:
+        super().__init__()
+        self.ledgers = ledgers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # torch sets the mode aside while the call runs: its operations find the ledgers
+        # here instead.
+        carried, _state.carried = _state.carried, self.ledgers
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _state.carried = carried
+
+
+def _carried_in() -> list[TransferLedger] | None:
+    """The ledgers of another thread whose backward this thread runs, if any."""
+    if _state.carried is not None:
+        return _state.carried
+    if not _state.stashed and torch._C._is_key_in_tls(_CARRIED):
+        return torch._C._get_obj_in_tls(_CARRIED)
+    for i in range(torch._C._len_torch_function_stack()):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, _Carrier):
+            return mode.ledgers
+    return None
+
+
 def _ledgers_here() -> list[TransferLedger]:
-    """The ledgers counting this thread's work: those it opened, or on autograd's device
+    """The ledgers counting this thread's work: those it opened and, on autograd's device
     threads, those of the thread whose backward they run."""
-    if _state.ledgers or not torch._C._is_key_in_tls(_CARRIED):
-        return _state.ledgers
-    return torch._C._get_obj_in_tls(_CARRIED)
+    own = _state.ledgers
+    carried = _carried_in()
+    if carried is None or carried is own:
+        return own
+    return [*carried, *own] if own else carried
 
 
 # Frames of torch.compile at work (tracing, code generation, autotuning): what runs under them
@@ -424,7 +487,7 @@ class _InferenceCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if not torch.is_inference_mode_enabled():  # inference_mode(False) within: the kernels count
             return func(*args, **kwargs)
-        if func in _WATCHED and _counting_now():
+        if func in _WATCHED and self.ledgers and _counting_now():
             return _counted_operation(
                 func, lambda: func(*args, **kwargs), args, kwargs, self.ledgers
             )
@@ -445,7 +508,9 @@ def _counting_now() -> bool:
 
 
 # Python kernels are given a wrapped number (a Python scalar torch made into a tensor) as
-# the number; the operation below needs the tensor back, of the dtype it was made with.
+# the number; the operation below needs the tensor back, of the dtype it was made with:
+# torch's default for the scalar's type, or for a value indexing assigns, the dtype of the
+# tensor it is written into.
 _WRAPPED_DTYPES = {
     bool: torch.bool,
     int: torch.int64,
@@ -454,19 +519,24 @@ _WRAPPED_DTYPES = {
 }
 
 
+_INDEXED_VALUES = {_aten.index_put_.default: 2, _aten.index_put.default: 2}
+
+
 def _tensor_positions(op: Any) -> tuple[int, ...]:
     return tuple(i for i, a in enumerate(op._schema.arguments) if str(a.type) == "Tensor")
 
 
-def _rewrapped(args: tuple[Any, ...], positions: tuple[int, ...]) -> tuple[Any, ...]:
+def _rewrapped(
+    args: tuple[Any, ...], positions: tuple[int, ...], value_at: int | None
+) -> tuple[tuple[Any, ...], bool]:
+    """``args`` with their wrapped numbers made tensors again, and whether there were any."""
     out = None
     for i in positions:
         if i < len(args) and isinstance(args[i], (bool, int, float, complex)):
             out = out or list(args)
-            # A value written into a tensor (copy_, index_put_) was made in that tensor's dtype.
-            like = args[0].dtype if i and isinstance(args[0], torch.Tensor) else None
-            out[i] = torch.scalar_tensor(args[i], dtype=like or _WRAPPED_DTYPES[type(args[i])])
-    return args if out is None else tuple(out)
+            like = args[0].dtype if i == value_at else _WRAPPED_DTYPES[type(args[i])]
+            out[i] = torch.scalar_tensor(args[i], dtype=like)
+    return (args, False) if out is None else (tuple(out), True)
 
 
 def _traced(args: tuple[Any, ...]) -> bool:
@@ -486,12 +556,13 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
     and for an in-place one bump the tensor's version. Every watched operation of every
     thread comes here while a ledger is open: the way out for those not counted is short."""
     positions = _tensor_positions(op)
+    value_at = _INDEXED_VALUES.get(op)
     below_key = torch._C._dispatch_keyset_full_after(_KEY_OF.get(op, _KEY))
     in_place = op in _IN_PLACE
     stays = _STAYS.get(op)  # a test that the operation can be neither a crossing nor a wait
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        args = _rewrapped(args, positions)
+        args, wrapped = _rewrapped(args, positions, value_at)
         below = keyset & below_key
 
         def run() -> Any:
@@ -499,12 +570,19 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
                 return op.redispatch(below, *args, **kwargs)
             with torch._C._AutoDispatchBelowADInplaceOrView():
                 op.redispatch(below, *args, **kwargs)
-            torch.autograd.graph.increment_version(args[0])
-            return args[0]
+            written = args[0]
+            if written.is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError(
+                    "an in-place write to a tensor made in inference mode, outside it: "
+                    "write to a clone of it instead (tensor.clone())"
+                )
+            torch.autograd.graph.increment_version(written)
+            return written
 
         ledgers = _ledgers_here()
         if (
             not ledgers
+            or (wrapped and op in _COPIES)  # a Python number written: no host memory crosses
             or (stays is not None and stays(args, kwargs, ledgers))
             or _state.inside_op
             or _state.inside_repr
@@ -543,7 +621,7 @@ def _counted_operation(
     """``run()`` ``op``, counting it in ``ledgers``."""
     before, after = _COUNTERS[op]
     if before is not None:
-        before(args, ledgers)
+        before(args, kwargs, ledgers)
     nested, _state.inside_op = _state.inside_op, True
     try:
         out = run()
@@ -558,15 +636,15 @@ def _counted_operation(
 # it there), a copy after it.
 
 
-def _before_item(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+def _before_item(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
     if _is_device(args[0]):
         _copy(ledgers, "d2h", args[0], args[0].element_size(), "item", True, False)
     else:
         _record_host_read("item", ledgers)
 
 
-def _waits_for(label: str) -> Callable[[tuple[Any, ...], list[TransferLedger]], None]:
-    def before(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+def _waits_for(label: str) -> Callable[[tuple, dict, list[TransferLedger]], None]:
+    def before(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
         if any(_is_device(a) for a in args):
             _record_sync(label, ledgers)
         else:
@@ -575,7 +653,12 @@ def _waits_for(label: str) -> Callable[[tuple[Any, ...], list[TransferLedger]], 
     return before
 
 
-def _before_indexing(args: tuple[Any, ...], ledgers: list[TransferLedger]) -> None:
+def _before_repeat_interleave(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
+    if kwargs.get("output_size") is None:  # given the output's size, it need not wait
+        _waits_for("repeat_interleave without output_size")(args, kwargs, ledgers)
+
+
+def _before_indexing(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
     if _has_mask(args[1]):
         if _is_device(args[0]):
             _record_sync("boolean-mask indexing", ledgers)
@@ -603,6 +686,7 @@ _COUNTERS: dict[Any, tuple[Callable[..., None] | None, Callable[..., None] | Non
     _COPY: (None, _after_copy),
     _LIFT_FRESH: (None, _after_lift_fresh),
     **{op: (_waits_for(label), None) for op, label in _DATA_DEPENDENT.items()},
+    _REPEAT_INTERLEAVE: (_before_repeat_interleave, None),
     **{op: (_before_indexing, None) for op in _MASK_INDEXING},
 }
 
@@ -691,9 +775,9 @@ def _counted_wait(original: Callable[..., Any], label: str) -> Callable[..., Any
 
 
 def _counted_read(original: Callable[..., Any], op: str) -> Callable[..., Any]:
-    """Reads of tensor data that the dispatch mode cannot see: ``tolist`` of a host tensor
-    (a device tensor's is seen as its copy to the host), and a tensor's repr (``print``,
-    f-strings), which torch computes with every dispatch mode set aside."""
+    """Reads of tensor data that no counted operation shows: ``tolist`` of a host tensor
+    (a device tensor's is counted as its copy to the host), and a tensor's repr (``print``,
+    f-strings), whose own operations are the print's and are not counted again."""
 
     def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         ledgers = _ledgers_here()
@@ -728,10 +812,16 @@ def _start_inference_counter(owner: Any) -> None:
 
 
 def _stop_inference_counter(owner: Any) -> None:
+    """``owner`` ends: its counter stops, or, if ``owner`` is a ledger that others outlive
+    in inference mode (ledgers may close in any order), passes to the newest of them."""
     counter = vars(owner).pop("_gpuflow_inference_counter", None)
-    if counter is not None:
-        _state.inference_counter = None
-        counter.__exit__(None, None, None)
+    if counter is None:
+        return
+    if isinstance(owner, TransferLedger) and _state.ledgers and torch.is_inference_mode_enabled():
+        _state.ledgers[-1]._gpuflow_inference_counter = counter
+        return
+    _state.inference_counter = None
+    counter.__exit__(None, None, None)
 
 
 def _counted_inference_enter(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -753,6 +843,20 @@ def _counted_inference_exit(original: Callable[..., Any]) -> Callable[..., Any]:
     return exit_
 
 
+def _carried_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A backward run for ledgers carries them to autograd's threads."""
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        ledgers = _ledgers_here()
+        if not ledgers or _state.stashed:  # a stashed list reaches autograd's threads itself
+            return original(*args, **kwargs)
+        with _Carrier(ledgers):
+            return original(*args, **kwargs)
+
+    run_backward.__wrapped__ = original  # type: ignore[attr-defined]
+    return run_backward
+
+
 def _patch_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """(owner, attribute, wrapper maker) of every function a ledger wraps while open. Only
     functions that torch.compile does not guard on: wrapping ``torch.tensor`` itself, say,
@@ -765,47 +869,59 @@ def _patch_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Call
         *waits,
         (torch.Tensor, "tolist", lambda f: _counted_read(f, "tolist")),
         (torch._tensor_str, "_str", lambda f: _counted_read(f, "print")),
+        # Both names torch.autograd.backward and grad may call it by.
+        (torch.autograd.graph, "_engine_run_backward", _carried_backward),
+        (torch.autograd, "_engine_run_backward", _carried_backward),
         (torch.autograd.grad_mode.inference_mode, "__enter__", _counted_inference_enter),
         (torch.autograd.grad_mode.inference_mode, "__exit__", _counted_inference_exit),
     ]
 
 
 def _install_waits() -> None:
-    global _patch_users
+    """The first ledger of the process wraps the waits and registers the kernels; a failure
+    part-way takes back what was done."""
+    global _patch_users, _kernels
     with _patch_lock:
+        if _patch_users == 0:
+            try:
+                for owner, attr, wrap in _patch_targets():
+                    _patched[(owner, attr)] = vars(owner).get(attr, _ABSENT)
+                    setattr(owner, attr, wrap(getattr(owner, attr)))
+                if not _kernel_of:
+                    _kernel_of.update({op: _counting_kernel(op) for op in _WATCHED})
+                _kernels = torch.library.Library("aten", "IMPL")
+                with warnings.catch_warnings():  # copy_ and index_put_ have one there: replaced
+                    warnings.simplefilter("ignore", UserWarning)
+                    for op in _WATCHED:
+                        key = _KEY_OF.get(op, _KEY).name
+                        _kernels.impl(op, _kernel_of[op], key, with_keyset=True)
+            except BaseException:
+                _restore_all()
+                raise
         _patch_users += 1
-        if _patch_users > 1:
-            return
-        for owner, attr, wrap in _patch_targets():
-            _patched[(owner, attr)] = vars(owner).get(attr, _ABSENT)
-            setattr(owner, attr, wrap(getattr(owner, attr)))
-        global _kernels
-        if not _kernel_of:
-            _kernel_of.update({op: _counting_kernel(op) for op in _WATCHED})
-        _kernels = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():  # copy_ and index_put_ have a kernel there: replaced
-            warnings.simplefilter("ignore", UserWarning)
-            for op in _WATCHED:
-                key = _KEY_OF.get(op, _KEY).name
-                _kernels.impl(op, _kernel_of[op], key, with_keyset=True)
 
 
 def _remove_waits() -> None:
     global _patch_users
     with _patch_lock:
         _patch_users -= 1
-        if _patch_users > 0:
-            return
+        if _patch_users == 0:
+            _restore_all()
+
+
+def _restore_all() -> None:
+    global _kernels
+    try:
         for (owner, attr), original in _patched.items():
             if original is _ABSENT:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, original)
+    finally:
         _patched.clear()
-        global _kernels
         if _kernels is not None:
-            _kernels._destroy()
-            _kernels = None
+            kernels, _kernels = _kernels, None
+            kernels._destroy()
 
 
 # ---- the public ledger ------------------------------------------------------------------------
@@ -834,30 +950,44 @@ class TransferLedger:
     def __enter__(self) -> TransferLedger:
         if self._open:
             raise RuntimeError("this TransferLedger is already open")
-        self._open = True
         self._allocator = _Allocator(self.device)
         self._region_start = dict(self._allocator.last)
         _install_waits()
-        if not _state.ledgers:
-            tally.listen(_record_reported)
-            _carry(_state.ledgers)
-        _state.ledgers.append(self)
-        _start_inference_counter(self)  # opened inside inference mode
+        try:
+            if not _state.recording:
+                tally.listen(_record_reported)
+                _state.recording = True
+                _carry()
+            _state.ledgers.append(self)
+            _start_inference_counter(self)  # opened inside inference mode
+        except BaseException:
+            self._leave()
+            raise
+        self._open = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        was_open_here = any(ledger is self for ledger in _state.ledgers)
-        try:
-            _stop_inference_counter(self)
-            _state.ledgers[:] = [ledger for ledger in _state.ledgers if ledger is not self]
-        finally:  # whatever happens, the last ledger out takes the recorder with it
-            if was_open_here and not _state.ledgers:
-                tally.stop_listening(_record_reported)
-            _remove_waits()
+        self._leave()
         self._region_end = self._allocator.read()
         if self._step_start < len(self._events) or not self._steps:
             self.step()  # the events since the last step() form a last step
         self._open = False
+
+    def _leave(self) -> None:
+        """Whatever happens, the thread's last ledger out takes the recorder with it."""
+        try:
+            _state.ledgers[:] = [ledger for ledger in _state.ledgers if ledger is not self]
+            _stop_inference_counter(self)
+        finally:
+            try:
+                if _state.recording and not _state.ledgers:
+                    _state.recording = False
+                    try:
+                        tally.stop_listening(_record_reported)
+                    finally:
+                        _uncarry()
+            finally:
+                _remove_waits()
 
     def step(self) -> StepTotals:
         """Close the current step; returns its totals."""

@@ -756,6 +756,20 @@ def test_ledgers_closed_out_of_order_inside_inference_mode_keep_counting():
 def test_a_ledger_opened_on_short_lived_threads_leaves_the_process_to_exit_cleanly(tmp_path):
     """torch frees what a thread left in its thread-local objects as the thread ends; at
     interpreter exit that aborted the process. The ledger leaves nothing there."""
+    keys = (ledger_module._CARRIED, ledger_module._PROBE)
+    left = []
+
+    def on_a_thread() -> None:
+        with TransferLedger("cpu"):
+            torch.ones(2).to("meta")
+        left.extend(key for key in keys if torch._C._is_key_in_tls(key))
+
+    if ledger_module._CAN_REMOVE:  # a torch that cannot take them out uses none off main
+        ledger_module._stash_steals = None  # probe again, on this thread
+        worker = threading.Thread(target=on_a_thread)
+        worker.start()
+        worker.join()
+        assert left == []
     script = tmp_path / "threads.py"
     script.write_text(
         "from concurrent.futures import ThreadPoolExecutor\n"
@@ -768,8 +782,13 @@ def test_a_ledger_opened_on_short_lived_threads_leaves_the_process_to_exit_clean
         "with ThreadPoolExecutor(4) as pool:\n"
         "    print(list(pool.map(work, range(8))))\n"
     )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str([1] * 8)
+    for _ in range(3):  # the abort came 1 run in 5
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str([1] * 8)

@@ -304,6 +304,7 @@ _HOST_SIDE = (
 # call during it pays for.
 _CARRIED = "gpuflow.accounting.ledgers"
 _CAN_REMOVE = hasattr(torch._C, "_remove_obj_from_tls")
+_PROBE = _CARRIED + ".probe"
 _stash_steals: bool | None = None
 
 
@@ -314,10 +315,12 @@ def _stash(ledgers: list[TransferLedger]) -> None:
     if _stash_steals is None:
         probe = object()
         before = sys.getrefcount(probe)
-        torch._C._stash_obj_in_tls(_CARRIED + ".probe", probe)
+        torch._C._stash_obj_in_tls(_PROBE, probe)
         _stash_steals = sys.getrefcount(probe) == before
         if _stash_steals:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))
+        if _CAN_REMOVE:
+            torch._C._remove_obj_from_tls(_PROBE)
     if _stash_steals:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(ledgers))
     torch._C._stash_obj_in_tls(_CARRIED, ledgers)

@@ -261,7 +261,6 @@ class _State(threading.local):
         self.stashed = False  # this thread's list is in torch's thread-local objects
         self.recording = False  # this thread listens for copies the transfer layer reports
         self.inside_wait = False  # a counted wait or read is running: what it calls is its own
-        self.inside_repr = False  # torch is formatting a tensor: its reads are the print's
 
 
 _state = _State()
@@ -450,11 +449,15 @@ def _reads_device_data() -> bool:
     return frame is None or not frame.f_code.co_filename.startswith(_HOST_SIDE)
 
 
+def _any_for_the_host(ledgers: list[TransferLedger]) -> bool:
+    return any(ledger.device.type == "cpu" for ledger in ledgers)
+
+
 def _record_host_read(op: str, ledgers: list[TransferLedger]) -> None:
     """On the host, a read of a tensor's data is what would make the host wait on a GPU:
     ledgers open for the host count it as a sync, so that a cpu run of ``budget(syncs=0)``
     fails where a GPU run would."""
-    if any(ledger.device.type == "cpu" for ledger in ledgers) and _reads_device_data():
+    if _any_for_the_host(ledgers) and _reads_device_data():
         where = caller_location()
         label = f"{op} (would wait on a GPU)"
         _emit(lambda ledger: TransferEvent("sync", label, where, ledger._step), ledgers, True)
@@ -507,7 +510,7 @@ class _InferenceCounter(TorchDispatchMode):
 def _counting_now() -> bool:
     """Not while a counted operation, a tensor's repr or torch.compile runs: what they call
     is theirs (a compiler's tracing and autotuning; the compiled code is counted when it runs)."""
-    return not (_state.inside_op or _state.inside_repr or torch.compiler.is_compiling())
+    return not (_state.inside_op or torch.compiler.is_compiling())
 
 
 # Python kernels are given a wrapped number (a Python scalar torch made into a tensor) as
@@ -587,20 +590,14 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
             not ledgers
             or (wrapped and op in _COPIES)  # a Python number written: no host memory crosses
             or (stays is not None and stays(args, kwargs, ledgers))
-            or _state.inside_op
-            or _state.inside_repr
+            or not _counting_now()
             or (_state.inference_counter is not None and torch.is_inference_mode_enabled())
-            or torch.compiler.is_compiling()
             or (keyset.has(_PYTHON) and _traced(args))
         ):
             return run()
         return _counted_operation(op, run, args, kwargs, ledgers)
 
     return kernel
-
-
-def _any_for_the_host(ledgers: list[TransferLedger]) -> bool:
-    return any(ledger.device.type == "cpu" for ledger in ledgers)
 
 
 # The watched operations that are most often nothing to count (an optimizer reading its
@@ -656,9 +653,12 @@ def _waits_for(label: str) -> Callable[[tuple, dict, list[TransferLedger]], None
     return before
 
 
+_repeat_interleave_waits = _waits_for(_DATA_DEPENDENT[_REPEAT_INTERLEAVE])
+
+
 def _before_repeat_interleave(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
     if kwargs.get("output_size") is None:  # given the output's size, it need not wait
-        _waits_for("repeat_interleave without output_size")(args, kwargs, ledgers)
+        _repeat_interleave_waits(args, kwargs, ledgers)
 
 
 def _before_indexing(args: tuple, kwargs: dict, ledgers: list[TransferLedger]) -> None:
@@ -790,9 +790,10 @@ def _counted_read(original: Callable[..., Any], op: str) -> Callable[..., Any]:
                 _record_host_read(op, ledgers)
             elif op == "print":
                 _record_sync("print of a device tensor", ledgers)
-            # What the read calls is part of it; a repr's copies too (a device tensor's
-            # tolist is counted as its copy to the host).
-            flag = "inside_repr" if op == "print" else "inside_wait"
+            # What the read calls is part of it: a repr's operations are the print's (as a
+            # counted operation's are its own), while a device tensor's tolist is counted as
+            # its copy to the host.
+            flag = "inside_op" if op == "print" else "inside_wait"
             setattr(_state, flag, True)
             try:
                 return original(tensor, *args, **kwargs)

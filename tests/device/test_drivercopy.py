@@ -31,6 +31,7 @@ def test_a_machine_without_the_driver_gets_none(monkeypatch):
 
     driver_copy.cache_clear()
     monkeypatch.setattr(drivercopy.ctypes, "CDLL", no_driver)
+    monkeypatch.setattr(drivercopy.ctypes, "PyDLL", no_driver)
     try:
         assert driver_copy() is None
     finally:

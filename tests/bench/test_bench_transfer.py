@@ -111,9 +111,10 @@ def test_the_image_loop_trains_through_both_feeds_and_times_the_feeds_alone(benc
     assert row["feed_extra_share"] == pytest.approx(extra)
 
 
-def test_paired_rounds_alternate_which_loop_goes_first_and_compare_pairs():
+def test_paired_rounds_warm_both_up_then_alternate_which_goes_first_and_compare_pairs():
     calls = []
-    speeds = iter([100.0, 90.0, 80.0, 120.0, 50.0, 60.0])  # items per second, in call order
+    # items per second, in call order: the first two are the untimed rounds
+    speeds = iter([500.0, 700.0, 100.0, 90.0, 80.0, 120.0, 50.0, 60.0])
 
     def loop(name):
         def run():
@@ -123,7 +124,7 @@ def test_paired_rounds_alternate_which_loop_goes_first_and_compare_pairs():
         return run
 
     result = paired_rounds(loop("idiom"), loop("ours"), 3, "pin_to", "tokens")
-    assert calls == ["idiom", "ours", "ours", "idiom", "idiom", "ours"]
+    assert calls == ["idiom", "ours", "idiom", "ours", "ours", "idiom", "idiom", "ours"]
     assert result["pin_to_tokens_s_per_round"] == [100.0, 120.0, 50.0]
     assert result["deviceloader_tokens_s_per_round"] == [90.0, 80.0, 60.0]
     assert result["pair_ratios"] == [0.9, 80.0 / 120.0, 1.2]

@@ -290,11 +290,15 @@ def paired_rounds(
     idiom_name: str, unit: str,
 ) -> dict[str, Any]:  # fmt: skip
     """Both loops ``rounds`` times in pairs, the pair's order alternating (idiom first, then
-    ours first: a drift of the host's speed over the run favours neither); each loop returns
-    (seconds, items). Rates per round and their medians, and ``speedup``: the median of the
-    pairs' ratios, ours over the idiom's, which compares rounds run side by side."""
+    ours first: a drift of the host's speed over the run favours neither), after one untimed
+    round of each (the process's first round ran apart from the rest: docs/decisions/044);
+    each loop returns (seconds, items). Rates per round and their medians, and ``speedup``:
+    the median of the pairs' ratios, ours over the idiom's, which compares rounds run side by
+    side."""
     rates: dict[str, list[float]] = {idiom_name: [], "deviceloader": []}
     order = [(idiom_name, idiom), ("deviceloader", ours)]
+    for _, run in order:
+        run()
     for pair in range(rounds):
         for name, run in order if pair % 2 == 0 else order[::-1]:
             seconds, count = run()

@@ -6,7 +6,7 @@ Per batch: images per second; the training thread's time in ``next(feed)`` (and,
 inside the DataLoader's own ``next``: ``stats.source_s`` for DeviceLoader, which also counts
 planning) and in the step; CPU time and voluntary / involuntary context switches of the
 training thread and of the process's other threads (DataLoader's pin-memory thread, the
-driver's); for DeviceLoader, the host time of its stages (``plan_pack``, ``_next_plan``,
+driver's); for DeviceLoader, the host time of its stages (``plan_pack``, ``next_plan``,
 ``issue`` and its ``_copy``, ``take``).
 
 Feeds: ``idiom`` (``DataLoader(pin_memory=True)`` + ``{k: v.to(non_blocking=True)}``),
@@ -15,7 +15,12 @@ what each extra torch call costs while DataLoader's thread runs), ``ours`` (Devi
 over ``DataLoader(pin_memory=False)``), ``ours_cdll`` (its driver copies through
 ``ctypes.CDLL``, which lets go of the interpreter lock during the call, as they did before
 docs/decisions/042; ``ours_pydll`` in that decision's first rows, when CDLL was the default).
-Cited by docs/decisions/042.
+Also how often DataLoader's ``next`` found its pin thread's queue empty, and the time in
+Python's cyclic collector (the explicit collection after each round included: a generation 2
+run in every line). A feed named with ``_nogc`` runs its timed steps with the collector off.
+The runs of docs/decisions/044 named ``ours_torchevents`` and ``ours_driver`` variants of code
+not kept; see there.
+Cited by docs/decisions/042 and 044.
 
 PYTHONPATH=src OUT=DIR python3 benchmarks/probes/imagethreads.py FEED...
     (appends to DIR/imagethreads.txt)
@@ -46,6 +51,29 @@ data = SyntheticImages(B * STEPS, 64)
 out = os.environ.get("OUT", ".")
 TICK = os.sysconf("SC_CLK_TCK")
 REAL_DRIVER = issuing.driver_copy
+EMPTY = [0, 0]  # DataLoader next calls that found its pin thread's queue empty, all calls
+REAL_NEXT_DATA = torch.utils.data.dataloader._MultiProcessingDataLoaderIter._next_data
+
+
+def counted_next_data(self):
+    EMPTY[0] += self._data_queue.empty()
+    EMPTY[1] += 1
+    return REAL_NEXT_DATA(self)
+
+
+torch.utils.data.dataloader._MultiProcessingDataLoaderIter._next_data = counted_next_data
+GC = {"s": 0.0, "runs": [0, 0, 0], "started": 0.0}  # seconds in the cyclic collector, runs
+
+
+def gc_timer(phase, info):
+    if phase == "start":
+        GC["started"] = time.perf_counter()
+    else:
+        GC["s"] += time.perf_counter() - GC["started"]
+        GC["runs"][info["generation"]] += 1
+
+
+gc.callbacks.append(gc_timer)
 STAGES: dict[str, float] = collections.defaultdict(float)
 
 
@@ -62,7 +90,7 @@ def timed_method(cls, name):
     setattr(cls, name, wrapper)
 
 
-for cls, name in [(Planner, "plan_pack"), (Stager, "_next_plan"), (issuing.Issuer, "issue"),
+for cls, name in [(Planner, "plan_pack"), (Stager, "next_plan"), (issuing.Issuer, "issue"),
                   (issuing.Issuer, "_copy"), (issuing.Issuer, "take")]:  # fmt: skip
     timed_method(cls, name)
 
@@ -118,6 +146,8 @@ def run(kind):
             waited[0] += time.perf_counter() - started
             yield batch
 
+    no_gc = kind.endswith("_nogc")
+    kind = kind.removesuffix("_nogc")
     if kind.startswith("idiom"):
         calls = int(kind.removeprefix("idiom_calls") or 0) if kind != "idiom" else 0
 
@@ -142,6 +172,10 @@ def run(kind):
     main = threading.get_native_id()
     before, source_before = thread_times(), source_seconds(feed)
     STAGES.clear()
+    EMPTY[:] = [0, 0]
+    GC.update(s=0.0, runs=[0, 0, 0])
+    if no_gc:
+        gc.disable()
     in_next = in_step = 0.0
     n = 0
     started = time.perf_counter()
@@ -158,6 +192,7 @@ def run(kind):
         in_step += time.perf_counter() - b
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
+    gc.enable()
     after, source_after = thread_times(), source_seconds(feed)
     del batches, feed, batch
     gc.collect()
@@ -173,10 +208,12 @@ def run(kind):
     }
     stages = {k: round(v / n * 1e6) for k, v in STAGES.items()}
     return (
-        f"{kind} {n * B / wall:.0f} img/s next {in_next / n * 1e3:.3f} ms "
+        f"{kind}{'_nogc' if no_gc else ''} {n * B / wall:.0f} img/s "
+        f"next {in_next / n * 1e3:.3f} ms "
         f"(source {(source_after - source_before) / n * 1e3:.3f}) step {in_step / n * 1e3:.3f} ms "
         f"cpu ms, voluntary, involuntary switches per batch: {per_thread} "
-        f"stages us/batch {stages}"
+        f"stages us/batch {stages} queue empty {EMPTY[0] / max(EMPTY[1], 1):.0%} "
+        f"gc us/batch {GC['s'] / n * 1e6:.0f} runs by generation {GC['runs']}"
     )
 
 

@@ -11,7 +11,12 @@ DataLoader); ``ours_depthN`` (that with ``depth=N``); ``idiom_busyN`` (the idiom
 us of Python a batch, holding the interpreter lock); ``idiom_callsN`` (the idiom plus ``N``
 calls of ``torch.empty(1)`` on the device a batch, each letting go of the lock); ``lean``
 (the least a loader could do per batch here: plan the batch with a known layout, ``.to()``
-per tensor, rebuild it on the device); ``idiom_plan`` (the idiom plus the planning alone).
+per tensor, rebuild it on the device); ``idiom_plan`` (the idiom plus the planning alone);
+``lean_now`` and ``idiom_now`` (those letting go of the host batch before handing out the
+device one, where a generator lets go of it as it reads the next); ``lean_object`` (``lean``
+behind an iterator object with the loader's call depth and bookkeeping);
+``lean_object_pinset`` (that over a DataLoader made as the loader makes it: ``pin_memory``
+set only while its iterator is made).
 Feeds of code tried and not kept ran too (docs/decisions/044 names them). The order of the
 feeds reverses each time round. Per feed: the mean rate, and against the idiom's chunk beside
 it the geometric mean of the ratios with a 95% bootstrap interval. Cited by
@@ -60,10 +65,11 @@ def idiom(extra):
         yield {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
 
 
-def lean(plan_only):
+def lean(plan_only, drop_now=False):
     """A sketch of the least a loader can do per batch here: plan it (a known layout), copy
     each tensor by ``.to()``, rebuild the batch on the device; ``plan_only`` hands out the
-    idiom's copies instead of the rebuilt batch."""
+    idiom's copies instead of the rebuilt batch. ``drop_now``: the host batch is let go of
+    before the device batch is handed out, not when the next one is read."""
     planner = Planner(narrow=False, lossy_float=None, direct=True)
     for b in source(True):
         plan = planner.plan_pack(b, 1 << 18, pinned=True)
@@ -71,12 +77,73 @@ def lean(plan_only):
             yield {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
             continue
         outs = [t.to("cuda", non_blocking=True) for t in plan.sources]
-        yield rebuild(None, plan.layout.spec, iter(outs))
+        batch = rebuild(None, plan.layout.spec, iter(outs))
+        if drop_now:
+            del b, plan
+        yield batch
+
+
+class _LeanIterator:
+    """``lean`` behind an iterator object whose ``__next__`` goes through three method calls,
+    with the loader's per-batch bookkeeping: a stream key, timings, counts."""
+
+    def __init__(self, batches):
+        self.batches, self.planner = batches, Planner(narrow=False, lossy_float=None, direct=True)
+        self.counts = {"batches": 0, "copies": 0, "bytes_moved": 0}
+        self.source_s = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._next_of(torch._C._cuda_getCurrentStream(0))
+
+    def _next_of(self, key):
+        plan = self._plan()
+        return self._hand_out(plan, key)
+
+    def _plan(self):
+        started = time.perf_counter()
+        try:
+            return self.planner.plan_pack(next(self.batches), 1 << 18, pinned=True)
+        finally:
+            self.source_s += time.perf_counter() - started
+
+    def _hand_out(self, plan, key):
+        outs = [t.to(dev.torch, non_blocking=True) for t in plan.sources]
+        batch = rebuild(None, plan.layout.spec, iter(outs))
+        self.counts["batches"] += 1
+        self.counts["copies"] += len(outs)
+        self.counts["bytes_moved"] += plan.wire_nbytes
+        return batch
+
+
+def loaders_dataloader():
+    """Made as DeviceLoader makes its epoch's iterator: pin_memory set only while made."""
+    loader = source(False)
+    loader.pin_memory = True
+    try:
+        return iter(loader)
+    finally:
+        loader.pin_memory = False
+
+
+def idiom_dropping_now():
+    for b in source(True):
+        batch = {k: v.to("cuda", non_blocking=True) for k, v in b.items()}
+        del b
+        yield batch
 
 
 def feed(kind):
-    if kind in ("lean", "idiom_plan"):
-        return lean(plan_only=kind == "idiom_plan")
+    if kind in ("lean", "lean_now", "idiom_plan"):
+        return lean(plan_only=kind == "idiom_plan", drop_now=kind == "lean_now")
+    if kind == "idiom_now":
+        return idiom_dropping_now()
+    if kind == "lean_object":
+        return _LeanIterator(iter(source(True)))
+    if kind == "lean_object_pinset":
+        return _LeanIterator(loaders_dataloader())
     if kind.startswith("idiom_busy"):
         us = int(kind.removeprefix("idiom_busy"))
         return idiom(lambda: busy(us))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from gpuflow.transfer import issuing
 from gpuflow.transfer.loader import DeviceLoader
+from gpuflow.transfer.staging import Stager
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +146,13 @@ def test_a_worker_fed_batch_pinned_by_the_dataloaders_thread_is_complete_and_kep
         return real(self, crossing, stream)
 
     monkeypatch.setattr(issuing.Issuer, "_copy", late)
+    real_at_once = issuing.Issuer.hand_out_at_once
+
+    def late_at_once(self, plan):
+        _busy(5.0)
+        return real_at_once(self, plan)
+
+    monkeypatch.setattr(issuing.Issuer, "hand_out_at_once", late_at_once)
     source = DataLoader(_Filled(), batch_size=16, num_workers=2)
     sums, labels = [], []
     with DeviceLoader(source, cuda) as loader:
@@ -187,6 +196,87 @@ def test_batches_a_dataloaders_pin_thread_made_are_read_where_they_lie(cuda, mon
     assert torch.cat([y for _, y in batches]).cpu().tolist() == list(range(24 * 16))
     assert early == []
     assert staging == 0  # the labels, the one small tensor, crossed where they lie too
+
+
+def test_a_worker_fed_batch_copied_where_it_lies_is_read_only_when_asked_for(cuda, monkeypatch):
+    """Such a batch (1 MiB and its labels, both crossing where they lie) is read, copied and
+    handed out when the loop asks for it: the loader reads nothing ahead of it."""
+    reads = []
+    real = Stager.next_plan
+
+    def counted(self, ep):
+        reads.append(1)
+        return real(self, ep)
+
+    monkeypatch.setattr(Stager, "next_plan", counted)
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2)
+    seen, sums = [], []
+    with DeviceLoader(source, cuda) as loader:
+        for batch in loader:
+            seen.append(len(reads))
+            _busy(1.0)  # the next batch's copies queue behind this
+            sums.append(batch["x"].sum(dim=1))
+    assert seen == list(range(1, 25))
+    expected = torch.arange(24 * 16, dtype=torch.float32) * (1 << 14)
+    assert torch.equal(torch.cat(sums).cpu(), expected)
+    stats = loader.stats
+    assert stats.batches == 24 and stats.copies == 48 and loader.pool_stats.misses == 0
+
+
+class _BrokenAt(_Filled):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor | int]:
+        if i == 100:
+            raise ValueError("item 100 is corrupt")
+        return super().__getitem__(i)
+
+
+def test_a_worker_fed_error_reaches_the_loop_after_the_batches_before_it(cuda):
+    source = DataLoader(_BrokenAt(), batch_size=16, num_workers=2)
+    firsts = []
+    with DeviceLoader(source, cuda) as loader:
+        with pytest.raises(ValueError, match="item 100 is corrupt"):
+            for batch in loader:
+                firsts.append(int(batch["y"][0]))
+        again = [int(b["y"][0]) for b in itertools.islice(loader, 3)]
+        assert again == [0, 16, 32]  # a new epoch reads from the start
+    assert firsts == [16 * i for i in range(6)]  # batch 6 holds item 100
+
+
+def _staged_every_third(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Batches copied where they lie, but every third one with a strided small tensor that
+    is staged (so that batch goes through the crossings, read ahead)."""
+    batch = _collate_filled(items)
+    first = int(batch["y"][0])
+    if first // 16 % 3 == 2:
+        batch["strided"] = batch["y"].repeat_interleave(2)[::2]
+    return batch
+
+
+def test_batches_handed_out_at_once_and_batches_staged_keep_their_order(cuda):
+    """Worker-fed batches copied where they lie between batches that are staged: each
+    arrives whole and in order, in two epochs side by side (``zip(loader, loader)``), after
+    an early break, and in the epoch after it."""
+    source = DataLoader(_Filled(), batch_size=16, num_workers=2, collate_fn=_staged_every_third)
+
+    def check(batch, i):
+        assert batch["y"].tolist() == list(range(16 * i, 16 * i + 16))
+        assert torch.equal(batch["x"][:, 0].cpu(), batch["y"].cpu().float())
+        assert ("strided" in batch) == (i % 3 == 2)
+        if i % 3 == 2:
+            assert torch.equal(batch["strided"], batch["y"])
+
+    with DeviceLoader(source, cuda) as loader:
+        for i, (a, b) in enumerate(zip(loader, loader, strict=True)):
+            _busy(0.5)
+            check(a, i)
+            check(b, i)
+        for i, batch in enumerate(loader):
+            check(batch, i)
+            if i == 7:
+                break
+        for i, batch in enumerate(loader):
+            check(batch, i)
+        assert i == 23
 
 
 @dataclasses.dataclass

@@ -18,12 +18,11 @@ import torch
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 from gpuflow.device.drivercopy import driver_copy
-from gpuflow.transfer.packing import ALIGN, rebuild, rebuild_run
+from gpuflow.transfer.packing import ALIGN, SIDE_STREAM_BYTES, PackPlan, rebuild, rebuild_run
 from gpuflow.transfer.pinned import PinnedPool
 from gpuflow.transfer.staging import BatchTiming, Crossing, Epoch
 from gpuflow.transfer.tally import housekeeping, report_copy
 
-SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 # Crossings with copies made as they were read, issued ahead of the consumer's stream before
 # the host waits for it (each holds device memory the consumer has not yet let go of).
 EARLY_AHEAD = 4
@@ -163,6 +162,29 @@ class Issuer:
         if self.timing:
             crossing.copy_times = (start, crossing.done)
 
+    def hand_out_at_once(self, plan: PackPlan) -> Any:
+        """The batch ``plan`` describes, whose tensors torch pinned for it (DataLoader's pin
+        thread) and which all cross where they lie: each copied and allocated by one
+        ``.to()`` on the current stream, the batch rebuilt there (docs/decisions/044).
+        torch keeps its own pinned blocks until the copies from them have run, so the
+        loader keeps nothing."""
+        target = self.device.torch
+        with housekeeping():  # counted below, as the batch is handed out
+            outs = [source.to(target, non_blocking=True) for source in plan.sources]
+        batch = rebuild(None, plan.layout.spec, iter(outs))
+        self.counts["copies"] += len(outs)
+        self._count(plan)
+        return batch
+
+    def _count(self, plan: PackPlan) -> None:
+        """Count a batch handed out (its copies are counted as they are queued)."""
+        counts = self.counts
+        counts["batches"] += 1
+        wire = plan.wire_nbytes
+        counts["bytes_moved"] += wire
+        counts["logical_bytes"] += plan.logical_nbytes
+        report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)
+
     def _copy_bytes(self, out: Any, source: torch.Tensor, nbytes: int, stream: int | None) -> bool:
         """Queue one copy of ``source``'s first ``nbytes`` (pinned, contiguous) into the
         device tensor ``out`` (contiguous): by one driver call on the ``stream`` handle when
@@ -207,12 +229,7 @@ class Issuer:
         crossing.handed_out += 1
         if crossing.handed_out == len(crossing.parts):
             ep.issued.popleft()
-        counts = self.counts
-        counts["batches"] += 1
-        wire = plan.wire_nbytes
-        counts["bytes_moved"] += wire
-        counts["logical_bytes"] += plan.logical_nbytes
-        report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)
+        self._count(plan)
         return batch, timing
 
     def _order_after_copy(self, crossing: Crossing, key: Any) -> None:

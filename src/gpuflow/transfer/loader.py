@@ -28,7 +28,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import LossyFloat, Planner
 from gpuflow.transfer.pinned import PoolStats
-from gpuflow.transfer.pipeline import Pipeline
+from gpuflow.transfer.pipeline import NOT_AT_ONCE, Pipeline
 from gpuflow.transfer.staging import BatchTiming, Epoch
 from gpuflow.transfer.tally import housekeeping
 
@@ -81,7 +81,9 @@ class LoaderStats:
 class DeviceLoader:
     """See the module docstring.
 
-    ``depth``: copies queued ahead of the batch in use (2: double buffering). ``depth=0``
+    ``depth``: copies queued ahead of the batch in use (2: double buffering; a worker-fed
+    ``DataLoader``'s batch whose tensors all cross where they lie is copied when asked for,
+    which reading it ahead would not hasten: docs/decisions/044). ``depth=0``
     reads no batch before it is asked for and coalesces none: for a source that waits on the
     consumer's results (an actor feeding a learner), which reading ahead would deadlock;
     each copy then runs while the consumer waits on the device. ``narrow`` and
@@ -220,6 +222,9 @@ class DeviceLoader:
         key = self.device.current_stream_key()
         pipeline = self._pipeline
         try:
+            batch = pipeline.take_at_once(epoch)
+            if batch is not NOT_AT_ONCE:
+                return batch
             pipeline.top_up(epoch)
             pipeline.issue_ready(epoch, key)
             taken = pipeline.take(epoch, key)

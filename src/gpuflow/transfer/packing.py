@@ -39,6 +39,7 @@ DIRECT_MIN_BYTES = 64 << 10  # pinned tensors this large skip the staging copy (
 # intra-op threads) and then copied directly, as ``.pin_memory().to(...)`` does; smaller ones
 # are cheaper to stage beside the rest of their batch.
 PIN_MIN_BYTES = 256 << 10
+SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 _UINT16_MAX = 65535
 
 
@@ -217,7 +218,7 @@ class Layout:
     ``nbytes`` is the buffer's share (staged leaves, alignment padding included);
     ``wire_nbytes`` every byte of the batch that crosses the bus, direct leaves included."""
 
-    __slots__ = ("direct", "direct_leaves", "has_direct", "has_staged", "leaves",
+    __slots__ = ("direct", "direct_leaves", "direct_only", "has_direct", "has_staged", "leaves",
                  "logical_nbytes", "nbytes", "spec", "wire_nbytes", "write_runs")  # fmt: skip
 
     def __init__(
@@ -231,6 +232,13 @@ class Layout:
         self.wire_nbytes = staged_end + sum(x.nbytes for x in leaves if x.direct)
         self.has_staged = not all(self.direct)
         self.has_direct = any(self.direct)
+        # every tensor copied from the pinned memory where it lies, none pinned first, in
+        # fewer bytes than a copy on a side stream of its own (DeviceLoader may hand such a
+        # batch out as soon as it is read)
+        self.direct_only = (
+            self.has_direct and not self.has_staged and not any(x.pin for x in leaves)
+            and self.wire_nbytes < SIDE_STREAM_BYTES
+        )  # fmt: skip
         # {index of a run's first leaf: (its length, the leaf covering it)} for the runs
         # (see _Node) of tensors that cross as they are: one torch.stack writes each
         index = {id(leaf): i for i, leaf in enumerate(leaves)}

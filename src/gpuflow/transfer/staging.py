@@ -136,7 +136,7 @@ class Stager:
                 break
             ep.pulled.append(crossing)
 
-    def _next_plan(self, ep: Epoch) -> PackPlan | None:
+    def next_plan(self, ep: Epoch) -> PackPlan | None:
         """The source's next batch, planned; None at its end or after an error in it."""
         if ep.source is None:
             return None
@@ -163,15 +163,15 @@ class Stager:
         into staging memory, its direct tensors pinned or copied) as soon as it is read."""
         crossing, ep.carried = ep.carried, None
         if crossing is None:
-            plan = self._next_plan(ep)
+            plan = self.next_plan(ep)
             if plan is None:
                 return None
-            crossing = self._start(plan, ep)
+            crossing = self.start(plan, ep)
         if not crossing.shared:
             return crossing
         try:
             while len(crossing.parts) < _COALESCE_MAX_COUNT:
-                plan = self._next_plan(ep)
+                plan = self.next_plan(ep)
                 if plan is None:
                     break
                 offset = round_up(crossing.nbytes, ALIGN)
@@ -181,7 +181,7 @@ class Stager:
                     and offset + plan.nbytes <= crossing.host.bytes.numel()
                 )
                 if not fits:
-                    ep.carried = self._start(plan, ep)  # the next crossing's first batch
+                    ep.carried = self.start(plan, ep)  # the next crossing's first batch
                     break
                 self._stage_part(crossing, plan, offset, ep)
         except BaseException:
@@ -196,7 +196,7 @@ class Stager:
             and plan.nbytes <= _COALESCE_CAPACITY
         )
 
-    def _start(self, plan: PackPlan, ep: Epoch) -> Crossing:
+    def start(self, plan: PackPlan, ep: Epoch) -> Crossing:
         """A crossing whose first batch is ``plan``, staged: a small batch in a staging buffer
         that later small batches share, any other in one of its own size."""
         crossing = Crossing(shared=self._small(plan))

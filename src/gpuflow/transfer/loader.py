@@ -28,7 +28,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import LossyFloat, Planner
 from gpuflow.transfer.pinned import PoolStats
-from gpuflow.transfer.pipeline import NOT_AT_ONCE, Pipeline
+from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.staging import BatchTiming, Epoch
 from gpuflow.transfer.tally import housekeeping
 
@@ -219,12 +219,12 @@ class DeviceLoader:
         if epoch.ended:
             raise StopIteration
         self._let_go_of_held(epoch)
-        key = self.device.current_stream_key()
         pipeline = self._pipeline
         try:
             batch = pipeline.take_at_once(epoch)
-            if batch is not NOT_AT_ONCE:
+            if batch is not None:
                 return batch
+            key = self.device.current_stream_key()
             pipeline.top_up(epoch)
             pipeline.issue_ready(epoch, key)
             taken = pipeline.take(epoch, key)

@@ -46,16 +46,16 @@ class Pipeline:
         whose tensors all cross where they lie (``Layout.direct_only``). Reading it ahead
         would queue its copies on that same stream in the same order, and the host work of a
         crossing and of its reading ahead cost the image loop 3-4% of its step
-        (docs/decisions/044). Otherwise ``NOT_AT_ONCE``, a batch read starting the next
-        crossing."""
+        (docs/decisions/044). Otherwise None (such a batch holds a tensor, so it is never
+        None), a batch read starting the next crossing."""
         if not (self.at_once and ep.pinned) or ep.pulled or ep.issued or ep.carried is not None:
-            return NOT_AT_ONCE
+            return None
         plan = self.stager.next_plan(ep)
         if plan is None:  # the source's end or error: take() reports it
-            return NOT_AT_ONCE
+            return None
         if not plan.layout.direct_only:
             ep.carried = self.stager.start(plan, ep)
-            return NOT_AT_ONCE
+            return None
         return self.issuer.hand_out_at_once(plan)
 
     def top_up(self, ep: Epoch) -> None:
@@ -125,6 +125,3 @@ class Pipeline:
         with housekeeping():
             self.issuer.close()  # driver copies still reading the caller's memory
             self.pool.close()  # waits for copies still reading staging memory
-
-
-NOT_AT_ONCE = object()  # take_at_once's answer when the batch goes through the crossings

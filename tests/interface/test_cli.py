@@ -207,7 +207,7 @@ def _bad_shard_folder(folder, damage):
         ),
         (None, ["train", "--set", "model.flavour=1"], "unknown key model.flavour"),
         (None, ["train", "--set", "model.n_head=3"], "must be divisible by model.n_head"),
-        (None, ["train", "--set", "train.batch_size=-1"], "train.batch_size must be > 0"),
+        (None, ["train", "--set", "train.batch_size=-1"], "train.batch_size must be >= 0"),
         (
             None,
             ["train", "--set", "data.dir=tokens", "--set", "model.max_len=40000"],

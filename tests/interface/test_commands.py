@@ -133,7 +133,8 @@ def test_bench_has_one_subcommand_per_bench_and_checks_its_folder_first(tmp_path
     benches = parser._subparsers._group_actions[0].choices["bench"]._subparsers
     assert set(benches._group_actions[0].choices) == set(bench.BENCHES)
     args = parse("bench", "train")
-    assert (args.preset, args.steps, args.warmup, args.func) == ("seed-d384", 50, 10, bench.run)
+    assert (args.preset, args.steps, args.warmup, args.func) == (None, 50, 10, bench.run)
+    assert bench._train_preset(args) == "seed-d384"  # no --preset and no --config
     (tmp_path / "results").write_text("a file")
     measured = []
     monkeypatch.setitem(

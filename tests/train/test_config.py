@@ -6,6 +6,7 @@ import re
 import tomllib
 
 import pytest
+import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.gpt import GPT
@@ -17,8 +18,43 @@ from tests.helpers import ROOT
 def test_every_preset_builds_its_model(name):
     config = resolve_config(name)
     assert config.preset == name
-    GPT(config.model)  # shapes are consistent
+    with torch.device("meta"):  # shapes only: GPT-2 XL's weights would take 6 GB here
+        GPT(config.model)
     assert config.model.d_model % config.model.n_head == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "parameters"),
+    [
+        ("gpt2-350m", (24, 16, 1024), 354_000_000),
+        ("gpt2-774m", (36, 20, 1280), 773_000_000),
+        ("gpt2-1558m", (48, 25, 1600), 1_557_000_000),
+    ],
+)
+def test_the_gpt2_presets_are_gpt2_shapes_with_its_half_million_token_steps(
+    name, shape, parameters
+):
+    config = resolve_config(name)
+    model = config.model
+    assert (model.n_layer, model.n_head, model.d_model, model.max_len) == (*shape, 1024)
+    with torch.device("meta"):
+        count = GPT(model).parameter_count()
+    assert abs(count - parameters) < 0.01 * parameters  # GPT-2's sizes, padded vocabulary
+    assert config.train.batch_tokens == 524288 and config.train.batch_size == 0  # found to fit
+
+
+def test_settings_that_only_agree_together_can_be_set_one_by_one(tmp_path):
+    """The config is validated once, after the file and every --set: each of these orders
+    passes through a shape that alone would be refused (1600/12, 768/25)."""
+    xl = ["model.n_layer=48", "model.d_model=1600", "model.n_head=25"]
+    for sets in (xl, xl[::-1]):
+        config = resolve_config("gpt2-124m", None, sets)
+        assert (config.model.d_model, config.model.n_head) == (1600, 25)
+    path = tmp_path / "medium.toml"
+    path.write_text('preset = "gpt2-124m"\n[model]\nd_model = 1024\n')
+    assert resolve_config(None, str(path), ["model.n_head=16"]).model.n_head == 16
+    with pytest.raises(GpuflowError, match=r"d_model \(1024\) must be divisible by model.n_head"):
+        resolve_config(None, str(path))  # the final config is still checked
 
 
 def test_the_seed_presets_match_the_seed_documents():
@@ -65,7 +101,9 @@ def test_parse_set_reads_toml_values_and_bare_words():
         (["model.widht=3"], "unknown key model.widht; valid keys are vocab_size"),
         (["optim.lr=3"], "unknown section 'optim'"),
         (["model.n_head=5"], r"d_model \(128\) must be divisible by model.n_head \(5\)"),
-        (["train.batch_size=0"], "train.batch_size must be > 0"),
+        (["train.batch_size=-1"], "train.batch_size must be >= 0"),
+        (["train.batch_size=0"], r"train.batch_size=0 \(the largest micro-batch that fits\) needs"),
+        (["train.batch_tokens=1000"], r"batch_tokens \(1000\) must be a multiple of model.max_len"),
         (["model.d_model=-64"], "model.d_model must be a positive integer"),
         (["train.steps=1.5"], "train.steps must be an int"),
         (["train.lr=nan"], "train.lr must be a finite number"),

@@ -9,17 +9,20 @@ import os
 import signal
 import subprocess
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train import distributed
+from gpuflow.train.accumulate import accumulated_loss
 from gpuflow.train.checkpoint import latest_checkpoint, read_record
 from gpuflow.train.distributed import GradientAverager, RankLost, Ranks, agree, largest
 from gpuflow.train.runfolder import read_metrics
@@ -57,14 +60,15 @@ def _batch() -> torch.Tensor:
 
 def _one_update(
     model: GPT, tokens: torch.Tensor, averager: GradientAverager | None,
-    forward: torch.nn.Module | None = None,
+    forward: torch.nn.Module | None = None, micro_batches: int = 1,
 ) -> dict:  # fmt: skip
-    """One clipped SGD step on ``tokens``: the loss, grad norm and weights after it (SGD:
-    the weights then move by the gradients themselves, which AdamW's first step would
-    reduce to their signs)."""
+    """One clipped SGD step on ``tokens`` (in ``micro_batches`` parts, their gradients
+    summed): the loss, grad norm and weights after it (SGD: the weights then move by the
+    gradients themselves, which AdamW's first step would reduce to their signs)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = (forward or model)(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
+    loss = accumulated_loss(
+        forward or model, tokens[:, :-1], tokens[:, 1:], micro_batches, nullcontext
+    )
     grad_norm = Update(model, optimizer, 0.05, fused_clip=False, averager=averager)(loss)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "weights": weights}
@@ -86,12 +90,27 @@ def _rank_update(rank: int, store: str, out: str) -> None:
         model = _model()
         ddp = DistributedDataParallel(model)
         result["ddp"] = _one_update(model, half, GradientAverager(2, False), forward=ddp)
+        # Two micro-batches a step under DDP: the gradients are exchanged once, after the
+        # second (counted by a communication hook that all-reduces as DDP's own does).
+        model = _model()
+        ddp_accumulating = DistributedDataParallel(model)
+        exchanges = []
+
+        def counted(state, bucket):
+            exchanges.append(bucket.buffer().numel())
+            return allreduce_hook(state, bucket)
+
+        ddp_accumulating.register_comm_hook(dist.group.WORLD, counted)
+        result["accumulated"] = _one_update(
+            model, half, GradientAverager(2, False), forward=ddp_accumulating, micro_batches=2
+        )
+        result["exchanged"] = exchanges
         torch.save(result, f"{out}.{rank}")
         # DDP's reducer let go while the group still lives and the ranks agree nothing is in
         # flight: a reducer freed at the process's exit destroys the group holding the
         # interpreter lock, while gloo's worker thread waits for that lock to free a finished
         # all-reduce, and the child hangs (seen in a CI run).
-        del ddp
+        del ddp, ddp_accumulating
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -106,7 +125,7 @@ def _on_two_ranks(worker, tmp_path) -> list:
 def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
     ranks = _on_two_ranks(_rank_update, tmp_path)
     whole = _one_update(_model(), _batch(), None)
-    for result in [*ranks, *(r["ddp"] for r in ranks)]:
+    for result in [*ranks, *(r["ddp"] for r in ranks), *(r["accumulated"] for r in ranks)]:
         # The mean loss of two equal halves is the whole batch's; the clip (active at 0.05)
         # saw the global norm; the weights moved as one process's did.
         assert result["loss"] == pytest.approx(whole["loss"], rel=1e-6)
@@ -114,8 +133,10 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
         assert whole["grad_norm"] > 0.05
         for name, weight in whole["weights"].items():
             torch.testing.assert_close(result["weights"][name], weight, rtol=1e-5, atol=1e-6)
+    parameters = sum(p.numel() for p in _model().parameters())
     for result in ranks:
-        parameters = sum(p.numel() for p in _model().parameters())
+        # one exchange of every gradient a step, not one per micro-batch
+        assert sum(result["exchanged"]) == parameters
         assert result["bytes_per_step"] >= 4 * (parameters + 1)  # fp32 gradients and the loss
         assert result["bytes_per_step"] < 4 * (parameters + 1) + 16 * len(whole["weights"])
         assert result["agreed"] is True  # rank 1 asked: both ranks hear it

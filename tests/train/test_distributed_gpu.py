@@ -169,6 +169,29 @@ def test_a_two_gpu_job_exits_within_seconds_of_finishing(
         assert trainer.evaluate() == pytest.approx(final_val, rel=1e-5)
 
 
+@pytest.mark.parametrize("path", ["resident-graph", "standard"])
+def test_a_two_gpu_job_sums_micro_batches_and_exchanges_once_a_step(
+    two_gpus, prepared, workdir, path
+):
+    """Four micro-batches of 2 on each GPU train as one batch of 8 does (the same windows),
+    and the ranks exchange the same bytes a step: once per step, not once per micro-batch
+    (inside the captured step's graph, or DDP's all-reduce held back until the last)."""
+    reports, losses = {}, {}
+    for name, batch in (("whole", ["train.batch_size=8"]),
+                        ("split", ["train.batch_size=2", "train.batch_tokens=512"])):  # fmt: skip
+        sets = [f"train.data_path={path}", "train.compile=true", *batch]
+        job = torchrun_cli(*_two_gpu_args(prepared, name, 12, *sets), cwd=workdir)
+        out = _ends_within(job, workdir, 300)
+        assert job.returncode == 0, out
+        reports[name] = json.loads((workdir / "runs" / name / "report.json").read_text())
+        losses[name] = [r["loss"] for r in read_metrics(workdir / "runs" / name) if "loss" in r]
+    assert reports["split"]["accumulation"] == 4 and reports["split"]["tokens_per_step"] == 512
+    assert reports["whole"]["tokens_per_step"] == 512
+    exchanged = [reports[n]["collective_bytes_per_step_per_rank"] for n in ("whole", "split")]
+    assert exchanged[0] > 0 and exchanged[1] == exchanged[0]
+    assert losses["split"] == pytest.approx(losses["whole"], rel=2e-2)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_two_gpu_job_stops_on_a_signal_with_a_checkpoint_and_resumes(
     two_gpus, prepared, workdir, sig

@@ -135,7 +135,10 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(prepared, workdir, monke
     assert (
         "out of device memory on cpu (20.00 GiB more was needed, 3.42 GiB of 79.19 GiB" in err[-1]
     )
-    assert "train.batch_size (now 8)" in err[-1] and "model.max_len (now 32)" in err[-1]
+    assert (
+        "train.batch_size (the micro-batch, now 8;" in err[-1]
+        and "model.max_len (now 32)" in err[-1]
+    )
     assert "removed runs/big: the run failed before its first checkpoint" in err
     assert not (workdir / "runs" / "big").exists()
 

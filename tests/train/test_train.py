@@ -75,8 +75,12 @@ def test_run_folder_holds_everything(prepared, workdir):
     assert state["step"] == 6 and state["data"]["next_step"] == 6
 
 
-def test_resume_reproduces_the_uninterrupted_loss_curve_bit_exactly(prepared, workdir):
+@pytest.mark.parametrize(
+    "extra", [(), ("train.batch_size=4", "train.batch_tokens=256")], ids=["batch", "accumulated"]
+)
+def test_resume_reproduces_the_uninterrupted_loss_curve_bit_exactly(prepared, workdir, extra):
     sets = (
+        *extra,
         "train.steps=12",
         "train.log_interval=1",
         "train.checkpoint_interval=4",

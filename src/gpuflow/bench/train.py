@@ -13,6 +13,7 @@ captured, shows each path's data-path overhead as a percentage.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -39,11 +40,12 @@ LEDGER_PAIRS = 3  # logging intervals under the ledger, each beside one without 
 
 @dataclass(frozen=True)
 class TrainBenchConfig:
-    preset: str = "seed-d384"
+    preset: str | None = "seed-d384"  # None: the config file's
     modes: tuple[str, ...] = MODES
     warmup: int = 10
     timed: int = 50
     overrides: tuple[str, ...] = ()
+    config_file: str | None = None  # a TOML config applied on the preset, as train's --config
 
 
 def measure_data_path(
@@ -103,14 +105,16 @@ def measure_data_path(
         "ledger_cost": statistics.median(ratios) - 1,
         # What the allocator holds from the device after the row (None off CUDA).
         "reserved_bytes": device.memory_sample()["device_reserved_bytes"],
+        "batching": trainer.setup.batching,
     }
 
 
 def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
-    interval = resolve_config(bench.preset, None, list(bench.overrides)).train.log_interval
+    given = resolve_config(bench.preset, bench.config_file, list(bench.overrides))
+    interval = given.train.log_interval
     # the schedule's length: every step in warmup+cosine
     steps = bench.warmup + bench.timed + max(100, 2 * LEDGER_PAIRS * interval)
-    config = resolve_config(bench.preset, None, [*bench.overrides, f"train.steps={steps}"])
+    config = apply_overrides(given, {"train": {"steps": steps}}, "bench train")
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -136,6 +140,9 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
                         synthetic,
                     )
                 )
+    batching = rows[0].pop("batching") if rows else None
+    for row in rows[1:]:
+        row.pop("batching")
     by_mode = {row["mode"]: row for row in rows}
     standard, naive = by_mode.get("standard"), by_mode.get("naive")
     for row in rows:
@@ -148,14 +155,27 @@ def run_train_bench(device: Device, bench: TrainBenchConfig) -> dict[str, Any]:
         if reference and "synthetic" not in row["mode"]:
             row["data_path_overhead"] = reference["tokens_per_s"] / row["tokens_per_s"] - 1
     return {
-        "preset": bench.preset,
-        "config": {"warmup": bench.warmup, "timed": bench.timed, "overrides": bench.overrides},
-        "batch_size": config.train.batch_size,
+        "preset": config.preset,
+        "config": {
+            "warmup": bench.warmup,
+            "timed": bench.timed,
+            "overrides": bench.overrides,
+            "config_file": bench.config_file,
+        },
+        "model": dataclasses.asdict(config.model),
+        "batch_size": batching.micro_batch if batching else config.train.batch_size,
+        "accumulation": batching.accumulation if batching else 1,
+        "tokens_per_step": batching.tokens_per_step if batching else None,
         "seq_len": config.model.max_len,
         "allocator": allocator_in(os.environ),
         "rows": rows,
         "skipped": skipped,
     }
+
+
+def _accumulated(result: dict[str, Any]) -> str:
+    k = result.get("accumulation", 1)
+    return f", {k} micro-batches a step" if k > 1 else ""
 
 
 def print_train_table(result: dict[str, Any]) -> None:
@@ -171,7 +191,8 @@ def print_train_table(result: dict[str, Any]) -> None:
         "vs standard",
         "data-path overhead",
         title=(
-            f"{result['preset']} (B {result['batch_size']}, T {result['seq_len']}): "
+            f"{result['preset']} (B {result['batch_size']}, T {result['seq_len']}"
+            f"{_accumulated(result)}): "
             "each data path, same model and data"
         ),
     )

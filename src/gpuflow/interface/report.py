@@ -31,6 +31,8 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         "parameters": result.parameters,
         "world_size": result.world_size,
         "tokens_per_step": result.tokens_per_step,  # of the job: every rank's batch
+        "micro_batch": result.micro_batch,  # sequences in one forward and backward
+        "accumulation": result.accumulation,  # micro-batches per step on each rank
         "tokens_per_s": result.tokens_per_s,
         "tokens_per_s_per_rank": (
             result.tokens_per_s / result.world_size if result.tokens_per_s else None

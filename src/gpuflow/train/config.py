@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ from gpuflow.transfer.diskread import IO_PATHS
 
 @dataclass(frozen=True)
 class TrainConfig:
+    # Sequences in one forward and backward (a micro-batch) on each rank. 0: the largest that
+    # fits the device and divides a step's sequences, found once at start-up (batch_tokens
+    # must then be set).
     batch_size: int = 32
+    # Tokens per optimizer step over the whole job. 0: batch_size x model.max_len x ranks, one
+    # micro-batch a step. Otherwise each rank sums the gradients of batch_tokens /
+    # (batch_size x model.max_len x ranks) micro-batches before the update (GPT-2's recipe:
+    # 524288, about 0.5M tokens).
+    batch_tokens: int = 0
     steps: int = 2000
     lr: float = 6e-4  # peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
@@ -64,7 +73,6 @@ class TrainConfig:
             self,
             "train",
             positive=(
-                "batch_size",
                 "steps",
                 "lr",
                 "log_interval",
@@ -73,8 +81,16 @@ class TrainConfig:
                 "checkpoint_interval",
                 "keep_checkpoints",
             ),
-            non_negative=("warmup_steps", "decay_steps", "weight_decay", "grad_clip", "seed"),
-        )
+            non_negative=(
+                "batch_size", "batch_tokens", "warmup_steps", "decay_steps", "weight_decay",
+                "grad_clip", "seed",
+            ),
+        )  # fmt: skip
+        if self.batch_size == 0 and self.batch_tokens == 0:
+            raise GpuflowError(
+                "train.batch_size=0 (the largest micro-batch that fits) needs train.batch_tokens, "
+                "the tokens of a step, e.g. --set train.batch_tokens=524288; or give a batch_size"
+            )
         if self.data_path not in tuple(DataPath):
             raise GpuflowError(
                 f"train.data_path must be one of {', '.join(DataPath)}, got {self.data_path!r}"
@@ -151,6 +167,14 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __post_init__(self) -> None:
+        tokens, seq_len = self.train.batch_tokens, self.model.max_len
+        if tokens % seq_len:
+            raise GpuflowError(
+                f"train.batch_tokens ({tokens}) must be a multiple of model.max_len ({seq_len}): "
+                f"whole sequences, e.g. {max(1, tokens // seq_len) * seq_len}"
+            )
+
 
 _FP32_MAX = 3.4028234663852886e38  # the step computes in fp32: a larger setting overflows
 _SEED_LIMIT = 2**64  # torch's generators take seeds below this
@@ -171,6 +195,22 @@ def _require(
     for name in non_negative:
         if not getattr(obj, name) >= 0:
             raise GpuflowError(f"{section}.{name} must be >= 0, got {getattr(obj, name)}")
+
+
+GPT2_STEP_TOKENS = 524288  # GPT-2's batch: 512 sequences of 1024 tokens
+
+
+def _gpt2_recipe(name: str, n_layer: int, n_head: int, d_model: int, lr: float) -> RunConfig:
+    return RunConfig(
+        preset=name,
+        model=ModelConfig(
+            vocab_size=50304, n_layer=n_layer, n_head=n_head, d_model=d_model, max_len=1024
+        ),
+        train=TrainConfig(
+            batch_size=0, batch_tokens=GPT2_STEP_TOKENS, steps=2000, lr=lr, warmup_steps=700,
+            log_interval=5, eval_interval=100, checkpoint_interval=250,
+        ),
+    )  # fmt: skip
 
 
 PRESETS: dict[str, RunConfig] = {
@@ -214,6 +254,13 @@ PRESETS: dict[str, RunConfig] = {
         model=ModelConfig(vocab_size=50304, n_layer=12, n_head=12, d_model=768, max_len=1024),
         train=TrainConfig(batch_size=16, lr=6e-4, warmup_steps=200),
     ),
+    # GPT-2 medium, large and XL, with GPT-2's recipe: about 0.5M tokens a step (524288, 512
+    # sequences), reached by summing micro-batches found to fit the device; peak learning
+    # rates from the GPT-3 paper's table of sizes (Brown et al. 2020, table 2.1), warmed up
+    # over 700 steps (about its 375M tokens). 2000 steps: about 1B tokens.
+    "gpt2-350m": _gpt2_recipe("gpt2-350m", n_layer=24, n_head=16, d_model=1024, lr=3e-4),
+    "gpt2-774m": _gpt2_recipe("gpt2-774m", n_layer=36, n_head=20, d_model=1280, lr=2.5e-4),
+    "gpt2-1558m": _gpt2_recipe("gpt2-1558m", n_layer=48, n_head=25, d_model=1600, lr=2e-4),
 }
 
 
@@ -240,9 +287,11 @@ def _coerce(value: Any, kind: type, key: str) -> Any:
     return value
 
 
-def apply_overrides(config: RunConfig, overrides: dict[str, Any], origin: str) -> RunConfig:
-    """Return ``config`` with ``{"section": {"key": value}}`` (or ``{"preset": ...}``) applied."""
-    sections = {}
+def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
+    """``{"section": {"key": value}}`` (a ``"preset"`` entry is skipped) with every section
+    and key checked to exist and every value coerced to its key's type; values themselves are
+    checked when the config is built from them (``apply_overrides``)."""
+    sections: dict[str, dict[str, Any]] = {}
     for section_name, values in overrides.items():
         if section_name == "preset":
             continue
@@ -255,8 +304,7 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], origin: str) -
         if not isinstance(values, dict):
             raise GpuflowError(f"{origin}: {section_name} must be a table of keys")
         types = {f.name: f.type for f in fields(section_cls)}
-        current = getattr(config, section_name)
-        changes = {}
+        changes = sections.setdefault(section_name, {})
         for key, value in values.items():
             if key not in types:
                 raise GpuflowError(
@@ -264,7 +312,17 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any], origin: str) -
                 )
             kind = {"int": int, "float": float, "str": str, "bool": bool}[str(types[key])]
             changes[key] = _coerce(value, kind, f"{section_name}.{key}")
-        sections[section_name] = replace(current, **changes)
+    return sections
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, Any], origin: str) -> RunConfig:
+    """Return ``config`` with ``{"section": {"key": value}}`` (or ``{"preset": ...}``) applied,
+    validated once with all of them in place (a pair of settings that only agree together,
+    such as d_model and n_head, may change in one call)."""
+    sections = {
+        name: replace(getattr(config, name), **changes)
+        for name, changes in checked_changes(overrides, origin).items()
+    }
     return replace(config, **sections)
 
 
@@ -303,12 +361,24 @@ def resolve_config(
     base_name = preset_name or file_values.get("preset") or "tiny"
     if not isinstance(base_name, str):
         raise GpuflowError(f"{config_file}: preset must be a string, got {base_name!r}")
-    config = preset(base_name)
-    if file_values:
-        config = apply_overrides(config, file_values, str(config_file))
-    for assignment in sets:
-        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
-    return config
+    return apply_sets(preset(base_name), sets, (file_values, str(config_file)))
+
+
+def apply_sets(
+    config: RunConfig,
+    sets: Sequence[str] = (),
+    first: tuple[dict[str, Any], str] | None = None,
+) -> RunConfig:
+    """``config`` with ``first`` (overrides and where they come from: a file) and then each
+    ``--set`` assignment applied. Every source is checked for unknown keys and types on its
+    own, then the config is built once: values are validated together, after all are in place."""
+    merged: dict[str, dict[str, Any]] = {}
+    sources = [first] if first and first[0] else []
+    sources += [(parse_set(assignment), f"--set {assignment}") for assignment in sets]
+    for overrides, origin in sources:
+        for section, changes in checked_changes(overrides, origin).items():
+            merged.setdefault(section, {}).update(changes)
+    return apply_overrides(config, merged, "the config")
 
 
 # ---- writing --------------------------------------------------------------------------------

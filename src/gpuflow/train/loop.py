@@ -43,8 +43,10 @@ class LoopHost(Protocol):
     device: Device
     ranks: Ranks
     run_dir: Path
-    tokens_per_step: int
     setup: RunSetup
+
+    @property
+    def tokens_per_step(self) -> int: ...
 
     def evaluate(self) -> float: ...
 
@@ -180,6 +182,7 @@ class TrainLoop:
             )
             why = f" ({setup.path_note})" if setup.path_note else ""
             self.display.note(f"data path: {setup.path}{why}")
+            self.display.note(setup.batching.describe())
             if setup.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
                 self.display.note(setup.io.describe())
             if latest is not None:

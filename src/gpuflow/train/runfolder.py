@@ -24,6 +24,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import (
     RunConfig,
     apply_overrides,
+    apply_sets,
     load_toml,
     parse_set,
     preset,
@@ -122,11 +123,10 @@ def resumed_config(
     the resumed step because ``steps`` changed is refused, with the two ways to go on."""
     _, saved = open_run(run_dir)
     changes = [parse_set(a) for a in sets] + ([{"train": {"steps": steps}}] if steps else [])
+    sets = [*sets, *([f"train.steps={steps}"] if steps else [])]
 
     def with_changes(config: RunConfig) -> RunConfig:
-        for change in changes:
-            config = apply_overrides(config, change, "--set/--steps")
-        return config
+        return apply_sets(config, sets)  # validated once, with every change in place
 
     config = with_changes(saved)
     if preset_name or config_file:

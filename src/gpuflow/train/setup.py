@@ -25,6 +25,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import check_allocator
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
+from gpuflow.train.batching import Batching, device_fit, plan_batching, step_rows
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
 from gpuflow.train.distributed import Averager, GradientAverager, Ranks, each_host_first, least
@@ -53,6 +54,7 @@ class RunSetup:
     data: TokenFolder
     val_batches: list[torch.Tensor]  # (B, T+1) each, on the device; rank 0's alone
     plan: BatchPlan  # what the path's batch source draws from
+    batching: Batching  # the step's micro-batches
     io: IoChoice | None  # how the resident corpus is read; None: no resident corpus
     model: GPT
     forward: torch.nn.Module  # the training step's forward: compiled, DDP-wrapped, or the model
@@ -62,11 +64,6 @@ class RunSetup:
     tokens_seen: int  # by the restored checkpoint: its steps may have run on other ranks
     best_val: float  # the best checkpoint's validation loss (inf: none yet)
     checkpoint: Path | None  # the checkpoint restored, if any
-
-
-def job_tokens_per_step(config: RunConfig, world_size: int) -> int:
-    """Tokens one step of the whole job trains: every rank trains its own batch."""
-    return config.train.batch_size * config.model.max_len * world_size
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -101,14 +98,9 @@ def build_setup(
         averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
     with each_host_first(ranks):  # the built-in corpus is prepared once per host
         data = open_training_data(cfg)
-    val_batches = _validation_set(cfg, data, device, ranks)
+    step_rows(cfg, ranks.world_size)  # batch_tokens that cannot be shared out: refused now
     managed = cfg.data.placement == "managed"
     io = _resident_io(cfg, path, device, managed)
-    plan = BatchPlan(
-        data, cfg.train.batch_size, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size,
-        _device_budget(cfg, device, ranks), ranks.rank, ranks.world_size,
-        managed=managed, io=io.path if io else "pinned",
-    )  # fmt: skip
     if device.type == "cuda":
         check_allocator(cfg.train.allocator)  # chosen when torch loaded: refused if not
     device.configure_for_training()
@@ -122,21 +114,15 @@ def build_setup(
         )
     forward = compiled_forward(trained, device, options) if cfg.train.compile else trained
     adamw = build_optimizer(model, cfg.train, device)
-    tokens_per_step = job_tokens_per_step(cfg, ranks.world_size)
-    start_step, tokens_seen, best_val, checkpoint = 0, 0, math.inf, None
+    checkpoint = None
     if resume:
         _check_same_data(run_dir, data, say)
         checkpoint = ckpt.resumable_checkpoint(run_dir, say)
         if checkpoint is None:
             say(f"{run_dir} has no checkpoint yet: training it from step 0")
         else:
-            start_step = checkpoint.step
-            state = ckpt.RunState.from_record(checkpoint.record, start_step * tokens_per_step)
             ckpt.apply_checkpoint(checkpoint, model, adamw)
-            state.restore_rng(device)
-            best_val = ckpt.best_val_loss(run_dir)
-            plan = dataclasses.replace(plan, resumed=state.data)
-            tokens_seen = state.tokens_seen
+    start_step = checkpoint.step if checkpoint is not None else 0
     if start_step >= cfg.train.steps:
         raise GpuflowError(
             f"{run_dir} already finished {start_step} of {cfg.train.steps} steps; "
@@ -149,16 +135,31 @@ def build_setup(
     optimizer = optimizer_for(path, adamw, device, options, shard)
     if isinstance(optimizer, MasterAdamW) and optimizer.world_size > 1:
         averager = ShardedAverager(optimizer)
-    _warn_about_repeats(cfg, tokens_per_step, data, say)
+    budget = _device_budget(cfg, device, ranks)
+    # Measured with the weights and the optimizer's state in place (before the RNG of a
+    # resumed run is restored: the measuring draws from it).
+    batching = _batching(cfg, model, device, ranks, path, data, budget)
+    tokens_seen, best_val, resumed = 0, math.inf, None
+    if checkpoint is not None:
+        state = ckpt.RunState.from_record(checkpoint.record, start_step * batching.tokens_per_step)
+        state.restore_rng(device)
+        best_val = ckpt.best_val_loss(run_dir)
+        resumed, tokens_seen = state.data, state.tokens_seen
+    val_batches = _validation_set(cfg, data, device, ranks, batching.micro_batch)
+    plan = BatchPlan(
+        data, batching.rows, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size, budget,
+        ranks.rank, ranks.world_size, resumed, managed=managed, io=io.path if io else "pinned",
+    )  # fmt: skip
+    _warn_about_repeats(cfg, batching.tokens_per_step, data, say)
     return RunSetup(
-        path, path_note, data, val_batches, plan, io, model, forward, optimizer, averager,
-        start_step, tokens_seen, best_val,
+        path, path_note, data, val_batches, plan, batching, io, model, forward, optimizer,
+        averager, start_step, tokens_seen, best_val,
         checkpoint.path if checkpoint is not None else None,
     )  # fmt: skip
 
 
 def _validation_set(
-    cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks
+    cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks, batch_size: int
 ) -> list[torch.Tensor]:
     """The validation set, read now (a split too short for one window is refused) and
     uploaded once, by the rank that evaluates (rank 0); it stays on the device. The other
@@ -166,10 +167,36 @@ def _validation_set(
     if not ranks.is_main:
         return []
     data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
-    windows = validation_windows(
-        data.val, cfg.train.batch_size, cfg.model.max_len, cfg.train.eval_batches
-    )
+    windows = validation_windows(data.val, batch_size, cfg.model.max_len, cfg.train.eval_batches)
     return [upload_tokens(w, device) for w in windows]
+
+
+def _batching(
+    cfg: RunConfig, model: GPT, device: Device, ranks: Ranks, path: DataPath, data: TokenFolder,
+    budget: int | None,
+) -> Batching:  # fmt: skip
+    """The run's micro-batches; an automatic micro-batch is measured on this device, beside
+    what the run will also hold (its slice of a resident corpus, an fp32 gradient sum), and
+    every rank takes the smallest any rank found."""
+    fits = None
+    if cfg.train.batch_size == 0:
+        reserved = 0
+        if row(path).resident:
+            corpus = sum(s.n_tokens * s.dtype.itemsize for s in data.train) // ranks.world_size
+            reserved += min(corpus, budget if budget is not None else default_budget(device))
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            reserved += 6 * model.parameter_count()  # fp32 sum, and its narrowed copy
+        fits = device_fit(model, device, cfg.model.max_len, cfg.model.vocab_size, reserved)
+    batching = plan_batching(cfg, ranks.world_size, fits)
+    least_micro = least(batching.micro_batch, ranks)
+    if least_micro != batching.micro_batch:
+        batching = dataclasses.replace(
+            batching,
+            micro_batch=least_micro,
+            accumulation=batching.rows // least_micro,
+            found="the largest that fits every rank's device; set train.batch_size to choose",
+        )
+    return batching
 
 
 def _device_budget(cfg: RunConfig, device: Device, ranks: Ranks) -> int | None:

@@ -26,6 +26,7 @@ from gpuflow.baselines.naive import NaiveBatches, naive_gradients, naive_update
 from gpuflow.data.sources import BatchSource, CapturableSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
+from gpuflow.train.accumulate import FP32Sum, accumulated_loss
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.distributed import Averager, holds_collectives
@@ -142,6 +143,9 @@ class StepParts:
     device: Device
     options: StepOptions
     averager: Averager | None = None  # data-parallel: gradients averaged over ranks
+    # Micro-batches per step: the source's batch is trained in this many parts, their
+    # gradients summed before the update (``train/accumulate.py``).
+    accumulation: int = 1
 
 
 class TrainStep:
@@ -150,6 +154,7 @@ class TrainStep:
     def __init__(self, parts: StepParts, batches: BatchSource) -> None:
         self.model, self.forward, self.optimizer = parts.model, parts.forward, parts.optimizer
         self.config, self.device, self.batches = parts.config, parts.device, batches
+        self.accumulation = parts.accumulation
         self.update = self.make_update(parts)
         self.scalars = AsyncScalars(SCALARS, self.device)
         self.last_loss: torch.Tensor | None = None  # an eager step's, for readback
@@ -184,10 +189,10 @@ class TrainStep:
 class EagerStep(TrainStep):
     def __call__(self, step: int) -> None:
         self.set_lr(step)
-        inputs, targets = self.batches.inputs(step)  # (B, T) int64 each, on the device
-        with self.device.autocast():
-            loss = self.forward(inputs, targets)
-        loss.backward()
+        inputs, targets = self.batches.inputs(step)  # (k*B, T) int64 each, on the device
+        loss = accumulated_loss(
+            self.forward, inputs, targets, self.accumulation, self.device.autocast
+        )
         self.last_loss = loss
         self.scalars.add(loss=loss, grad_norm=self.update(loss))
 
@@ -230,6 +235,8 @@ class GraphStep(TrainStep):
                 draw = torch.compile(draw, options=dict(parts.options.compile_options))
             schedule = torch.compile(schedule, options=dict(parts.options.compile_options))
         self._draw, self._schedule = draw, schedule
+        # bf16 weights' micro-batch gradients summed in fp32 (None: one micro-batch, or fp32)
+        self.sum = FP32Sum.needed_for(list(self.model.parameters()), self.accumulation)
         self.captured = CapturedStep(
             self._body, after_capture=self.optimizer.after_capture, graphs=parts.options.graphs
         )
@@ -238,10 +245,15 @@ class GraphStep(TrainStep):
 
     def _body(self) -> None:
         self.lr.copy_(self._schedule(self.batches.counter))
-        inputs, targets = self._draw()  # (B, T) int64 each; the counter moves on
-        with self.device.autocast(cache=False):
-            loss = self.forward(inputs, targets)
-        loss.backward()
+        inputs, targets = self._draw()  # (k*B, T) int64 each; the counter moves on
+        summed = self.sum
+        loss = accumulated_loss(
+            self.forward, inputs, targets, self.accumulation,
+            lambda: self.device.autocast(cache=False),
+            summed.add if summed is not None else lambda index: None,
+        )  # fmt: skip
+        if summed is not None:
+            summed.finish()
         self.scalars.accumulate(loss=loss, grad_norm=self.update(loss))
 
     def __call__(self, step: int) -> None:

@@ -32,7 +32,7 @@ from gpuflow.train.distributed import (
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.paths import build_step, open_batches
 from gpuflow.train.runfolder import RunFolder, truncate_metrics
-from gpuflow.train.setup import RunSetup, build_setup, job_tokens_per_step
+from gpuflow.train.setup import RunSetup, build_setup
 from gpuflow.train.step import StepOptions, StepParts, TrainStep
 from gpuflow.transfer.diskread import IoChoice
 from gpuflow.transfer.mirror import read_now
@@ -51,6 +51,8 @@ class TrainResult:
     mfu: float | None
     world_size: int = 1
     tokens_per_step: int = 0  # the job's: every rank's batch
+    micro_batch: int = 0  # sequences in one forward and backward
+    accumulation: int = 1  # micro-batches per step on each rank
     # What each rank handed NCCL per step (the gradients' all-reduce): computed from the
     # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
     collective_bytes_per_step: int | None = None
@@ -73,8 +75,6 @@ class Trainer:
         self.device = device
         self.options = options or StepOptions()
         self.ranks = ranks or Ranks()
-        # Tokens of one step of the whole job: every rank trains on its own batch.
-        self.tokens_per_step = job_tokens_per_step(config, self.ranks.world_size)
         self.last_val: float | None = None  # the latest validation loss, for checkpoints
         self.setup: RunSetup  # the run's parts: ``build`` makes them
         self._flops_per_token = flops_per_token(config.model)
@@ -90,6 +90,12 @@ class Trainer:
         )
         return self.setup.checkpoint
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one step of the whole job (every rank trains its own batch); ``build``
+        first: an automatic micro-batch is found there."""
+        return self.setup.batching.tokens_per_step
+
     # ---- the pieces of a run ----------------------------------------------------------------
 
     @contextmanager
@@ -104,7 +110,7 @@ class Trainer:
         with batches:
             parts = StepParts(
                 setup.model, setup.forward, setup.optimizer, self.config.train, self.device,
-                self.options, setup.averager,
+                self.options, setup.averager, setup.batching.accumulation,
             )  # fmt: skip
             train_step = build_step(setup.path, parts, batches)
             try:
@@ -161,11 +167,14 @@ class Trainer:
             return self._run(resume, show_bus)
         except torch.OutOfMemoryError as exc:
             cfg = self.config
+            setup = getattr(self, "setup", None)
+            micro = setup.batching.micro_batch if setup is not None else cfg.train.batch_size
             raise GpuflowError(
                 f"out of device memory on {self.device} ({out_of_memory_figures(exc)}); lower "
-                f"train.batch_size (now {cfg.train.batch_size}), model.max_len (now "
-                f"{cfg.model.max_len}) or the model's size, or cap the resident corpus with "
-                "data.device_budget_mb; the run's checkpoints are intact"
+                f"train.batch_size (the micro-batch, now {micro}; train.batch_tokens keeps the "
+                f"step's size), model.max_len (now {cfg.model.max_len}) or the model's size, or "
+                "cap the resident corpus with data.device_budget_mb; the run's checkpoints are "
+                "intact"
             ) from None
 
     def _run(self, resume: bool, show_bus: bool) -> TrainResult:
@@ -215,6 +224,8 @@ class Trainer:
             mfu=self.mfu(median_rate),
             world_size=self.ranks.world_size,
             tokens_per_step=self.tokens_per_step,
+            micro_batch=self.setup.batching.micro_batch,
+            accumulation=self.setup.batching.accumulation,
             collective_bytes_per_step=averager.bytes_per_step if averager else None,
             data_io=self.setup.io,
         )

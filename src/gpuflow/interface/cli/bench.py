@@ -102,7 +102,10 @@ CPU_TRANSFER_NOTE = (
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="seed-d384", help="the model and batch (default seed-d384)")
+    p.add_argument(
+        "--preset", help="the model and batch (default seed-d384, or the --config file's)"
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
     p.add_argument("--modes", help="comma-separated data paths (default: all of them)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per mode (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
@@ -120,12 +123,24 @@ def _train(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     if args.steps < 1:
         raise GpuflowError(f"--steps must be >= 1, got {args.steps}")
     bench = TrainBenchConfig(
-        preset=args.preset, modes=modes, timed=args.steps, warmup=args.warmup,
-        overrides=tuple(args.set or ()),
+        preset=_train_preset(args), modes=modes, timed=args.steps, warmup=args.warmup,
+        overrides=tuple(args.set or ()), config_file=args.config,
     )  # fmt: skip
     results = run_train_bench(device, bench)
     print_train_table(results)
     return results
+
+
+def _train_preset(args: argparse.Namespace) -> str | None:
+    """The preset bench train starts from: --preset, else the --config file's (None), else
+    seed-d384."""
+    return args.preset or (None if args.config else "seed-d384")
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from gpuflow.train.config import resolve_config
+
+    return resolve_config(_train_preset(args), args.config, args.set or ())
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
@@ -330,7 +345,8 @@ BENCHES: dict[str, Bench] = {
     "train": Bench(
         "each data path ({paths}) on one model: "
         "tokens/s, MFU, bytes, syncs and cudaMalloc per step",
-        _train_arguments, _train,
+        _train_arguments, _train, lambda args: _train_config(args).preset,
+        check=lambda args, device: _train_config(args),
     ),
     "checkpoint": Bench(
         "how long saving a checkpoint stops training: the usual blocking save vs gpuflow's "
@@ -394,9 +410,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_results_folder(args.out)  # before the bench's time, not after it
     if args.bench == "train":  # before CUDA starts: its allocator is chosen then
-        from gpuflow.train.config import resolve_config
-
-        use_allocator(resolve_config(args.preset, None, args.set or ()), args.device, args.argv)
+        use_allocator(_train_config(args), args.device, args.argv)
     device = Device.resolve(args.device)
     bench = BENCHES[args.bench]
     bench.check(args, device)

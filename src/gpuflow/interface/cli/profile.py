@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from gpuflow.interface.cli.common import DEVICE_HELP
+from gpuflow.train.suggest import PRESET_VOCAB_SIZES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "profile",
         help="training steps under the profiler and the transfer ledger: trace, timeline, metrics",
     )
-    p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
+    p.add_argument("--preset", help=f"{', '.join(PRESET_VOCAB_SIZES)} (default tiny)")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
     p.add_argument(
         "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one setting"
@@ -34,13 +35,11 @@ def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.device.accelerator import Device
     from gpuflow.interface.profile import OUTPUT_FILES, profile_training
-    from gpuflow.train.config import apply_overrides, parse_set, resolve_config
+    from gpuflow.train.config import resolve_config
     from gpuflow.train.runfolder import RUNS_DIR
 
     device = Device.resolve(args.device)
-    config = resolve_config(args.preset, args.config)
-    for assignment in args.set or ():
-        config = apply_overrides(config, parse_set(assignment), f"--set {assignment}")
+    config = resolve_config(args.preset, args.config, args.set or ())
     out = Path(args.out) if args.out else RUNS_DIR / f"profile-{config.preset}"
     out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
     result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)

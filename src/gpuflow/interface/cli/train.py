@@ -15,6 +15,7 @@ from gpuflow.interface.cli.common import (
     unescape,
     use_allocator,
 )
+from gpuflow.train.suggest import PRESET_VOCAB_SIZES
 
 if TYPE_CHECKING:  # torch-heavy: imported inside the functions
     from pathlib import Path
@@ -32,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(torchrun --nproc_per_node=N -m gpuflow train ...) each process is one rank of a "
         "data-parallel job, on its own GPU; rank 0 writes.",
     )
-    p.add_argument("--preset", help="tiny (default), seed-d512, seed-d384, seed-d256, gpt2-124m")
+    p.add_argument("--preset", help=f"{', '.join(PRESET_VOCAB_SIZES)} (default tiny)")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
     p.add_argument(
         "--set",

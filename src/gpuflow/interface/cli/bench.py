@@ -333,6 +333,60 @@ def _images_name(args: argparse.Namespace) -> str:
     return "cifar" if widths == (32, 64, 128, 256) else f"cifar-w{widths[0]}"
 
 
+# ---- reference ----------------------------------------------------------------------------------
+
+
+def _reference_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nanogpt", required=True, metavar="DIR",
+        help="a nanoGPT checkout (its train.py, model.py, configurator.py), run as it is",
+    )  # fmt: skip
+    p.add_argument(
+        "--preset", help="the model and batch (default seed-d384, or the --config file's)"
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
+    p.add_argument("--steps", type=int, help="steps both train (default: the config's)")
+    p.add_argument(
+        "--devices", metavar="0,1,...",
+        help="GPUs for the runs, one each (nanoGPT, then gpuflow per seed): as many as runs "
+        "train at once, fewer queue; default: one after another on --device",
+    )  # fmt: skip
+    p.add_argument(
+        "--seeds", type=int, default=1,
+        help="gpuflow runs, seeds train.seed, +1, ...: their spread is the noise (default 1)",
+    )  # fmt: skip
+
+
+def _reference_config(args: argparse.Namespace) -> Any:
+    from gpuflow.bench.reference import ReferenceConfig
+
+    try:
+        devices = tuple(int(d) for d in args.devices.split(",")) if args.devices else ()
+    except ValueError:
+        raise GpuflowError(
+            f"--devices takes GPU indices separated by commas, like 0,1; got {args.devices!r}"
+        ) from None
+    return ReferenceConfig(
+        nanogpt=args.nanogpt, preset=_train_preset(args), config_file=args.config,
+        overrides=tuple(args.set or ()), steps=args.steps, devices=devices, seeds=args.seeds,
+    )  # fmt: skip
+
+
+def _reference(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    from gpuflow.bench.reference import run_reference_bench
+    from gpuflow.bench.reference_curves import print_reference_table
+
+    results = run_reference_bench(device, _reference_config(args))
+    print_reference_table(results)
+    return results
+
+
+def _reference_check(args: argparse.Namespace, device: Any) -> None:
+    from gpuflow.bench.reference import check_reference
+
+    check_reference(_reference_config(args), device)
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
 BENCHES: dict[str, Bench] = {
@@ -379,6 +433,12 @@ BENCHES: dict[str, Bench] = {
         _images_arguments, _images, _images_name,
         overrides=False, check=lambda args, device: _images_config(args),
     ),
+    "reference": Bench(
+        "the same training run in gpuflow and in nanoGPT's own train.py (--nanogpt DIR): both "
+        "validation curves at equal tokens and against wall time, tokens/s, the gap",
+        _reference_arguments, _reference,
+        lambda args: _reference_config(args).run_config().preset, check=_reference_check,
+    ),
 }  # fmt: skip
 
 
@@ -424,5 +484,11 @@ def run(args: argparse.Namespace) -> int:
         plot = plot_soak(results, path.with_suffix(".png"))
         out_console.print(f"results: {path} and {plot}")
         return 0 if results["flat"] else 1
+    if args.bench == "reference":
+        from gpuflow.bench.reference_curves import plot_reference
+
+        plot = plot_reference(results, path.with_suffix(".png"))
+        out_console.print(f"results: {path} and {plot}")
+        return 0
     out_console.print(f"results: {path}")
     return 0

@@ -64,21 +64,25 @@ def test_nanogpt_output_becomes_its_curve_and_speed():
             losses = f"train loss {6 - it / 10:.4f}, val loss {6.5 - it / 10:.4f}"
             lines.append((1.0 + it, f"step {it}: {losses}"))
         ms = 1000.0 if it < 5 else 100.0 + it  # compile and warm-up, then steady
+        ms += 5000.0 if it % 5 == 0 else 0.0  # an evaluation (and a checkpoint) falls in it
         lines.append((1.1 + it, f"iter {it}: loss {6 - it / 10:.4f}, time {ms:.2f}ms, mfu 1.00%"))
-    run = reference_curves.nanogpt_run(_finished(lines), tokens_per_step=2048)
+    run = reference_curves.nanogpt_run(_finished(lines), tokens_per_step=2048, eval_interval=5)
     assert [(p["step"], p["tokens"], p["val_loss"], p["train_loss"], p["seconds"])
             for p in run["curve"]] == [
         (0, 0, 6.5, 6.0, 1.0), (5, 10240, 6.0, 5.5, 6.0), (10, 20480, 5.5, 5.0, 11.0),
     ]  # fmt: skip
-    assert run["iterations_timed"] == 6 and run["iteration_ms"] == pytest.approx(107.5)
+    # iterations 6-9: not the warm-up, not those an evaluation fell into
+    assert run["iterations_timed"] == 4 and run["iteration_ms"] == pytest.approx(107.5)
     assert run["tokens_per_s"] == pytest.approx(2048 / 0.1075)
     assert run["final_val_loss"] == 5.5 and run["wall_s"] == 9.5
     # Told one batch and training another: its train.py did not take the settings.
     lines[0] = (0.5, "tokens per iteration will be: 491,520")
     with pytest.raises(GpuflowError, match="491,520 tokens an iteration, not the 2,048"):
-        reference_curves.nanogpt_run(_finished(lines), tokens_per_step=2048)
+        reference_curves.nanogpt_run(_finished(lines), tokens_per_step=2048, eval_interval=5)
     with pytest.raises(GpuflowError, match="no 'step N: train loss X, val loss Y' line"):
-        reference_curves.nanogpt_run(_finished([(0.1, "Traceback"), (0.2, "KeyError: 'x'")]), 2048)
+        reference_curves.nanogpt_run(
+            _finished([(0.1, "Traceback"), (0.2, "KeyError: 'x'")]), 2048, eval_interval=5
+        )
 
 
 def test_the_gap_the_seed_spread_and_when_gpuflow_reached_nanogpts_final():
@@ -261,7 +265,7 @@ def test_a_whole_run_against_a_standin_writes_both_curves_and_a_plot(
         seconds = [p["seconds"] for p in run["curve"]]
         assert seconds == sorted(seconds) and 0 < seconds[-1] <= run["wall_s"]
     assert [p["val_loss"] for p in nano["curve"]] == [6.0, 5.8, 5.6, 5.4]  # the stand-in's
-    assert nano["tokens_per_s"] == pytest.approx(512 / 0.0155)  # its iterations 5 and 6
+    assert nano["tokens_per_s"] == pytest.approx(512 / 0.015)  # iteration 5 (6 evaluated)
     assert ours["tokens_per_s"] > 0
     assert ours["curve"][0]["val_loss"] == pytest.approx(np.log(SMALL_VOCAB), abs=0.3)
     assert [g["gap"] for g in record["gaps"]] == pytest.approx(

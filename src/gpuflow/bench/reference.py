@@ -285,7 +285,7 @@ def run_reference_bench(device: Device, bench: ReferenceConfig) -> dict[str, Any
             jobs, device_slots(bench.devices), scratch, env, "bench reference", err_console.print
         )
         step_tokens = batching.tokens_per_step
-        nano = nanogpt_run(finished[0], step_tokens)
+        nano = nanogpt_run(finished[0], step_tokens, plan.config.train.eval_interval)
         ours = [gpuflow_run(f, scratch / RUNS_DIR / _run_name(s), step_tokens, s)
                 for f, s in zip(finished[1:], seeds, strict=True)]  # fmt: skip
     finally:

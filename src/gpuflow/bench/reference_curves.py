@@ -42,9 +42,12 @@ def parse_nanogpt(lines: list[tuple[float, str]]) -> dict[str, Any]:
     return {"evals": evals, "iters": iters, "tokens_per_iter": tokens}
 
 
-def nanogpt_run(finished: Finished, tokens_per_step: int) -> dict[str, Any]:
+def nanogpt_run(finished: Finished, tokens_per_step: int, eval_interval: int) -> dict[str, Any]:
     """nanoGPT's curve and speed: tokens/s from the median time of its iterations after
-    ``SETTLE_ITERS`` (an iteration that evaluated is slower: the median passes over it)."""
+    ``SETTLE_ITERS``, less those that began with an evaluation (every ``eval_interval``-th:
+    nanoGPT times an iteration from the end of the one before, so an evaluation and the
+    checkpoint it may save fall into it; where every logged iteration evaluated, a median
+    over them would be the evaluations')."""
     parsed = parse_nanogpt(finished.lines)
     output = "\n".join(text for _, text in finished.lines)
     if not parsed["evals"]:
@@ -58,7 +61,7 @@ def nanogpt_run(finished: Finished, tokens_per_step: int) -> dict[str, Any]:
             f"iteration, not the {tokens_per_step:,} it was given: its train.py does not take "
             "these settings"
         )
-    settled = [ms for it, _, ms in parsed["iters"] if it >= SETTLE_ITERS]
+    settled = [ms for it, _, ms in parsed["iters"] if it >= SETTLE_ITERS and it % eval_interval]
     median_ms = statistics.median(settled) if settled else None
     curve = [
         {"step": step, "tokens": step * tokens_per_step, "val_loss": val, "train_loss": train,

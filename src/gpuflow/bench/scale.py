@@ -322,7 +322,8 @@ def run_scale_bench(device: Device, bench: ScaleConfig) -> dict[str, Any]:
         "preset": bench.preset,
         "steps": bench.steps,
         "overrides": list(bench.overrides),
-        "batch_size_per_rank": config.train.batch_size,
+        "batch_size_per_rank": config.train.batch_size,  # the micro-batch; 0: found to fit
+        "batch_tokens": config.train.batch_tokens,  # 0: one micro-batch a step
         "seq_len": config.model.max_len,
         "log_interval": config.train.log_interval,
         "data_dir": str(data_dir),
@@ -358,7 +359,8 @@ def _run_row(
         f"{tag} {row.label}: {report['tokens_per_s']:,.0f} tokens/s ({outcome.seconds:.1f} s)"
     )
     keys = ("world_size", "tokens_per_s", "tokens_per_s_per_rank", "tokens_per_step", "mfu",
-            "collective_bytes_per_step_per_rank", "final_train_loss", "steps_done")  # fmt: skip
+            "collective_bytes_per_step_per_rank", "final_train_loss", "steps_done",
+            "micro_batch", "accumulation")  # fmt: skip
     return {
         "row": row.label,
         "processes": row.processes,
@@ -385,7 +387,7 @@ def print_scale_table(result: dict[str, Any]) -> None:
         "row", "processes", "tokens/s", f"tokens/s {per}", "speedup", "efficiency", "MFU",
         "exchanged per step per rank", "final train loss",
         title=(
-            f"{result['preset']} (B {result['batch_size_per_rank']} per rank, "
+            f"{result['preset']} (B {result['batch_size_per_rank'] or 'found'} per rank, "
             f"T {result['seq_len']}), {result['steps']} steps: plain vs torchrun"
         ),
     )  # fmt: skip

@@ -39,6 +39,7 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         ),
         "collective_bytes_per_step_per_rank": result.collective_bytes_per_step,
         "data_io": dataclasses.asdict(result.data_io) if result.data_io else None,
+        "chunk_turns": result.chunk_turns,  # a corpus streamed in chunks: what its turns cost
         "mfu": result.mfu,
         "first_train_loss": train[0]["loss"] if train else None,
         "final_train_loss": train[-1]["loss"] if train else None,

@@ -57,6 +57,9 @@ class TrainResult:
     # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
     collective_bytes_per_step: int | None = None
     data_io: IoChoice | None = None  # how the resident corpus was read; None: no such corpus
+    # What the turns of a corpus streamed in chunks cost rank 0 (turns, host seconds, bytes
+    # read); None: the corpus stayed resident, or the path has none.
+    chunk_turns: dict[str, Any] | None = None
 
 
 class Trainer:
@@ -107,6 +110,7 @@ class Trainer:
         setup = self.setup
         batches = source or open_batches(setup.path, setup.plan, self.device, start, stop)
         self._batches = batches  # whose position each checkpoint records
+        self._chunk_turns = None
         with batches:
             parts = StepParts(
                 setup.model, setup.forward, setup.optimizer, self.config.train, self.device,
@@ -117,6 +121,8 @@ class Trainer:
                 yield train_step
             finally:
                 train_step.close()
+                turn_stats = getattr(batches, "turn_stats", None)  # a resident corpus's
+                self._chunk_turns = turn_stats() if turn_stats is not None else None
 
     def gather_state(self) -> None:
         """Make this rank's optimizer state whole where the update is split over the ranks
@@ -228,4 +234,5 @@ class Trainer:
             accumulation=self.setup.batching.accumulation,
             collective_bytes_per_step=averager.bytes_per_step if averager else None,
             data_io=self.setup.io,
+            chunk_turns=self._chunk_turns,
         )

@@ -37,6 +37,9 @@ from gpuflow.train.step import StepOptions, StepParts, TrainStep
 from gpuflow.transfer.diskread import IoChoice
 from gpuflow.transfer.mirror import read_now
 
+# Tokens one piece of an evaluation takes: its logits, 16384 x 50304 in bf16, 1.6 GB at most.
+EVAL_PIECE_TOKENS = 16384
+
 
 @dataclass
 class TrainResult:
@@ -135,11 +138,17 @@ class Trainer:
         model, val_batches = self.setup.model, self.setup.val_batches
         model.eval()
         total = torch.zeros((), device=self.device.torch)
+        rows = 0
+        # In pieces: the captured step's memory pool keeps its activations while this runs
+        # outside it, so a whole micro-batch's logits (64 x 1024 x 50304) may not fit beside.
+        piece = max(1, EVAL_PIECE_TOKENS // self.config.model.max_len)
         with torch.no_grad(), self.device.autocast():
-            for batch in val_batches:
-                total += model(batch[:, :-1], batch[:, 1:])
+            for batch in val_batches:  # (B, T+1)
+                for part in batch.split(piece):  # (b, T+1): each part's mean, weighted by b
+                    total += model(part[:, :-1], part[:, 1:]) * part.shape[0]
+                rows += batch.shape[0]
         model.train()
-        self.last_val = read_now(total)[0] / len(val_batches)
+        self.last_val = read_now(total)[0] / rows
         return self.last_val
 
     def save(

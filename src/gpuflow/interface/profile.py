@@ -105,7 +105,7 @@ def profile_training(
         wall_us=_device_span(timed.activity) if traced else host_seconds * 1e6,
         steps=steps,
         bytes_moved=totals.h2d_bytes + totals.d2h_bytes,
-        useful_bytes=steps * config.train.batch_size * (config.model.max_len + 1) * 2,
+        useful_bytes=steps * trainer.setup.batching.rows * (config.model.max_len + 1) * 2,
         peak_h2d_gb_s=peak,
     )
     result = {

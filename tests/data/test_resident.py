@@ -1,5 +1,5 @@
-"""ResidentTokens on the cpu: valid shifted pairs, determinism, ranks, resume, chunking; the
-host sampler's ranks."""
+"""ResidentTokens on the cpu: valid shifted pairs, determinism, ranks, resume, chunks of pieces
+reshuffled each round; the host sampler's ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import WindowSampler
 from gpuflow.data.resident import ResidentTokens, window_starts
 from gpuflow.data.shards import Shard, write_shard
+from gpuflow.data.sources import ResidentBatches
+from gpuflow.device.accelerator import Device
 
 B, T = 4, 16
 
@@ -29,13 +31,22 @@ def _shards(tmp_path, sizes=(1000, 700, 1300), dtype=np.uint16, high=60000, seed
 
 
 def _expected_starts(tokens: ResidentTokens, step: int) -> np.ndarray:
-    """Where the windows of ``step`` begin in the whole corpus, computed independently."""
+    """Where the windows of ``step`` begin in the whole corpus, computed independently: the
+    step's starts among the chunk's, each mapped to its piece and the offset in it."""
     chunk = tokens.chunk_of(step)
-    length = min(tokens.chunk_tokens, tokens._last - tokens._first - chunk * tokens.chunk_tokens)
-    local = window_starts(
-        tokens._draw_seed, torch.tensor(step), torch.arange(B), torch.tensor(length - T)
-    ).numpy()
-    return tokens._first + chunk * tokens.chunk_tokens + local
+    if tokens.n_chunks == 1:
+        length = tokens._last - tokens._first
+        local = window_starts(
+            tokens._draw_seed, torch.tensor(step), torch.arange(B), torch.tensor(length - T)
+        ).numpy()
+        return tokens._first + local
+    pieces = tokens.chunk_pieces(chunk)
+    piece = tokens.piece_tokens
+    lengths = np.minimum(piece, tokens._last - pieces * piece)  # the corpus's last may be short
+    n = int((lengths - T).clip(min=0).sum())
+    local = window_starts(tokens._draw_seed, torch.tensor(step), torch.arange(B), torch.tensor(n))
+    per_piece = piece - T  # starts in a whole piece: its length less a window, plus one
+    return pieces[local.numpy() // per_piece] * piece + local.numpy() % per_piece
 
 
 def test_pairs_are_shifted_windows_of_the_corpus(tmp_path):
@@ -106,32 +117,129 @@ def test_resume_continues_the_same_sequence(tmp_path):
         assert torch.equal(resumed.sample()[0], seen[step])
 
 
-def test_a_small_budget_streams_the_corpus_in_chunks(tmp_path):
+def test_fully_resident_draws_are_unchanged(tmp_path):
     shards, corpus = _shards(tmp_path)
-    # 3000 tokens of 2 bytes; a 2000-byte budget holds two chunks of 500 tokens.
-    tokens = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
-    assert (tokens.chunk_tokens, tokens.n_chunks) == (500, 6)
-    assert tokens.steps_per_chunk == 500 // (B * T)
-    chunks_seen = set()
-    for step in range(tokens.steps_per_chunk * 7):  # every chunk, then back to the first
-        tokens.advance(step)
-        chunks_seen.add(tokens.chunk)
+    tokens = ResidentTokens(shards, "cpu", B, T, seed=7)
+    # Starts drawn for steps 0 and 3 before corpora streamed in pieces (2984 starts).
+    for step, starts in ((0, [1447, 1915, 2530, 2280]), (3, [2478, 1632, 984, 961])):
+        tokens.set_step(step)
         x, _ = tokens.sample()
-        for row, start in enumerate(_expected_starts(tokens, step)):
-            assert np.array_equal(x[row].numpy(), corpus[start : start + T])
-    assert chunks_seen == set(range(6)) and tokens.chunk == 0
+        assert np.array_equal(x.numpy(), np.stack([corpus[s : s + T] for s in starts]))
+    assert tokens.n_chunks == 1 and tokens.turn_stats() is None
+
+
+def test_a_small_budget_cuts_the_corpus_into_pieces_and_rounds(tmp_path):
+    shards, _ = _shards(tmp_path, sizes=(4000, 3000, 5000))
+    # 12,000 tokens; a 2000-byte budget: buffers of 500 tokens, pieces of 4 windows (68), 7
+    # to a chunk; the 32-token tail is a short 177th piece.
+    tokens = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
+    shape = (tokens.piece_tokens, tokens.n_pieces, tokens.pieces_per_chunk, tokens.n_chunks)
+    assert shape == (68, 177, 7, 26) and tokens.chunk_tokens == 476
+    assert tokens.steps_per_chunk == 476 // (B * T)
+    rounds = []
+    for round_ in range(3):
+        chunks = [tokens.chunk_pieces(round_ * 26 + place) for place in range(26)]
+        assert sorted(len(c) for c in chunks)[0] >= 6  # shares of equal size, within one
+        assert np.array_equal(np.sort(np.concatenate(chunks)), np.arange(177))  # each once
+        rounds.append(chunks)
+        # A chunk is pieces from across the corpus, not one span of it.
+        assert all((np.diff(c) > 1).any() for c in chunks)
+        spread = np.mean([(c.max() - c.min()) / 177 for c in chunks])
+        assert spread > 0.5
+    assert not np.array_equal(rounds[0][0], rounds[1][0])
+    assert not np.array_equal(rounds[1][0], rounds[2][0])
+    # Every rank finds the same rounds; another seed other ones.
+    other_rank = ResidentTokens(
+        shards, "cpu", B, T, seed=2, rank=1, world_size=2, budget_bytes=2000
+    )
+    assert np.array_equal(other_rank.chunk_pieces(30), tokens.chunk_pieces(30))
+    other_seed = ResidentTokens(shards, "cpu", B, T, seed=3, budget_bytes=2000)
+    assert not np.array_equal(other_seed.chunk_pieces(0), tokens.chunk_pieces(0))
+    # Where windows are short, the budget sets the pieces: buffers of 3000 tokens hold 63
+    # pieces of 47 (3000 / 64, rounded up); the 256 pieces make 5 chunks of 51 or 52.
+    larger = ResidentTokens(shards, "cpu", B, 4, seed=2, budget_bytes=12000)
+    assert (larger.piece_tokens, larger.n_pieces, larger.n_chunks) == (47, 256, 5)
+    assert larger.pieces_per_chunk == 52
+
+
+def test_streamed_windows_lie_inside_one_piece_of_the_corpus(tmp_path):
+    shards, corpus = _shards(tmp_path, sizes=(4000, 3000, 5000))
+    tokens = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
+    piece = tokens.piece_tokens
+    where: dict[tuple[int, int], list[int]] = {}  # (first two tokens) -> where they are
+    for at in range(len(corpus) - 1):
+        where.setdefault((corpus[at], corpus[at + 1]), []).append(at)
+    offsets, first_chunk = set(), []
+    for step in range(tokens.steps_per_chunk * 30):  # past the first round of 26 chunks
+        tokens.advance(step)
+        x, y = tokens.sample()
+        windows = torch.cat([x, y[:, -1:]], dim=1).numpy()  # (B, T+1)
+        for window in windows:
+            found = [
+                at for at in where.get((window[0], window[1]), [])
+                if np.array_equal(corpus[at : at + T + 1], window)
+            ]  # fmt: skip
+            assert len(found) == 1
+            at = found[0]
+            assert at // piece == (at + T) // piece  # inside one piece
+            assert at // piece in tokens.chunk_pieces(tokens.chunk)  # of the active chunk
+            offsets.add(at % piece)
+            if tokens.chunk == 0:
+                first_chunk.append(at // piece)
+    assert {0, piece - T - 1} <= offsets  # a piece's first start and its last
+    assert max(offsets) == piece - T - 1
+    # The first chunk's batches already come from many pieces across the corpus.
+    assert len(set(first_chunk)) >= 5 and max(first_chunk) - min(first_chunk) > 177 // 2
+
+
+@pytest.mark.parametrize("stop", [3 * 7 + 2, 26 * 7 - 3])  # mid-round; a round ends after
+def test_a_resumed_run_draws_the_same_streamed_windows(tmp_path, stop):
+    shards, _ = _shards(tmp_path, sizes=(4000, 3000, 5000))
+    straight = ResidentTokens(shards, "cpu", B, T, seed=4, budget_bytes=2000)
+    assert straight.steps_per_chunk == 7 and straight.n_chunks == 26
+    seen = []
+    for step in range(stop + 10):
+        straight.advance(step)
+        seen.append(straight.sample()[0])
+    resumed = ResidentTokens(shards, "cpu", B, T, seed=4, budget_bytes=2000)
+    resumed.set_step(stop, straight.position(stop))
+    for step in range(stop, stop + 10):
+        resumed.advance(step)
+        assert torch.equal(resumed.sample()[0], seen[step])
+    assert resumed.chunk == (stop + 9) // 7  # the counter runs on into the next round
+
+
+def test_turn_stats_count_the_turns_and_their_bytes(tmp_path):
+    shards, _ = _shards(tmp_path)
+    tokens = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
+    assert tokens.turn_stats()["turns"] == 0  # the first upload is no turn
+    spc = tokens.steps_per_chunk
+    for step in range(spc * 3 + 1):  # three turns: into chunks 1, 2 and 3
+        tokens.advance(step)
+        tokens.sample()
+    stats = tokens.turn_stats()
+    # Each turn starts the upload of the chunk after it (chunks 2, 3 and 4).
+    uploaded = sum(n for chunk in (2, 3, 4) for _, n in tokens._spans(chunk))
+    assert (stats["turns"], stats["bytes"]) == (3, 2 * uploaded) and stats["seconds"] > 0
+    assert stats["n_chunks"] == tokens.n_chunks == 7
+    # The trainer's source passes them on; a resident corpus has none.
+    cpu = Device.resolve("cpu")
+    batches = ResidentBatches(tuple(shards), cpu, B, T, seed=2, start=0, budget_bytes=2000)
+    batches.prepare(spc)
+    assert batches.turn_stats()["turns"] == 1
+    assert ResidentBatches(tuple(shards), cpu, B, T, seed=2, start=0).turn_stats() is None
 
 
 @pytest.mark.parametrize("mid_round", [False, True])
-def test_a_run_resumed_on_other_ranks_reads_each_chunk_once_per_epoch(tmp_path, mid_round):
+def test_a_run_resumed_on_other_ranks_reads_each_chunk_once_per_round(tmp_path, mid_round):
     shards, corpus = _shards(tmp_path)
-    # 3000 tokens; a 2000-byte budget streams them as 6 chunks of 500, on 1 rank or on 2.
+    # 3000 tokens; a 2000-byte budget streams them as 7 chunks of 6-7 pieces, on 1 rank or 2.
     two = [
         ResidentTokens(shards, "cpu", B, T, seed=2, rank=r, world_size=2, budget_bytes=2000)
         for r in range(2)
     ]
-    spc = two[0].steps_per_chunk
-    stop = 2 * spc - (spc // 2 if mid_round else 0)  # two rounds, the second cut short or not
+    spc, n_chunks = two[0].steps_per_chunk, two[0].n_chunks
+    stop = 2 * spc - (spc // 2 if mid_round else 0)  # two turns, the second cut short or not
     begun: list[int] = []
     for step in range(stop):
         for tokens in two:
@@ -141,22 +249,24 @@ def test_a_run_resumed_on_other_ranks_reads_each_chunk_once_per_epoch(tmp_path, 
             x, _ = tokens.sample()
             for row, start in enumerate(_expected_starts(tokens, step)):
                 assert np.array_equal(x[row].numpy(), corpus[start : start + T])
-    assert begun == [0, 1, 2, 3]  # rounds of two chunks, one per rank
+    assert begun == [0, 1, 2, 3]  # turns of two chunks, one per rank
     position = two[0].position(stop)
-    assert two[1].position(stop) == position
+    assert two[1].position(stop) == position and position["next_chunk"] == 4
     # The same ranks resume exactly where they were.
     again = ResidentTokens(shards, "cpu", B, T, seed=2, rank=1, world_size=2, budget_bytes=2000)
     again.set_step(stop, position)
     two[1].advance(stop)
     assert torch.equal(again.sample()[0], two[1].sample()[0])
-    # One rank carries on from the first chunk not begun, and the epoch reads each once.
+    # One rank carries on from the first chunk not begun: the round reads each piece once.
     one = ResidentTokens(shards, "cpu", B, T, seed=2, budget_bytes=2000)
     one.set_step(stop, position)
-    for step in range(stop, stop + spc * (6 - len(begun))):
+    for step in range(stop, stop + spc * (n_chunks - len(begun))):
         one.advance(step)
         if one.chunk != begun[-1]:
             begun.append(one.chunk)
-    assert sorted(begun) == list(range(6))
+    assert sorted(begun) == list(range(n_chunks))
+    pieces = np.concatenate([one.chunk_pieces(chunk) for chunk in begun])
+    assert np.array_equal(np.sort(pieces), np.arange(one.n_pieces))
 
 
 def test_uint32_ids_survive_the_signed_gather(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import validation_windows
@@ -296,3 +297,34 @@ def test_interval_throughput_leaves_pauses_out():
         time.sleep(0.01)
     assert throughput.rate(throughput.close_interval()) is None
     assert throughput.rates == [rate]
+
+
+def test_the_report_says_what_chunk_turns_cost(prepared, workdir):
+    from gpuflow.interface.report import build_report
+
+    streamed = _config(prepared, "train.steps=30", "data.device_budget_mb=0.01")
+    report = build_report(streamed, _train(streamed, workdir / "runs" / "chunks"))
+    turns = report["chunk_turns"]
+    assert turns["turns"] >= 1 and turns["bytes"] > 0 and turns["seconds"] > 0
+    resident = _config(prepared, "train.steps=2")
+    assert (
+        build_report(resident, _train(resident, workdir / "runs" / "whole"))["chunk_turns"] is None
+    )
+
+
+def test_evaluation_in_pieces_gives_the_whole_batches_loss(prepared, workdir, monkeypatch):
+    """Validation runs in pieces of at most EVAL_PIECE_TOKENS (beside a captured step's
+    memory a whole micro-batch's logits may not fit); the mean over every token is the same."""
+    from gpuflow.train import trainer as trainer_module
+
+    config = _config(prepared, "train.steps=2", "train.eval_batches=3")
+    trainer = Trainer(config, workdir / "runs" / "e", Device("cpu"))
+    trainer.build(resume=False, say=lambda note: None)
+    whole = trainer.evaluate()
+    monkeypatch.setattr(trainer_module, "EVAL_PIECE_TOKENS", 3 * config.model.max_len)
+    assert trainer.evaluate() == pytest.approx(whole, rel=1e-6)  # pieces of 3, 3 and 2 rows
+    batches = trainer.setup.val_batches
+    model = trainer.setup.model
+    with torch.no_grad():
+        by_hand = sum(float(model(b[:, :-1], b[:, 1:])) for b in batches) / len(batches)
+    assert whole == pytest.approx(by_hand, rel=1e-6)

@@ -109,6 +109,11 @@ class ResidentBatches(CapturableSource):
     def prepare(self, step: int) -> None:
         self.tokens.advance(step)  # a chunk switch happens here, outside any graph
 
+    def turn_stats(self) -> dict[str, Any] | None:
+        """What this rank's chunk turns have cost so far (turns, host seconds, bytes read);
+        None while the corpus is resident. See ``ResidentTokens.turn_stats``."""
+        return self.tokens.turn_stats()
+
     def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tokens.sample()
 

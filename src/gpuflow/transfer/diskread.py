@@ -14,6 +14,7 @@ docs/architecture/crossings.md (File bytes into device memory).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,23 +161,48 @@ class HostFileReader:
     ``threads`` threads at once; see ``READ_THREADS``."""
 
     def __init__(self, threads: int = READ_THREADS) -> None:
-        self._threads = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gpuflow-read")
+        self._n_threads = max(1, threads)
+        self._threads = ThreadPoolExecutor(self._n_threads, thread_name_prefix="gpuflow-read")
         self._files: dict[Path, int] = {}
 
     def read(self, path: Path, file_offset: int, out: Any) -> None:
         """Fill ``out`` (a writable buffer of bytes: a uint8 array) from ``file_offset``."""
-        view = memoryview(out).cast("B")
-        fd = self._open(path)
-        parts = [
-            self._threads.submit(_read_fully, fd, view[lo : lo + _READ_PART], file_offset + lo)
-            for lo in range(0, len(view), _READ_PART)
-        ]
-        got = sum(part.result() for part in parts)
-        if got != len(view):
-            raise _short_read(path, got, len(view), file_offset)
+        self.read_many([(path, file_offset, out)])
+
+    def read_many(self, requests: Iterable[tuple[Path, int, Any]]) -> None:
+        """Fill each ``out`` of ``requests`` (path, file offset, out) as ``read`` does. Their
+        parts are shared among the threads in runs of about equal bytes, so a chunk of many
+        short reads costs a few hand-offs to the threads, not one per read."""
+        wanted: list[tuple[Path, int, int]] = []
+        parts = []  # (request, fd, bytes to fill, file offset)
+        for path, file_offset, out in requests:
+            view = memoryview(out).cast("B")
+            fd = self._open(path)
+            parts += [
+                (len(wanted), fd, view[lo : lo + _READ_PART], file_offset + lo)
+                for lo in range(0, len(view), _READ_PART)
+            ]
+            wanted.append((path, file_offset, len(view)))
+        share = max(1, -(-sum(len(part[2]) for part in parts) // self._n_threads))
+        runs, run, size = [], [], 0
+        for part in parts:
+            run.append(part)
+            size += len(part[2])
+            if size >= share:
+                runs.append(run)
+                run, size = [], 0
+        if run:
+            runs.append(run)
+        got = [0] * len(wanted)
+        for future in [self._threads.submit(_read_run, run) for run in runs]:
+            for request, n in future.result():
+                got[request] += n
+        for (path, file_offset, n), read in zip(wanted, got, strict=True):
+            if read != n:
+                raise _short_read(path, read, n, file_offset)
 
     def _open(self, path: Path) -> int:
-        path = Path(path)
+        path = path if isinstance(path, Path) else Path(path)  # a chunk's reads: many a turn
         if path not in self._files:
             self._files[path] = os.open(path, os.O_RDONLY)
         return self._files[path]
@@ -193,6 +219,11 @@ def _short_read(path: Path, got: int, wanted: int, offset: int) -> GpuflowError:
         f"{path} gave {got} of {wanted} bytes from offset {offset}: the file is shorter than "
         "its header says; prepare the data again"
     )
+
+
+def _read_run(run: list[tuple[int, int, memoryview, int]]) -> list[tuple[int, int]]:
+    """(request, bytes read) for each (request, fd, out, offset) of ``run``, read in turn."""
+    return [(request, _read_fully(fd, out, offset)) for request, fd, out, offset in run]
 
 
 def _read_fully(fd: int, out: memoryview, offset: int) -> int:

@@ -137,13 +137,46 @@ def test_compressed_files_read_as_their_plain_text(tmp_path, small_corpus, suffi
     assert documents([story], separator="<|endoftext|>") == ["one", "two"]
 
 
-@pytest.mark.parametrize("suffix", ["gz", "bz2", "xz"])
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
 def test_a_damaged_compressed_file_is_named(tmp_path, small_corpus, suffix):
     data = COMPRESSORS[suffix]((small_corpus / "doc000.txt").read_bytes() * 20)
     damaged = tmp_path / f"doc.txt.{suffix}"
     damaged.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(GpuflowError, match=rf"doc\.txt\.{suffix} is not valid .* damaged"):
+    with pytest.raises(GpuflowError, match=rf"doc\.txt\.{suffix} is not valid .*(damaged|trunc)"):
         documents([damaged])
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
+@pytest.mark.parametrize("kept", [0.5, 0.9, 0.99])
+def test_compressed_json_lines_cut_at_a_line_end_are_refused(tmp_path, suffix, kept):
+    """Cut where what was decompressed ends at a line end, a file still reads as JSON lines;
+    it must be refused all the same, naming the file, not read as fewer documents."""
+    records = (json.dumps({"text": f"document {i} " + "word " * 40}) for i in range(3000))
+    lines = "".join(f"{record}\n" for record in records)
+    data = COMPRESSORS[suffix](lines.encode())
+    cut = tmp_path / f"rows.jsonl.{suffix}"
+    cut.write_bytes(data[: int(len(data) * kept)])
+    with pytest.raises(GpuflowError, match=rf"corpus file .*rows\.jsonl\.{suffix} is not valid"):
+        documents([cut])
+
+
+def test_zstd_reads_every_frame_and_skips_skippable_ones(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    frames = [zstandard.ZstdCompressor().compress(f"part {i} ".encode() * 5000) for i in range(3)]
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    path = tmp_path / "parts.txt.zst"
+    path.write_bytes(frames[0] + skippable + frames[1] + frames[2])
+    (text,) = documents([path])
+    assert text == "".join(f"part {i} " * 5000 for i in range(3))
+    streamed = zstandard.ZstdCompressor(write_content_size=False, write_checksum=True)
+    path.write_bytes(streamed.compress(b"no size in the header " * 9000))
+    assert documents([path]) == ["no size in the header " * 9000]
+    path.write_bytes(frames[0] + skippable[:6])  # a skippable frame cut short
+    with pytest.raises(GpuflowError, match=r"parts\.txt\.zst is not valid zstd data: it ends in"):
+        documents([path])
+    path.write_bytes(frames[0] + b"not a frame")
+    with pytest.raises(GpuflowError, match=r"parts\.txt\.zst is not valid zstd data"):
+        documents([path])
 
 
 def test_jsonl_reads_the_field_it_is_told(tmp_path):
@@ -164,6 +197,8 @@ def test_jsonl_reads_the_field_it_is_told(tmp_path):
         ('{"content": "x"}', "no string field 'text'"),
         ('{"text": 5}', "no string field 'text'"),
         ('{"text": "a\\u0000b"}', "NUL"),
+        ('{"text": "ab \\ud800 cd"}', "lone surrogate .* fix or remove that line"),
+        ('{"text": "\\udfff"}', "lone surrogate"),
     ],
 )
 def test_bad_jsonl_lines_are_refused_with_line_numbers(tmp_path, line, message):
@@ -216,6 +251,23 @@ def test_globs_name_files(tmp_path):
     assert documents([tmp_path / "*.txt"]) == ["a.txt", "b.txt"]
     with pytest.raises(GpuflowError, match="no file matches"):
         resolve_inputs([tmp_path / "*.jsonl"])
+
+
+def test_a_glob_of_folders_reads_them_as_if_each_were_named(tmp_path):
+    for name in ("books1", "books2", "empty1"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "books1" / "a.txt").write_text("first book")
+    (tmp_path / "books2" / "b.md").write_text("second book")
+    (tmp_path / "empty1" / "notes.csv").write_text("x")
+    assert documents([tmp_path / "books*"]) == ["first book", "second book"]
+    with pytest.raises(GpuflowError, match=r"folder .*empty1 holds no \.txt"):
+        resolve_inputs([tmp_path / "empty*"])
+
+
+def test_a_valid_surrogate_pair_is_one_character(tmp_path):
+    path = tmp_path / "emoji.jsonl"
+    path.write_text('{"text": "smile \\ud83d\\ude00"}\n')
+    assert documents([path]) == ["smile \U0001f600"]
 
 
 def test_standard_input_is_read_as_text(tmp_path):

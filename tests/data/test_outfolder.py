@@ -1,5 +1,6 @@
-"""Where prepare writes: what counts as its token folder, what --force may replace, the swap
-into place, and the work folders of killed runs cleaned up or put back."""
+"""Where prepare writes: what counts as its token folder, what --force may replace, where an
+output may be, its one writer, the swap into place, and the work folders of killed runs
+cleaned up or put back."""
 
 from __future__ import annotations
 
@@ -8,19 +9,25 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import gpuflow.data.outfolder as outfolder
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.outfolder import (
     META_FORMAT,
+    OutLock,
+    check_out_place,
     check_replaceable,
     clean_leftovers,
     is_token_folder,
+    lock_path,
     pid_is_running,
     sibling,
     swap_into_place,
 )
+from tests.helpers import child_env
 
 
 def _dead_pid() -> int:
@@ -97,6 +104,121 @@ def test_swap_into_place_replaces_the_folder_and_leaves_no_old_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_the_swap_keeps_the_old_folder_until_the_new_one_is_there(tmp_path, monkeypatch, exchange):
+    """With an exchange of names (Linux) the folder is never missing; without one, the old
+    folder waits in .out.old-PID between the two renames."""
+    out = _token_folder(tmp_path / "out", "train_000000.bin")
+    stage = _token_folder(sibling(out, "staging", os.getpid()), "val_000000.bin")
+    seen = []
+    real_replace = os.replace
+
+    def replacing(source, target):
+        seen.append((Path(source).name, Path(target).name, out.exists()))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replacing)
+    if not exchange:
+        monkeypatch.setattr(outfolder, "_exchanged", lambda first, second: False)
+    swap_into_place(stage, out)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "val_000000.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    if exchange and sys.platform == "linux":
+        assert seen == []  # one step: no rename leaves the folder missing
+    elif not exchange:
+        old = f".out.old-{os.getpid()}"
+        assert seen == [("out", old, True), (stage.name, "out", False)]
+
+
+def test_an_output_is_never_the_current_folder_or_a_name_that_is_not_utf8(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_out_place(Path("data") / "books")
+    for place in (Path("."), Path(".."), Path("sub/.."), tmp_path, tmp_path.parent):
+        with pytest.raises(GpuflowError, match="is the current folder or holds it"):
+            check_out_place(place)
+    with pytest.raises(GpuflowError, match=r"--out data/d\\xff is not a UTF-8 name"):
+        check_out_place(Path("data") / os.fsdecode(b"d\xff"))
+
+
+HOLDER = """
+import sys
+from pathlib import Path
+from gpuflow.data.outfolder import OutLock
+with OutLock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_one_writer_at_a_time_and_the_second_is_told_who(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env=child_env(), text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        written = lock_path(out).read_bytes()
+        assert written == f"{holder.pid}\n".encode()
+        with pytest.raises(GpuflowError) as refused:
+            OutLock(out).acquire()
+        assert str(refused.value) == (
+            f"{out} is being written by another gpuflow prepare (process {holder.pid}, which "
+            f"holds {lock_path(out)}); wait for it to finish, or choose another --out"
+        )
+        assert lock_path(out).read_bytes() == written  # the refused one touched nothing
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert not lock_path(out).exists()  # removed on release
+    with OutLock(out):
+        assert lock_path(out).read_text() == f"{os.getpid()}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_lock_left_by_a_killed_writer_is_taken_over(tmp_path):
+    out = tmp_path / "out"
+    lock_path(out).write_text(f"{_dead_pid()}\n")  # the kernel let its lock go with it
+    with OutLock(out):
+        assert lock_path(out).read_text() == f"{os.getpid()}\n"
+    assert not lock_path(out).exists()
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_trusted(tmp_path, monkeypatch):
+    """A writer that opened the lock file just before its holder removed it and let go
+    gets the lock of a file no longer there: it opens the one there now instead."""
+    out = tmp_path / "out"
+    first = OutLock(out)
+    first.acquire()
+    stale = os.open(lock_path(out), os.O_RDWR)  # opened while the holder still held it
+    first.release()
+    real_open, opened = outfolder._open_lock_file, []
+
+    def opening(path):
+        opened.append(path)
+        return stale if len(opened) == 1 else real_open(path)
+
+    monkeypatch.setattr(outfolder, "_open_lock_file", opening)
+    with OutLock(out):
+        assert len(opened) == 2 and lock_path(out).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(GpuflowError, match=f"process {os.getpid()}"):
+            OutLock(out).acquire()  # held: by this process, through another descriptor
+
+
+@pytest.mark.parametrize("kind", ["link", "folder"])
+def test_a_lock_file_that_is_no_file_is_left_alone(tmp_path, kind):
+    out, target = tmp_path / "out", tmp_path / "target"
+    target.write_text("the user's")
+    if kind == "link":
+        lock_path(out).symlink_to(target)
+    else:
+        lock_path(out).mkdir()
+    with pytest.raises(GpuflowError, match="is not a regular file, where gpuflow keeps the lock"):
+        OutLock(out).acquire()
+    assert target.read_text() == "the user's"
+    assert lock_path(out).is_symlink() == (kind == "link") and os.path.lexists(lock_path(out))
+
+
 def test_work_folders_are_named_after_the_output_and_their_process():
     from pathlib import Path
 
@@ -113,6 +235,7 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_only_prepares_own_files_delet
     dead, alive = _dead_pid(), os.getppid()
     staging = _token_folder(sibling(out, "staging", dead), "train_000000.bin", "progress.json")
     (staging / ".train_000001.bin.tmp-77").write_bytes(b"half")
+    (staging / ".progress.json.tmp-77").write_bytes(b"half")  # killed while writing it
     kept = _token_folder(sibling(out, "old", dead), "train_000000.bin")
     (kept / "mine.txt").write_text("the user's")
     running = _token_folder(sibling(out, "staging", alive), "train_000000.bin")

@@ -214,10 +214,12 @@ def test_a_run_killed_between_its_renames_gets_its_old_folder_back(
     shutil.copytree(prepared, tmp_path / f".out.old-{_dead_pid()}")
     shutil.copytree(prepared, tmp_path / f".out.staging-{_dead_pid()}")
     out = tmp_path / "out"
+    notes = (str(small_corpus / "notes"),)
     with pytest.raises(GpuflowError, match="already exists; pass --force"):
-        prepare(PrepareConfig(data=(str(small_corpus / "notes"),), out=str(out)))
-    assert _tree(out) == _tree(prepared)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        prepare(PrepareConfig(data=notes, out=str(out)))  # refused before any work
+    assert _tree(out) == _tree(prepared)  # put back first
+    prepare(PrepareConfig(data=notes, out=str(out), vocab_size=300, force=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the dead run's work gone
 
 
 def test_progress_counts_source_bytes_to_exactly_its_total(tmp_path, small_corpus, monkeypatch):

@@ -54,6 +54,29 @@ class WindowSampler:
         )
 
 
+def window_starts(shards: tuple[Shard, ...], seq_len: int) -> int:
+    """How many distinct windows of ``seq_len + 1`` tokens ``shards`` hold (none crosses
+    from one shard into the next)."""
+    return sum(max(0, s.n_tokens - seq_len) for s in shards)
+
+
+def check_validation_batch(shards: tuple[Shard, ...], batch_size: int, seq_len: int) -> None:
+    """Refuse, before any window is built, a val split with no window of ``seq_len + 1``
+    tokens, or fewer distinct windows than one batch of ``batch_size`` takes."""
+    window, starts = seq_len + 1, window_starts(shards, seq_len)
+    if starts == 0:
+        raise GpuflowError(
+            f"the val split has no run of {window} tokens (model.max_len + 1); prepare with a "
+            "larger --val-fraction or more text, or lower model.max_len"
+        )
+    if batch_size > starts:
+        raise GpuflowError(
+            f"train.batch_size ({batch_size:,} sequences, the micro-batch that validation also "
+            f"takes) is more than the val split's {starts:,} distinct windows of {window} "
+            "tokens; lower train.batch_size, or prepare with a larger --val-fraction or more text"
+        )
+
+
 def validation_windows(
     shards: tuple[Shard, ...], batch_size: int, seq_len: int, max_batches: int
 ) -> list[np.ndarray]:
@@ -66,11 +89,7 @@ def validation_windows(
     """
     window = seq_len + 1
     starts_per_shard = np.array([max(0, s.n_tokens - window + 1) for s in shards])
-    if starts_per_shard.sum() == 0:
-        raise GpuflowError(
-            f"the val split has no run of {window} tokens (model.max_len + 1); prepare with a "
-            "larger --val-fraction or more text, or lower model.max_len"
-        )
+    check_validation_batch(shards, batch_size, seq_len)  # before anything is allocated
     disjoint = sum(max(0, (s.n_tokens - 1) // seq_len) for s in shards)
     n_windows = batch_size * min(max_batches, max(1, disjoint // batch_size))
     cumulative = np.cumsum(starts_per_shard)  # (n_shards,)

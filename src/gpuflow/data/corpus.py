@@ -1,20 +1,24 @@
-"""The built-in corpus: the documentation inside Python itself.
+"""The corpus to prepare: the user's inputs, or the built-in one, the documentation inside
+Python itself.
 
-It needs no download and no file in this repository: it is built at run time from the
-standard library's documentation topics (``pydoc_data``) and the docstrings of its modules,
-read from source with ``ast`` so that no module is imported. (The user's corpora are read
-by ``gpuflow.data.formats``.)
+The built-in corpus needs no download and no file in this repository: it is built at run time
+from the standard library's documentation topics (``pydoc_data``) and the docstrings of its
+modules, read from source with ``ast`` so that no module is imported. (The user's corpora are
+read by ``gpuflow.data.formats``.)
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
 
 # Parts of the standard library that are tests, demos or vendored trees rather than
 # documented modules.
@@ -100,3 +104,81 @@ def default_corpus() -> list[Document]:
             "there is no built-in corpus; pass --data FILE_OR_FOLDER"
         )
     return documents
+
+
+class Corpus:
+    """The documents to tokenize as parts: the user's inputs, or the built-in corpus."""
+
+    def __init__(self, paths: tuple[str, ...], options: ReadOptions) -> None:
+        self.options = options
+        # (resolve_inputs finds at least one input for any paths, or refuses them)
+        self.inputs: list[Input] = resolve_inputs(list(paths)) if paths else []
+        if paths:
+            sizes = [i.size() for i in self.inputs]
+            self.total_bytes = None if None in sizes else sum(s for s in sizes if s is not None)
+            self.description = ", ".join(paths)
+            self._builtin = None
+        else:
+            self._builtin = default_corpus()
+            self.total_bytes = sum(d.size for d in self._builtin)
+            self.description = f"built-in (Python {sys.version.split()[0]} docs and docstrings)"
+        self._stdin_head: list[Part] = []  # standard input read while sampling, given again
+        self._stdin_rest: Iterator[Part] | None = None
+
+    @property
+    def rereadable(self) -> bool:
+        return all(i.path is not None for i in self.inputs)
+
+    def identity(self) -> list[Any]:
+        if self._builtin is not None:
+            return ["builtin", sys.version.split()[0], self.total_bytes]
+        return [i.identity() for i in self.inputs]
+
+    def parts(self) -> Iterator[Part]:
+        if self._builtin is not None:
+            yield from (Part(d.text, True, d.size) for d in self._builtin)
+            return
+        for inp in self.inputs:
+            if inp.path is None:
+                yield from self._stdin_head
+                self._stdin_head = []
+                yield from self._stdin_parts(inp)
+            else:
+                yield from read_parts(inp, self.options)
+
+    def _stdin_parts(self, inp: Input) -> Iterator[Part]:
+        if self._stdin_rest is None:
+            self._stdin_rest = read_parts(inp, self.options)
+        return self._stdin_rest
+
+    def sample(self, chars: int) -> Iterator[str]:
+        """About ``chars`` characters of text drawn evenly from the corpus (standard input:
+        its first ``chars``, held to be encoded later). Every input is read through, so a
+        bad file is found before anything is written."""
+        if not self.rereadable:
+            stdin = next(i for i in self.inputs if i.path is None)
+            taken = 0
+            for part in self._stdin_parts(stdin):
+                self._stdin_head.append(part)
+                taken += len(part.text)
+                yield part.text
+                if taken >= chars:
+                    return
+            return
+        # Error diffusion over the parts: a part is taken when the credit its share of the
+        # sample has built up allows, so what is taken spreads evenly over the corpus. The
+        # corpus's size in characters is estimated from what has been read (compressed
+        # inputs hold several characters per byte on disk).
+        # Long parts are drawn from a slice at a time, so a sample far smaller than one
+        # document still spreads over it.
+        total, step = self.total_bytes or 1, max(4096, chars // 256)
+        credit, seen_bytes, seen_chars = 0.0, 0, 0
+        for part in self.parts():
+            seen_bytes, seen_chars = seen_bytes + part.size, seen_chars + len(part.text)
+            expected = max(chars, total * seen_chars / max(seen_bytes, 1))
+            for start in range(0, len(part.text), step):
+                piece = part.text[start : start + step]
+                credit += len(piece) * chars / expected
+                if credit > 0:
+                    credit -= len(piece)
+                    yield piece

@@ -12,22 +12,18 @@ docs/architecture/data.md (Reading a corpus).
 
 from __future__ import annotations
 
-import bz2
 import codecs
 import glob
-import gzip
-import io
 import json
-import lzma
 import os
-import sys
-import zlib
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.streams import check_zstd_frames, opened
 
 READ_BYTES = 1 << 20  # one read of a text file: what a part of a long document holds at most
 KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -122,20 +118,24 @@ def resolve_inputs(paths: Sequence[str | Path]) -> list[Input]:
             matched = sorted(Path(p) for p in glob.glob(str(raw), recursive=True))
             if not matched:
                 raise GpuflowError(f"no file matches {raw}; check the --data pattern")
-            inputs.extend(_input_for(p, str(raw)) for p in matched if p.is_file())
+            # What it matches counts as if each were named: a folder is read whole.
+            inputs.extend(i for p in matched for i in _inputs_of(p, str(p)))
             continue
         if not path.exists():
             raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
-        if path.is_dir() and not is_dataset_folder(path):
-            inputs.extend(_folder_inputs(path))
-        else:
-            inputs.append(_input_for(path, str(raw)))
+        inputs.extend(_inputs_of(path, str(raw)))
     if sum(i.path is None for i in inputs) > 1:
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
     for inp in inputs:
         if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
             raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
     return inputs
+
+
+def _inputs_of(path: Path, given: str) -> list[Input]:
+    if path.is_dir() and not is_dataset_folder(path):
+        return _folder_inputs(path)
+    return [_input_for(path, given)]
 
 
 def _folder_inputs(folder: Path) -> list[Input]:
@@ -168,6 +168,7 @@ def _input_for(path: Path, given: str) -> Input:
         )
     if compression == "zstd":
         _require("zstandard", "zstd", f"{given} is zstd-compressed")
+        check_zstd_frames(path, given)
     if kind == "parquet":
         _require("pyarrow", "parquet", f"{given} is a Parquet file")
     if not os.access(path, os.R_OK):
@@ -192,99 +193,11 @@ def read_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
     elif inp.kind == "dataset":
         yield from _dataset_parts(inp, options)
     else:
-        with _opened(inp) as (stream, position):
+        with opened(inp) as (stream, position):
             if inp.kind == "jsonl":
                 yield from _jsonl_parts(inp, stream, position, options)
             else:
                 yield from _text_parts(inp, stream, position, options)
-
-
-class _opened:
-    """The input's bytes, decompressed, and a function giving the raw (compressed) position;
-    decompression errors become one line naming the file."""
-
-    def __init__(self, inp: Input) -> None:
-        self.inp = inp
-
-    def __enter__(self) -> tuple[BinaryIO, Any]:
-        inp = self.inp
-        if inp.path is None:
-            raw = sys.stdin.buffer
-            counted = _Counting(raw)
-            return counted, lambda: counted.count
-        self.raw = raw = open(inp.path, "rb")  # closed in __exit__
-        stream: BinaryIO
-        if inp.compression == "gzip":
-            stream = gzip.GzipFile(fileobj=raw)
-        elif inp.compression == "bz2":
-            stream = bz2.BZ2File(raw)
-        elif inp.compression == "xz":
-            stream = lzma.LZMAFile(raw)
-        elif inp.compression == "zstd":
-            import zstandard
-
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
-        else:
-            stream = raw
-        return _Checked(stream, inp), raw.tell
-
-    def __exit__(self, *exc: object) -> None:
-        if self.inp.path is not None:
-            self.raw.close()
-
-
-class _Counting(io.RawIOBase):
-    """Standard input, counting the bytes read from it."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw, self.count = raw, 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.count += len(data)
-        return data
-
-    def readline(self, limit: int = -1) -> bytes:
-        data = self.raw.readline(limit)
-        self.count += len(data)
-        return data
-
-
-_DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
-
-
-class _Checked:
-    """A decompressing stream whose errors say which file is damaged."""
-
-    def __init__(self, stream: BinaryIO, inp: Input) -> None:
-        self.stream, self.inp, self.offset = stream, inp, 0
-        try:
-            import zstandard
-
-            self._errors: tuple[type[BaseException], ...] = (
-                *_DECOMPRESSION_ERRORS,
-                zstandard.ZstdError,
-            )
-        except ImportError:
-            self._errors = _DECOMPRESSION_ERRORS
-
-    def _guard(self, read: Any, *args: Any) -> bytes:
-        try:
-            data = read(*args)
-        except self._errors as exc:
-            what = f"{self.inp.compression} data" if self.inp.compression else "data"
-            raise GpuflowError(
-                f"corpus file {self.inp.name} is not valid {what} past byte {self.offset} of its "
-                f"contents ({exc}); it is damaged or truncated: fetch it again or leave it out"
-            ) from None
-        self.offset += len(data)
-        return data
-
-    def read(self, n: int = -1) -> bytes:
-        return self._guard(self.stream.read, n)
-
-    def readline(self) -> bytes:
-        return self._guard(self.stream.readline)
 
 
 def _decoded_blocks(inp: Input, stream: Any, position: Any) -> Iterator[tuple[str, int]]:
@@ -373,6 +286,11 @@ def _separated(blocks: Iterator[tuple[str, int]], separator: str) -> Iterator[Pa
         yield Part("", False, size)  # no text, but its bytes are accounted for
 
 
+# Half of a UTF-16 surrogate pair without the other: JSON's "\\ud800" decodes to one (and so
+# do its encoded bytes, which json.loads passes), and no UTF-8 text can hold it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -> Iterator[Part]:
     field, found, line_no, raw_seen = options.text_field, False, 0, 0
     while True:
@@ -400,6 +318,11 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
             )
         if "\x00" in record[field]:
             raise GpuflowError(f"{inp.name}:{line_no} holds a NUL character; pass only text")
+        if _LONE_SURROGATE.search(record[field]):
+            raise GpuflowError(
+                f"{inp.name}:{line_no} holds a lone surrogate (such as \\ud800), which is no "
+                "character of text; fix or remove that line"
+            )
         if record[field].strip():
             raw = position()
             yield Part(record[field], True, raw - raw_seen)
@@ -418,7 +341,7 @@ def _string_rows(
     import pyarrow as pa
 
     row, given, found = 0, 0, False
-    for batch in batches:
+    while (batch := _next_batch(inp, batches, row)) is not None:
         column = batch.column(0)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             raise GpuflowError(
@@ -439,23 +362,41 @@ def _string_rows(
         yield Part("", False, total_size - given)
 
 
+def _next_batch(inp: Input, batches: Iterator[Any], rows: int) -> Any:
+    """The next of ``batches`` (None: no more), with a read that fails (damaged pages, a file
+    cut short, a disk error) made one line naming the input; ``rows``: those read so far."""
+    import pyarrow as pa
+
+    try:
+        return next(batches, None)
+    except (pa.ArrowException, OSError) as exc:
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise GpuflowError(
+            f"corpus file {inp.name} cannot be read past row {rows:,} ({first_line}); it is "
+            "damaged or truncated: fetch it again or leave it out"
+        ) from None
+
+
 def _parquet_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
     import pyarrow.parquet as pq
 
     field = options.text_field
-    try:
-        parquet = pq.ParquetFile(inp.path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid and others
-        raise GpuflowError(f"corpus file {inp.name} is not a Parquet file ({exc})") from None
-    names = parquet.schema_arrow.names
-    if field not in names:
-        raise GpuflowError(
-            f"{inp.name} has no column {field!r} (it has {', '.join(names[:8])}); pass "
-            "--text-field with the text column"
-        )
-    batches = parquet.iter_batches(batch_size=1024, columns=[field])
-    total = parquet.metadata.num_rows
-    yield from _string_rows(inp, batches, field, inp.size() or 0, total, "column")
+    assert inp.path is not None
+    # Opened here, not by pyarrow: it takes only names that are UTF-8.
+    with open(inp.path, "rb") as source:
+        try:
+            parquet = pq.ParquetFile(source)
+        except Exception as exc:  # pyarrow raises ArrowInvalid and others
+            raise GpuflowError(f"corpus file {inp.name} is not a Parquet file ({exc})") from None
+        names = parquet.schema_arrow.names
+        if field not in names:
+            raise GpuflowError(
+                f"{inp.name} has no column {field!r} (it has {', '.join(names[:8])}); pass "
+                "--text-field with the text column"
+            )
+        batches = iter(parquet.iter_batches(batch_size=1024, columns=[field]))
+        total = parquet.metadata.num_rows
+        yield from _string_rows(inp, batches, field, inp.size() or 0, total, "column")
 
 
 def _dataset_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
@@ -478,5 +419,5 @@ def _dataset_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
             "pass --text-field with the text column"
         )
     table = loaded.select_columns([field]).with_format("arrow")
-    batches = (batch for batch in table.iter(batch_size=1024))
+    batches = iter(table.iter(batch_size=1024))
     yield from _string_rows(inp, batches, field, inp.size() or 0, loaded.num_rows, "column")

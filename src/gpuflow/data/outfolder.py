@@ -6,16 +6,27 @@ user's own; it builds a new one in a hidden staging folder beside it and swaps i
 renames, the old one kept until the new one is in place. Work folders that a killed run left
 beside the output (``.NAME.staging-PID``, ``.NAME.old-PID``, their process gone) are cleaned
 up, and only prepare's own files in them are deleted.
+
+One process writes a token folder at a time: ``OutLock`` holds an advisory lock on
+``.NAME.lock`` beside it for the whole command. The lock file lives beside the folder, not
+in it, because the folder itself is replaced by a rename: a lock file inside would be another
+file once the new folder is in place, and guard nothing from then on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
+import stat
+import sys
+import time
+from contextlib import suppress
 from pathlib import Path
 
-from gpuflow.common.atomic import replace_folder
+from gpuflow.common.atomic import fsync_dir, replace_folder
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 
@@ -23,11 +34,159 @@ META_FORMAT = "gpuflow-tokens-1"
 
 
 def swap_into_place(stage: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` with ``stage``; the old folder stays until the new one is there."""
+    """Replace ``out_dir`` with ``stage``: in one step where the system exchanges two names
+    at once (Linux), so that ``out_dir`` is never missing; elsewhere by two renames, the old
+    folder kept as ``.NAME.old-PID`` until the new one is there (``put_back`` undoes a kill
+    between them)."""
+    if out_dir.is_dir() and not out_dir.is_symlink() and _exchanged(stage, out_dir):
+        fsync_dir(out_dir.parent)
+        _remove_own_files(stage)  # now the old folder (left to a kill: cleaned as a staging)
+        return
     retired = sibling(out_dir, "old", os.getpid())
     replace_folder(stage, out_dir, retired)
     if os.path.lexists(retired):
         _remove_own_files(retired)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchanged(first: Path, second: Path) -> bool:
+    """Swap two names in one rename (``renameat2(RENAME_EXCHANGE)``); False where the
+    system or its file system cannot."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        return False
+    paths = (os.fsencode(first), os.fsencode(second))
+    if renameat2(_AT_FDCWD, paths[0], _AT_FDCWD, paths[1], _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # a kernel or file system without it
+    raise OSError(code, os.strerror(code), str(second))
+
+
+# ---- where --out may be -----------------------------------------------------------------------
+
+
+def check_out_place(out_dir: Path) -> None:
+    """Refuse an ``--out`` that no folder can be swapped into (the current folder or one
+    holding it) or whose name is not UTF-8 (a tokenizer file and a training config cannot
+    hold it)."""
+    try:
+        str(out_dir).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(out_dir).decode("utf-8", "backslashreplace")
+        raise GpuflowError(
+            f"--out {shown} is not a UTF-8 name, which tokenizer files and training configs "
+            "cannot hold; choose a name of UTF-8 characters"
+        ) from None
+    if out_dir.name in ("", ".", "..") or Path.cwd().is_relative_to(out_dir.resolve()):
+        raise GpuflowError(f"{out_dir} is the current folder or holds it; choose another --out")
+
+
+# ---- one writer at a time --------------------------------------------------------------------
+
+_LOCK_OPEN = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+
+
+def lock_path(out_dir: Path) -> Path:
+    """The lock file of ``out_dir``: beside it, so that it outlives the folder's swaps."""
+    return out_dir.with_name(f".{out_dir.name}.lock")
+
+
+class OutLock:
+    """``out_dir``'s one writer: an advisory lock (``flock``) on ``lock_path(out_dir)``, held
+    from ``__enter__`` to ``__exit__``. A second writer is refused at once, naming the
+    holder's process, which the file records; the file is removed on release."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = lock_path(out_dir)
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks on this platform: the folder goes unguarded
+            return
+        while self._fd is None:
+            fd = _open_lock_file(self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise GpuflowError(
+                    f"{self.out_dir} is being written by another gpuflow prepare (process "
+                    f"{holder}, which holds {self.path}); wait for it to finish, or choose "
+                    "another --out"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, self.path):
+                self._fd = fd
+            else:  # its last holder removed it while letting go: lock the one there now
+                os.close(fd)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            with suppress(OSError):  # removed while still held: whoever opened it meanwhile
+                os.unlink(self.path)  # finds it gone once it has the lock, and tries again
+        finally:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        fd = os.open(path, _LOCK_OPEN, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR):  # a link, a folder
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        raise GpuflowError(
+            f"{path} is not a regular file, where gpuflow keeps the lock of its output folder: "
+            "it is left as it is; remove or move it, then run the command again"
+        )
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        there = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """The PID the lock's holder wrote into it (it writes it just after locking)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if text.isdigit():
+            return text
+        time.sleep(0.01)
+    return "unknown"
 
 
 # ---- what --force may replace ----------------------------------------------------------------
@@ -35,8 +194,21 @@ def swap_into_place(stage: Path, out_dir: Path) -> None:
 # The files prepare writes into a token folder; anything else in one belongs to someone else.
 _OWN_NAME = r"meta\.json|tokenizer\.json|(?:train|val)_\d{6,}\.bin"
 _OWN_FILE = re.compile(_OWN_NAME)
-# ... and what its staging folders hold besides: temporaries (atomic.py, shards.py) and progress
-_OWN_FILE_OR_TEMP = re.compile(rf"{_OWN_NAME}|\.(?:{_OWN_NAME})\.tmp-\d+|progress\.json")
+# ... and what its staging folders hold besides: progress, and the temporaries of each
+# (atomic.py, shards.py) that a kill leaves
+_STAGE_NAME = rf"{_OWN_NAME}|progress\.json"
+_OWN_FILE_OR_TEMP = re.compile(rf"{_STAGE_NAME}|\.(?:{_STAGE_NAME})\.tmp-\d+")
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Names in ``folder`` that prepare did not write, sorted; folders end with ``/``."""
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not _is_own(p))
+
+
+def listed(names: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``names``, and how many more there are."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def is_token_folder(path: Path) -> bool:
@@ -52,11 +224,6 @@ def _is_own(entry: Path, pattern: re.Pattern[str] = _OWN_FILE) -> bool:
     return bool(pattern.fullmatch(entry.name)) and entry.is_file() and not entry.is_symlink()
 
 
-def _foreign_entries(folder: Path) -> list[str]:
-    """Names in ``folder`` that prepare did not write, sorted; folders end with ``/``."""
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not _is_own(p))
-
-
 def check_replaceable(out_dir: Path, force: bool) -> None:
     """Refuse to write ``out_dir`` unless replacing it loses nothing that prepare did not write."""
     if not os.path.lexists(out_dir) or (out_dir.is_dir() and not any(out_dir.iterdir())):
@@ -70,13 +237,12 @@ def check_replaceable(out_dir: Path, force: bool) -> None:
                 f"{out_dir} is not {what} and --force replaces only those; choose another --out"
             )
         raise GpuflowError(f"{out_dir} already exists and is not {what}; choose another --out")
-    foreign = _foreign_entries(out_dir)
+    foreign = foreign_entries(out_dir)
     if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         raise GpuflowError(
             f"{out_dir} is a gpuflow token folder but also holds files gpuflow did not write "
-            f"({', '.join(foreign[:5])}{more}); move them out before rebuilding it with "
-            "--force, or choose another --out"
+            f"({listed(foreign)}); move them out before rebuilding it with --force, or choose "
+            "another --out"
         )
     if not force:
         raise GpuflowError(
@@ -99,7 +265,7 @@ def _remove_own_files(folder: Path) -> bool:
     try:
         folder.rmdir()
     except OSError:
-        foreign = ", ".join(_foreign_entries(folder))
+        foreign = ", ".join(foreign_entries(folder))
         note(f"kept {folder}: it holds files gpuflow did not write ({foreign})")
         return False
     return True
@@ -125,6 +291,23 @@ def pid_is_running(pid: int) -> bool:
     return True
 
 
+def put_back(out_dir: Path) -> None:
+    """A run killed between the two renames of ``swap_into_place`` left no ``out_dir`` and
+    the previous one in ``.NAME.old-PID``: put that one back (before anything reads
+    ``out_dir``)."""
+    if os.path.lexists(out_dir) or not out_dir.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.old-(\d+)")
+    for entry in sorted(out_dir.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink() or pid_is_running(int(match[1])):
+            continue
+        if is_token_folder(entry):
+            os.replace(entry, out_dir)
+            note(f"restored {out_dir} from {entry}, left by an interrupted run")
+            return
+
+
 def clean_leftovers(out_dir: Path) -> None:
     """Remove the work folders that runs killed while writing ``out_dir`` left beside it.
 
@@ -141,8 +324,7 @@ def clean_leftovers(out_dir: Path) -> None:
         if not match or not entry.is_dir() or entry.is_symlink() or pid_is_running(int(match[2])):
             continue
         if match[1] == "old" and not os.path.lexists(out_dir) and is_token_folder(entry):
-            os.replace(entry, out_dir)
-            note(f"restored {out_dir} from {entry}, left by an interrupted run")
+            put_back(out_dir)
         elif _remove_own_files(entry):
             note(f"removed {entry}, left by an interrupted run")
 

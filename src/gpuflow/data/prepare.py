@@ -6,9 +6,10 @@
     gpuflow prepare --data more/ --out data/books --append
 
 The output folder holds tokenizer.json, train_000000.bin..., val_000000.bin... and meta.json,
-and appears only when complete; an interrupted run continues where it stopped. How the stages
-stream, the staging folder, ``force`` and ``append``: docs/architecture/data.md (Preparing a
-corpus).
+and appears only when complete; an interrupted run continues where it stopped. One process
+writes a folder at a time (``outfolder.OutLock``), and ``append`` changes it all at once
+(``appending``). How the stages stream, the staging folder, ``force`` and ``append``:
+docs/architecture/data.md (Preparing a corpus).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
-from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,20 +30,24 @@ import numpy as np
 from rich.progress import DownloadColumn, TextColumn, TransferSpeedColumn
 from tokenizers import Tokenizer
 
-from gpuflow.common.atomic import fsync_dir, write_text_atomic
+from gpuflow.common.atomic import write_text_atomic
 from gpuflow.common.console import err_console, progress_bar
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
-from gpuflow.data.corpus import default_corpus
+from gpuflow.data.appending import AppendTarget, check_target, commit, refuse_repeats
+from gpuflow.data.corpus import Corpus
 from gpuflow.data.encode import ParallelEncoder, usable_cores
-from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.formats import ReadOptions, resolve_inputs
 from gpuflow.data.outfolder import (
     META_FORMAT,
+    OutLock,
+    check_out_place,
     check_replaceable,
     clean_leftovers,
     is_token_folder,
     note,
     pid_is_running,
+    put_back,
     sibling,
     swap_into_place,
 )
@@ -151,86 +154,6 @@ class PrepareSummary:
         )
 
 
-# ---- the corpus -------------------------------------------------------------------------
-
-
-class _Corpus:
-    """The documents to tokenize as parts: the user's inputs, or the built-in corpus."""
-
-    def __init__(self, paths: tuple[str, ...], options: ReadOptions) -> None:
-        self.options = options
-        self.inputs: list[Input] = resolve_inputs(list(paths)) if paths else []
-        if self.inputs:
-            sizes = [i.size() for i in self.inputs]
-            self.total_bytes = None if None in sizes else sum(s for s in sizes if s is not None)
-            self.description = ", ".join(paths)
-            self._builtin = None
-        else:
-            self._builtin = default_corpus()
-            self.total_bytes = sum(d.size for d in self._builtin)
-            self.description = f"built-in (Python {sys.version.split()[0]} docs and docstrings)"
-        self._stdin_head: list[Part] = []  # standard input read while sampling, given again
-        self._stdin_rest: Iterator[Part] | None = None
-
-    @property
-    def rereadable(self) -> bool:
-        return all(i.path is not None for i in self.inputs)
-
-    def identity(self) -> list[Any]:
-        if self._builtin is not None:
-            return ["builtin", sys.version.split()[0], self.total_bytes]
-        return [i.identity() for i in self.inputs]
-
-    def parts(self) -> Iterator[Part]:
-        if self._builtin is not None:
-            yield from (Part(d.text, True, d.size) for d in self._builtin)
-            return
-        for inp in self.inputs:
-            if inp.path is None:
-                yield from self._stdin_head
-                self._stdin_head = []
-                yield from self._stdin_parts(inp)
-            else:
-                yield from read_parts(inp, self.options)
-
-    def _stdin_parts(self, inp: Input) -> Iterator[Part]:
-        if self._stdin_rest is None:
-            self._stdin_rest = read_parts(inp, self.options)
-        return self._stdin_rest
-
-    def sample(self, chars: int) -> Iterator[str]:
-        """About ``chars`` characters of text drawn evenly from the corpus (standard input:
-        its first ``chars``, held to be encoded later). Every input is read through, so a
-        bad file is found before anything is written."""
-        if not self.rereadable:
-            stdin = next(i for i in self.inputs if i.path is None)
-            taken = 0
-            for part in self._stdin_parts(stdin):
-                self._stdin_head.append(part)
-                taken += len(part.text)
-                yield part.text
-                if taken >= chars:
-                    return
-            return
-        # Error diffusion over the parts: a part is taken when the credit its share of the
-        # sample has built up allows, so what is taken spreads evenly over the corpus. The
-        # corpus's size in characters is estimated from what has been read (compressed
-        # inputs hold several characters per byte on disk).
-        # Long parts are drawn from a slice at a time, so a sample far smaller than one
-        # document still spreads over it.
-        total, step = self.total_bytes or 1, max(4096, chars // 256)
-        credit, seen_bytes, seen_chars = 0.0, 0, 0
-        for part in self.parts():
-            seen_bytes, seen_chars = seen_bytes + part.size, seen_chars + len(part.text)
-            expected = max(chars, total * seen_chars / max(seen_bytes, 1))
-            for start in range(0, len(part.text), step):
-                piece = part.text[start : start + step]
-                credit += len(piece) * chars / expected
-                if credit > 0:
-                    credit -= len(piece)
-                    yield piece
-
-
 # ---- the run ----------------------------------------------------------------------------
 
 
@@ -263,17 +186,39 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     """Build the token folder ``config.out_dir`` (or add to it); see the module docstring."""
     started = time.perf_counter()
     out_dir = config.out_dir
-    existing = _appendable(out_dir, config) if config.append else None
-    if not config.append:
-        check_replaceable(out_dir, config.force)  # before any work, so a refusal is immediate
-    corpus = _Corpus(config.data, config.read_options)  # every input checked before writing
-    if existing is not None:
-        _refuse_repeats(corpus, existing, out_dir)
-    fingerprint = _fingerprint(config, corpus, existing)
+    check_out_place(out_dir)
     made = [d for d in (out_dir.parent, *out_dir.parent.parents) if not d.exists()]
+    lock = OutLock(out_dir)
+    try:
+        try:  # the output's place, and its one writer, before anything is read or written
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+        except OSError as exc:
+            raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
+        return _prepare(config, out_dir, started)
+    finally:
+        lock.release()
+        for folder in made:  # what this run created for the output, if it ends without one
+            with suppress(OSError):
+                folder.rmdir()  # only if empty
+
+
+def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSummary:
+    """``prepare``, with ``out_dir``'s lock held."""
+    try:
+        put_back(out_dir)  # the folder a run killed while swapping it in had moved away
+    except OSError as exc:
+        raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
+    # Everything the command reads is checked before any work, so a refusal is immediate.
+    target = check_target(out_dir, config.tokenizer) if config.append else None
+    if target is None:
+        check_replaceable(out_dir, config.force)
+    corpus = Corpus(config.data, config.read_options)  # every input checked before writing
+    if target is not None:
+        refuse_repeats(corpus.inputs, corpus.identity(), target)
+    fingerprint = _fingerprint(config, corpus, target)
     stage = sibling(out_dir, "staging", os.getpid())
     try:  # the output's place, checked before any long work
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         state = _resume(out_dir, stage, fingerprint) if fingerprint else None
         clean_leftovers(out_dir)
         if state is None:
@@ -284,17 +229,18 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
         raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
     keep_stage = False
     try:
-        tokenizer = _tokenizer(config, corpus, stage, existing)
-        summary = _encode(config, corpus, tokenizer, stage, state, existing, started)
-        if existing is not None:
-            _merge_into(stage, out_dir, summary, corpus, existing)
+        tokenizer = _tokenizer(config, corpus, stage, target)
+        summary = _encode(config, corpus, tokenizer, stage, state, target, started)
+        (stage / PROGRESS_FILE).unlink(missing_ok=True)  # from here on a rerun starts afresh
+        if target is not None:
+            commit(stage, target, _added(summary, state, corpus))
             summary = replace(summary, appended=True)
         else:
             _write_meta(stage, summary, corpus, config, state, tokenizer)
             check_replaceable(out_dir, config.force)  # again: the folder may have changed
             swap_into_place(stage, out_dir)
     except KeyboardInterrupt:
-        keep_stage = fingerprint is not None and state.train_shards + state.val_shards > 0
+        keep_stage = _resumable(stage, state, fingerprint)
         if keep_stage:
             note(
                 f"interrupted: {state.train_shards + state.val_shards} finished shards are kept "
@@ -302,7 +248,7 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
             )
         raise
     except OSError as exc:  # a fault of the machine: a full disk, a file gone read-only
-        keep_stage = fingerprint is not None and state.train_shards + state.val_shards > 0
+        keep_stage = _resumable(stage, state, fingerprint)
         kept = (
             f"its {state.train_shards + state.val_shards} finished shards are kept in {stage}: "
             "run the same command again to continue from them"
@@ -315,21 +261,37 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     finally:
         if not keep_stage:
             shutil.rmtree(stage, ignore_errors=True)
-        for folder in made:  # what this run created for the output, if it ends without one
-            with suppress(OSError):
-                folder.rmdir()  # only if empty
     return summary
 
 
+def _resumable(stage: Path, state: _State, fingerprint: str | None) -> bool:
+    """Whether a rerun of the same command continues from ``stage``: it holds finished
+    shards and the progress file that says how far they go."""
+    finished = state.train_shards + state.val_shards > 0
+    return fingerprint is not None and finished and (stage / PROGRESS_FILE).is_file()
+
+
+def _added(summary: PrepareSummary, state: _State, corpus: Corpus) -> dict[str, Any]:
+    """What an appending run adds to its folder's meta.json."""
+    counts = ("documents", "train_tokens", "val_tokens", "train_shards", "val_shards")
+    return {
+        **{key: getattr(summary, key) for key in counts},
+        "max_token": state.max_token,
+        "inputs": corpus.identity(),
+        "source": corpus.description,
+    }
+
+
 def _tokenizer(
-    config: PrepareConfig, corpus: _Corpus, stage: Path, existing: dict | None
+    config: PrepareConfig, corpus: Corpus, stage: Path, target: AppendTarget | None
 ) -> Tokenizer:
-    """The folder's own (appending), one kept by an interrupted run, the one given, or one
-    trained on a sample of the corpus; saved in the staging folder."""
+    """The folder's own (appending: its file is linked in when the run commits), one kept by
+    an interrupted run, the one given, or one trained on a sample of the corpus; saved in the
+    staging folder."""
     kept = stage / "tokenizer.json"
-    if existing is not None:
-        tokenizer = load_tokenizer(config.out_dir / "tokenizer.json")
-    elif kept.is_file():
+    if target is not None:
+        return target.tokenizer
+    if kept.is_file():
         tokenizer = load_tokenizer(kept)
     elif config.tokenizer:
         tokenizer = load_tokenizer(config.tokenizer)
@@ -345,25 +307,20 @@ def _tokenizer(
 
 
 def _encode(
-    config: PrepareConfig, corpus: _Corpus, tokenizer: Tokenizer, stage: Path, state: _State,
-    existing: dict | None, started: float,
+    config: PrepareConfig, corpus: Corpus, tokenizer: Tokenizer, stage: Path, state: _State,
+    target: AppendTarget | None, started: float,
 ) -> PrepareSummary:  # fmt: skip
-    """Encode the corpus into shards in ``stage``, continuing from ``state``."""
+    """Encode the corpus into shards in ``stage``, continuing from ``state`` (appending: the
+    new shards only, numbered after the folder's)."""
     vocab_size = tokenizer.get_vocab_size()
     eot = np.array([eot_id(tokenizer)], dtype=token_dtype_for(vocab_size))
     dtype = eot.dtype
-    base = existing or {"train_shards": 0, "val_shards": 0}
+    recorded = _recorded_shards(stage, state, target)
     writers = {
-        split: ShardWriter(
-            stage,
-            split,
-            dtype,
-            config.shard_tokens,
-            first_index=base[f"{split}_shards"] + getattr(state, f"{split}_shards"),
-            existing=sorted(stage.glob(f"{split}_*.bin")),
-        )
+        split: ShardWriter(stage, split, dtype, config.shard_tokens,
+                           first_index=recorded[split][0], existing=recorded[split][1])
         for split in ("train", "val")
-    }
+    }  # fmt: skip
     pieces = Pieces(Cutter(tokenizer), config.val_fraction)
     stream = pieces(corpus.parts())
     big = corpus.total_bytes is None or corpus.total_bytes >= POOL_MIN_BYTES
@@ -394,7 +351,7 @@ def _encode(
         state.max_token = max(state.max_token, int(eot[0]) if state.documents else -1)
         for writer in writers.values():
             writer.finish()
-        if existing is None:
+        if target is None:
             writers = _hold_out_a_tail(writers, stage, config, dtype)
     except BaseException:
         for writer in writers.values():
@@ -403,7 +360,7 @@ def _encode(
     train, val = writers["train"].close(), writers["val"].close()
     train_tokens = sum(Shard.open(p).n_tokens for p in train)
     val_tokens = sum(Shard.open(p).n_tokens for p in val)
-    if existing is None and (not train_tokens or not val_tokens):
+    if target is None and (not train_tokens or not val_tokens):
         raise GpuflowError(
             "the corpus is too small to split into train and val text; add more text"
         )
@@ -419,6 +376,27 @@ def _encode(
         forced_cuts=pieces.forced_cuts,
         encoded_tokens=tokens - speed.tokens if state.pieces and speed.tokens else None,
     )
+
+
+def _recorded_shards(
+    stage: Path, state: _State, target: AppendTarget | None
+) -> dict[str, tuple[int, list[Path]]]:
+    """By split: the index of the next shard, and the shards ``state`` records as finished.
+    A shard finished after the last record (the run was killed before it wrote one) is
+    removed: its pieces are encoded again."""
+    recorded = {}
+    for split in ("train", "val"):
+        first = target.next_index(split) if target else 0
+        done = getattr(state, f"{split}_shards")
+        recorded[split] = (
+            first + done,
+            [stage / f"{split}_{i:06d}.bin" for i in range(first, first + done)],
+        )
+    kept = {path for _, paths in recorded.values() for path in paths}
+    for path in stage.glob("*_*.bin"):
+        if path not in kept:
+            path.unlink()
+    return recorded
 
 
 class _Speed:
@@ -505,7 +483,7 @@ def prepared_for_training(
 # ---- resuming an interrupted run ----------------------------------------------------------
 
 
-def _fingerprint(config: PrepareConfig, corpus: _Corpus, existing: dict | None) -> str | None:
+def _fingerprint(config: PrepareConfig, corpus: Corpus, target: AppendTarget | None) -> str | None:
     """What the output depends on; None where the corpus cannot be read again (stdin)."""
     if not corpus.rereadable:
         return None
@@ -516,7 +494,7 @@ def _fingerprint(config: PrepareConfig, corpus: _Corpus, existing: dict | None) 
     record = {
         "inputs": corpus.identity(),
         "tokenizer": given,
-        "appending_to": existing,
+        "appending_to": target.meta if target else None,
         "piece_chars": PIECE_CHARS,
         **{k: v for k, v in asdict(config).items() if k not in ("force", "workers", "tokenizer")},
     }
@@ -546,67 +524,13 @@ def _resume(out_dir: Path, stage: Path, fingerprint: str) -> _State | None:
     return None
 
 
-# ---- appending ----------------------------------------------------------------------------
-
-
-def _appendable(out_dir: Path, config: PrepareConfig) -> dict:
-    """The meta.json of the token folder ``--append`` adds to."""
-    if not is_token_folder(out_dir):
-        raise GpuflowError(
-            f"{out_dir} is not a token folder that gpuflow prepare wrote; --append adds to one"
-        )
-    if config.tokenizer:
-        raise GpuflowError(
-            "--append encodes with the folder's own tokenizer: leave --tokenizer out"
-        )
-    meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
-    meta["train_shards"] = _next_index(out_dir, "train")
-    meta["val_shards"] = _next_index(out_dir, "val")
-    return meta
-
-
-def _next_index(folder: Path, split: str) -> int:
-    indices = [int(p.stem.split("_")[-1]) for p in folder.glob(f"{split}_*.bin")]
-    return max(indices) + 1 if indices else 0
-
-
-def _refuse_repeats(corpus: _Corpus, meta: dict, out_dir: Path) -> None:
-    known = {json.dumps(i, sort_keys=True) for i in meta.get("inputs", []) if i}
-    for inp, identity in zip(corpus.inputs, corpus.identity(), strict=True):
-        if identity is not None and json.dumps(identity, sort_keys=True) in known:
-            raise GpuflowError(
-                f"{inp.name} is already in {out_dir} (the same file, unchanged); leave it out"
-            )
-
-
-def _merge_into(
-    stage: Path, out_dir: Path, summary: PrepareSummary, corpus: _Corpus, meta: dict
-) -> None:
-    """Move the new shards into the folder, then write its meta.json with them counted."""
-    for shard in sorted(stage.glob("*_*.bin")):
-        os.replace(shard, out_dir / shard.name)
-    fsync_dir(out_dir)
-    folder = [Shard.open(p) for p in sorted(out_dir.glob("*.bin"))]
-    train = [s for s in folder if s.path.name.startswith("train_")]
-    val = [s for s in folder if s.path.name.startswith("val_")]
-    meta.update(
-        documents=meta.get("documents", 0) + summary.documents,
-        train_tokens=sum(s.n_tokens for s in train),
-        val_tokens=sum(s.n_tokens for s in val),
-        train_shards=len(train),
-        val_shards=len(val),
-        max_token=max(s.max_token() for s in folder),
-        inputs=[*meta.get("inputs", []), *corpus.identity()],
-        source=f"{meta.get('source', '')}; {corpus.description}".strip("; "),
-    )
-    write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
+# ---- the new folder's record -------------------------------------------------------------
 
 
 def _write_meta(
-    stage: Path, summary: PrepareSummary, corpus: _Corpus, config: PrepareConfig, state: _State,
+    stage: Path, summary: PrepareSummary, corpus: Corpus, config: PrepareConfig, state: _State,
     tokenizer: Tokenizer,
 ) -> None:  # fmt: skip
-    (stage / PROGRESS_FILE).unlink(missing_ok=True)
     meta = {
         "format": META_FORMAT,
         "source": corpus.description,

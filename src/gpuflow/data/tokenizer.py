@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -17,6 +17,13 @@ from gpuflow.common.errors import GpuflowError
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols and the end-of-text token
+# The longest run without whitespace (or of whitespace) that the BPE trainer sees whole. The
+# pre-tokenizer splits text at spaces, so such a run is one "word", and every merge rescans
+# every word holding its pair: one word of a million characters (a genome, a blob) holds
+# nearly every pair and is rescanned at each of the thousands of merges. Runs this long are
+# cut into words of at most this many characters; ordinary text has none and trains as it is.
+WORD_CHARS = 1024
+_SPACE, _NON_SPACE = re.compile(r"\s"), re.compile(r"\S")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -37,8 +44,46 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(bounded_words(texts), trainer)
     return tokenizer
+
+
+def bounded_words(texts: Iterable[str]) -> Iterator[str]:
+    """``texts`` as the trainer should see them: each text whole, except that a run of more
+    than ``WORD_CHARS`` characters without whitespace (or of whitespace) is cut into pieces of
+    ``WORD_CHARS``, given as texts of their own (the text before the run goes with its first
+    piece, the text after it with its last)."""
+    for text in texts:
+        start = 0
+        for run_start, run_end in long_runs(text):
+            for cut in range(run_start + WORD_CHARS, run_end, WORD_CHARS):
+                yield text[start:cut]
+                start = cut
+        yield text[start:]
+
+
+def long_runs(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each run of more than ``WORD_CHARS`` characters without whitespace, or
+    of whitespace, in order. Such a run holds a whole window of ``WORD_CHARS // 2``
+    characters starting at a multiple of that, so only those windows are searched, each for
+    a character that ends the run: in ordinary text one is a few characters in."""
+    half, end = WORD_CHARS // 2, 0
+    for at in range(0, len(text) - half + 1, half):
+        if at < end:
+            continue  # inside the run just found
+        for ender in (_SPACE, _NON_SPACE):
+            if ender.search(text, at, at + half) is not None:
+                continue
+            # The run goes back to the last ender before the window (the window before held
+            # one, or was part of the run before this one) and on to the next one after it.
+            start = max(end, at - half)
+            for found in ender.finditer(text, start, at):
+                start = found.end()
+            after = ender.search(text, at + half)
+            end = after.start() if after else len(text)
+            if end - start > WORD_CHARS:
+                yield start, end
+            break
 
 
 def load_tokenizer(spec: Path | str) -> Tokenizer:

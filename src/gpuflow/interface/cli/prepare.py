@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--append",
         action="store_true",
-        help="add the documents of --data to the token folder --out, with its tokenizer",
+        help="add the documents of --data to the token folder --out, with its tokenizer (the "
+        "folder changes at once, when they are all encoded; an input it holds is refused)",
     )
     p.add_argument(
         "--force",

@@ -306,8 +306,10 @@ def test_the_original_command_with_resume_added_is_accepted(prepared, workdir, c
 
 def test_resume_refuses_data_with_another_tokenizer(prepared, data_copy, workdir, capsys):
     assert _train_cli(data_copy, "--name", "d", "--steps", "2") == 0
-    tokenizer = data_copy / "tokenizer.json"
-    tokenizer.write_text(tokenizer.read_text().replace('"<|endoftext|>"', '"<|end|>"', 1))
+    tokenizer = data_copy / "tokenizer.json"  # another tokenizer of the same vocabulary
+    text = tokenizer.read_text()
+    tokenizer.write_text(text.replace('"add_prefix_space": false', '"add_prefix_space": true', 1))
+    assert tokenizer.read_text() != text
     capsys.readouterr()
     assert _train_cli(data_copy, "--name", "d", "--resume", "--steps", "3") == 2
     assert "is not the tokenizer runs/d was trained with" in capsys.readouterr().err

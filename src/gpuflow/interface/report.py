@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import platform
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpuflow.common.atomic import write_text_atomic
+from gpuflow.common.atomic import write_atomic, write_text_atomic
 from gpuflow.train.config import RunConfig, to_dict
 from gpuflow.train.runfolder import PLOT_FILE, REPORT_FILE, read_metrics
 from gpuflow.train.trainer import TrainResult
@@ -88,9 +89,9 @@ def plot_run(run_dir: Path) -> Path | None:
     ax_rate.grid(alpha=0.3)
     fig.suptitle(f"gpuflow run {Path(run_dir).name}")
     fig.tight_layout()
-    out = Path(run_dir) / PLOT_FILE
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
+    png = io.BytesIO()  # drawn in memory, then written as every file of a run is
+    fig.savefig(png, dpi=100, format="png")
     plt.close(fig)
-    tmp.replace(out)
+    out = Path(run_dir) / PLOT_FILE
+    write_atomic(out, [png.getbuffer()])  # a PID-named temporary, never through a link
     return out

@@ -8,6 +8,7 @@ Tokens are drawn on the device and read back once, at the end, not once per toke
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,20 @@ class SampleConfig:
             raise GpuflowError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise GpuflowError(f"--top-k must be >= 0, got {self.top_k}")
+        check_text(self.prompt, "--prompt")
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid UTF-8: bytes a shell passed that Python could only
+    carry as lone surrogates, which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start].encode("utf-8", "surrogateescape")
+        raise GpuflowError(
+            f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {exc.start}); "
+            "pass UTF-8 text (set your terminal or file to UTF-8)"
+        ) from None
 
 
 @torch.no_grad()
@@ -67,7 +82,8 @@ def generate_no_sync(model: GPT, idx: torch.Tensor, config: SampleConfig) -> tor
 
 def choose_checkpoint(run_dir: Path, which: str) -> Path:
     """The checkpoint ``which`` names: ``best`` (the latest when the run has no best yet),
-    ``latest``, or a ``step_*`` folder."""
+    ``latest``, or one of the run's own checkpoint folders, by name (``step_000300``) or by
+    its path in the run; anything else, a link included, is refused."""
     latest, best = ckpt.latest_checkpoint(run_dir), ckpt.best_checkpoint(run_dir)
     if latest is None and best is None:
         raise GpuflowError(f"{run_dir} has no checkpoint yet; train it first")
@@ -75,13 +91,28 @@ def choose_checkpoint(run_dir: Path, which: str) -> Path:
         return best or latest
     if which == "latest":
         return latest or best
-    path = ckpt.checkpoint_dir(run_dir) / which
-    if not (path / ckpt.STATE_FILE).is_file():
+    path = ckpt.checkpoint_dir(run_dir) / _checkpoint_name(run_dir, which)
+    if not ckpt.written_here(path):
         names = ", ".join(p.name for p in ckpt.list_checkpoints(run_dir))
         raise GpuflowError(
             f"{run_dir} has no checkpoint {which!r}; choose best, latest or one of {names}"
         )
     return path
+
+
+def _checkpoint_name(run_dir: Path, which: str) -> str:
+    """The folder name in ``run_dir``'s checkpoints/ that ``which`` gives: a bare name, or a
+    path whose folder is that one (the final name is not followed: a link there is refused
+    after)."""
+    given = Path(which)
+    folder = ckpt.checkpoint_dir(run_dir)
+    inside = len(given.parts) == 1 or os.path.realpath(given.parent) == os.path.realpath(folder)
+    if not inside or given.name in ("", ".", ".."):
+        raise GpuflowError(
+            f"--checkpoint {which} is not one of {run_dir}'s checkpoints: gpuflow reads only "
+            f"the run's own; pass best, latest or a folder name in {folder} (step_000300)"
+        )
+    return given.name
 
 
 def check_finite(model: GPT, checkpoint: Path, record: dict) -> None:
@@ -102,21 +133,39 @@ def open_trained(
     asked for) and model with its weights, on the host; refused when the run has no
     tokenizer (its tokens could not be turned into text) or its weights are not numbers."""
     run_dir, run_config = open_run(run)
+    ckpt.check_checkpoint_folder(run_dir)  # links planted there: refused, as --resume does
     checkpoint = choose_checkpoint(run_dir, which)
     if which == "best" and checkpoint.name != ckpt.BEST:
         say(f"{run_dir} has no best checkpoint yet (no validation pass): using {checkpoint.name}")
     elif which == "latest" and checkpoint.name == ckpt.BEST:
         say(f"{run_dir} has no step checkpoint: using its best one")
     tokenizer_path = run_dir / TOKENIZER_FILE
+    if tokenizer_path.is_symlink():
+        raise GpuflowError(
+            f"{tokenizer_path} is a link; gpuflow reads only a run's own files, never through "
+            "a link: put the tokenizer.json itself there"
+        )
     if not tokenizer_path.is_file():
         raise GpuflowError(
             f"{run_dir} has no {TOKENIZER_FILE} (its data came without one), so its tokens "
             f"cannot be turned into text; copy the data's tokenizer.json to {tokenizer_path}"
         )
     model = GPT(run_config.model)
-    record = ckpt.load_weights(checkpoint, model)
+    try:
+        record = ckpt.load_weights(checkpoint, model)
+    except ckpt.CheckpointDamaged as exc:
+        raise GpuflowError(f"{exc}; {_another(run_dir, checkpoint)}") from None
     check_finite(model, checkpoint, record)
     return run_dir, run_config, checkpoint, model
+
+
+def _another(run_dir: Path, damaged: Path) -> str:
+    """What to do when ``damaged`` cannot be read: which checkpoints are left to choose."""
+    others = [ckpt.best_checkpoint(run_dir), *ckpt.list_checkpoints(run_dir)]
+    names = [p.name for p in others if p is not None and p != damaged]
+    if not names:
+        return "the run has no other checkpoint: train it again"
+    return f"choose another with --checkpoint ({', '.join(names)})"
 
 
 def sample(

@@ -4,12 +4,14 @@
         model.safetensors       fp32 weights (the tied output head is the token table)
         optimizer.safetensors   AdamW moments and step counts, keyed state.<param>.<name>
         state.json              step, optimizer hyper-parameters, ``RunState`` (random
-                                states, data position...), each file's byte size (last)
+                                states, data position...), its format, each file's size
+                                and SHA-256, and its own SHA-256 (written last)
     runs/<name>/checkpoints/best/   the same, at the step with the lowest validation loss
 
 ``Checkpointer.save`` writes while training goes on; ``resumable_checkpoint`` reads the newest
-intact one. How saving overlaps training, and what a killed writer leaves:
-docs/architecture/training.md (Checkpoints).
+intact one; what a record holds and how it is verified: ``checkpoint_record``. How saving
+overlaps training, and what a killed writer leaves: docs/architecture/training.md
+(Checkpoints).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import threading
@@ -33,25 +34,55 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpuflow.common.atomic import fsync_dir, replace_folder
+from gpuflow.common.atomic import fsync_dir, open_new, replace_folder
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import check_state_shapes
+from gpuflow.train.checkpoint_folder import (
+    BEST,
+    STEP_PREFIX,
+    best_checkpoint,
+    check_checkpoint_folder,
+    checkpoint_dir,
+    is_step_name,
+    latest_checkpoint,
+    latest_step,
+    list_checkpoints,
+    real_dir,
+    remove_stale_temporaries,
+    step_name,
+    written_here,
+)
+from gpuflow.train.checkpoint_record import (
+    FORMAT,
+    FORMAT_KEY,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RECORD_DIGEST,
+    STATE_FILE,
+    CheckpointDamaged,
+    file_digest,
+    read_record,
+    record_digest,
+    verify_files,
+)
 from gpuflow.transfer.snapshot import Slot, Snapshot, StateSnapshot
 
-STEP_PREFIX = "step_"
-BEST = "best"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
-RECORD_DIGEST = "state_sha256"  # state.json's own checksum, inside it
+# The checkpoint API in one place: this module's own names and those of the folder and the
+# record that its callers read here.
+__all__ = [
+    "BEST", "FORMAT", "FORMAT_KEY", "MODEL_FILE", "OPTIMIZER_FILE", "RECORD_DIGEST",
+    "STATE_FILE", "STEP_PREFIX", "CheckpointDamaged", "CheckpointData", "Checkpointer",
+    "RunState", "apply_checkpoint", "best_checkpoint", "best_val_loss", "check_checkpoint_folder",
+    "checkpoint_dir", "checkpoint_state", "decode_byte_tensor", "encode_tensor", "file_digest",
+    "latest_checkpoint", "latest_step", "list_checkpoints", "load_weights", "read_checkpoint",
+    "read_record", "record_digest", "remove_stale_temporaries", "resumable_checkpoint",
+    "step_name", "write_safetensors", "written_here",
+]  # fmt: skip
+
 # Optimizer flags that describe the machine, not the run: the live optimizer's win on load.
 _EXECUTION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
-# What this module leaves behind when killed mid-write: ``.step_000300.tmp-<pid>`` while a
-# checkpoint is built, ``.best.old-<pid>`` while a complete one is being replaced,
-# ``.step_000100.pruned-<pid>`` while an old one is deleted.
-_TEMPORARY = re.compile(rf"^\.({STEP_PREFIX}\d+|{BEST})\.(tmp|old|pruned)-\d+$")
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -64,97 +95,6 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-
-
-class CheckpointDamaged(GpuflowError):
-    """A checkpoint's files are missing, truncated or unreadable (not a model mismatch)."""
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete ``step_*`` checkpoints, oldest first."""
-    folder = checkpoint_dir(run_dir)
-    if not _real_dir(folder):
-        return []
-    found = [p for p in folder.iterdir() if _is_step_name(p.name) and _written_here(p)]
-    return sorted(found, key=lambda p: int(p.name.removeprefix(STEP_PREFIX)))
-
-
-def _is_step_name(name: str) -> bool:
-    return name.startswith(STEP_PREFIX) and name.removeprefix(STEP_PREFIX).isdigit()
-
-
-def _real_dir(path: Path) -> bool:
-    """A folder, not a link to one (gpuflow never follows a link out of a run)."""
-    return path.is_dir() and not path.is_symlink()
-
-
-def _written_here(path: Path) -> bool:
-    """Whether ``path`` is a checkpoint folder this module installed: a real folder whose
-    state.json (written last, inside it) is a real file."""
-    state = path / STATE_FILE
-    return _real_dir(path) and state.is_file() and not state.is_symlink()
-
-
-def check_checkpoint_folder(run_dir: Path) -> None:
-    """Refuse, before any work, a run whose ``checkpoints/`` gpuflow could not write into
-    without following a link out of the run or replacing what it did not write: a file or a
-    link where the folder should be, or a ``step_*``/``best`` entry that is not a complete
-    checkpoint of its own."""
-    folder = checkpoint_dir(run_dir)
-    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-        kind = "a link" if folder.is_symlink() else "a file"
-        raise GpuflowError(
-            f"{folder} is {kind}, not the run's checkpoint folder; gpuflow writes its "
-            "checkpoints there and will not follow or replace it: move it out of the run"
-        )
-    if not folder.exists():
-        return
-    for path in sorted(folder.iterdir()):
-        if (_is_step_name(path.name) or path.name == BEST) and not _written_here(path):
-            raise GpuflowError(
-                f"{path} is not a checkpoint gpuflow wrote (a link, or no {STATE_FILE} in "
-                f"it), so it can neither resume from it nor replace it: move it out of "
-                f"{folder}, or put its {STATE_FILE} back"
-            )
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def best_checkpoint(run_dir: Path) -> Path | None:
-    path = checkpoint_dir(run_dir) / BEST
-    return path if _real_dir(path.parent) and _written_here(path) else None
-
-
-def remove_stale_temporaries(run_dir: Path) -> list[str]:
-    """Clear what a killed writer left in ``checkpoints/``; returns the names handled.
-
-    Call only while holding the run (``gpuflow.train.runfolder.RunFolder``): then no writer is
-    alive. A temporary folder is removed; a complete checkpoint that was moved aside to be
-    replaced is put back if its replacement never arrived, else removed.
-    """
-    folder = checkpoint_dir(run_dir)
-    if not _real_dir(folder):
-        return []
-    handled = []
-    for path in sorted(folder.iterdir()):
-        match = _TEMPORARY.match(path.name)
-        if match and _real_dir(path):  # a name only this module gives, a folder it made
-            final = folder / match.group(1)
-            if match.group(2) == "old" and not os.path.lexists(final):
-                os.replace(path, final)
-            else:
-                shutil.rmtree(path)
-            handled.append(path.name)
-    if handled:
-        fsync_dir(folder)
-    return handled
 
 
 # ---- what a run records ---------------------------------------------------------------------
@@ -202,21 +142,31 @@ class RunState:
         )
 
     def restore_rng(self, device: Device) -> None:
-        """Put the random states back (the device's where it has one)."""
-        torch.set_rng_state(self.rng_torch)
-        if self.rng_device is not None and device.rng_state() is not None:
-            device.set_rng_state(self.rng_device)
+        """Put the random states back (the device's where it has one); a state torch cannot
+        take (the right kind of field, the wrong bytes) is one line."""
+        try:
+            torch.set_rng_state(self.rng_torch)
+            if self.rng_device is not None and device.rng_state() is not None:
+                device.set_rng_state(self.rng_device)
+        except RuntimeError as exc:
+            raise CheckpointDamaged(
+                f"the checkpoint's random state cannot be restored ({exc}); move that "
+                "checkpoint out of the run's checkpoints/ to resume from an earlier one"
+            ) from None
 
 
-def best_val_loss(run_dir: Path) -> float:
-    """The validation loss of the run's best checkpoint: inf if it has none, or a damaged
-    one (which only loses its record)."""
+def best_val_loss(run_dir: Path, say: Callable[[str], None] | None = None) -> float:
+    """The validation loss of the run's best checkpoint, read once its record verifies: inf
+    if it has none, or a damaged one (which only loses its record: the next validation
+    replaces it; ``say`` hears why)."""
     best = best_checkpoint(run_dir)
     if best is None:
         return math.inf
     try:
         value = read_record(best).get("val_loss")
-    except GpuflowError:
+    except CheckpointDamaged as exc:
+        if say is not None:
+            say(f"the best checkpoint is damaged ({exc}); the next validation replaces it")
         return math.inf
     return float(value) if value is not None else math.inf
 
@@ -285,28 +235,13 @@ def write_safetensors(path: Path, slots: tuple[Slot, ...], data: memoryview) -> 
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # the tensor data starts 8-byte aligned
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    with open(open_new(path), "wb") as f:  # created new: never through a planted link
         for part in (struct.pack("<Q", len(text)), text, data):
             f.write(part)
             digest.update(part)  # (hashlib lets go of the interpreter lock for large parts)
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": 8 + len(text) + len(data), "sha256": digest.hexdigest()}
-
-
-def file_digest(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(16 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
-
-
-def record_digest(record: dict[str, Any]) -> str:
-    """The SHA-256 of a state.json record (its own digest left out), in a canonical form."""
-    rest = {k: v for k, v in record.items() if k != RECORD_DIGEST}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 class Checkpointer:
@@ -395,6 +330,11 @@ class Checkpointer:
         started = time.perf_counter()
         folder = checkpoint_dir(self.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        if not real_dir(folder):  # refused at the start (check_checkpoint_folder); put since
+            raise GpuflowError(
+                f"{folder} became a link or a file during the run; gpuflow writes its "
+                "checkpoints only into a folder of the run: move it out of the run and resume"
+            )
         tmp = folder / f".{names[0]}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -410,9 +350,9 @@ class Checkpointer:
                 }
             finally:
                 snapshot.release()
-            full = {**record, "files": files}
+            full = {**record, FORMAT_KEY: FORMAT, "files": files}
             full[RECORD_DIGEST] = record_digest(full)
-            with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
+            with open(open_new(tmp / STATE_FILE), "w", encoding="utf-8") as f:
                 f.write(json.dumps(full, indent=1) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -439,16 +379,12 @@ class Checkpointer:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
-
-
 def _install(tmp: Path, final: Path) -> None:
     """Rename the complete folder ``tmp`` to ``final``; an existing ``final`` (a step saved
     again after a resume, the previous best) is moved aside first and removed after, so a
     crash in between leaves it recoverable (``remove_stale_temporaries``)."""
     retired = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if os.path.lexists(final) and not _written_here(final):  # refused at the start; put since
+    if os.path.lexists(final) and not written_here(final):  # refused at the start; put since
         raise GpuflowError(
             f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
             f"was left as it is: move it out of {final.parent} and resume"
@@ -497,46 +433,20 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointDamaged(f"checkpoint file {path} is unreadable ({exc})") from None
 
 
-def read_record(path: Path) -> dict[str, Any]:
-    try:
-        record = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointDamaged(f"checkpoint {path} has no readable {STATE_FILE} ({exc})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-        raise CheckpointDamaged(f"checkpoint {path} has a {STATE_FILE} without its step")
-    return record
-
-
 def read_checkpoint(path: Path, optimizer: bool = True) -> CheckpointData:
     """Read and check the checkpoint at ``path``: ``CheckpointDamaged`` when its state.json
-    was changed after it was written, names another step than its folder, or a file it
-    reads is missing, shorter or longer than written, unreadable, or not the bytes written
-    (their SHA-256; older checkpoints recorded sizes only)."""
+    lacks the checksums its format carries, was changed after it was written, has a field of
+    the wrong kind or names another step than its folder, or a file it reads is missing, a
+    link, shorter or longer than written, unreadable, or not the bytes written
+    (``checkpoint_record``)."""
     path = Path(path)
     record = read_record(path)
-    if RECORD_DIGEST in record and record[RECORD_DIGEST] != record_digest(record):
-        raise CheckpointDamaged(f"{path / STATE_FILE} was changed after it was written")
-    if _is_step_name(path.name) and record["step"] != int(path.name.removeprefix(STEP_PREFIX)):
+    if is_step_name(path.name) and record["step"] != int(path.name.removeprefix(STEP_PREFIX)):
         raise CheckpointDamaged(
             f"{path / STATE_FILE} names step {record['step']}, not its folder's"
         )
     wanted = (MODEL_FILE, OPTIMIZER_FILE) if optimizer else (MODEL_FILE,)
-    for filename, written in record.get("files", {}).items():  # absent in older checkpoints
-        if filename not in wanted:
-            continue
-        size, digest = (written, None) if isinstance(written, int) else (
-            written.get("bytes"), written.get("sha256")
-        )  # fmt: skip
-        file = path / filename
-        found = file.stat().st_size if file.is_file() and not file.is_symlink() else None
-        if found != size:
-            state = "missing" if found is None else f"{found:,} bytes where {size:,} were written"
-            raise CheckpointDamaged(f"checkpoint file {file} is {state}: it is damaged")
-        if digest is not None and file_digest(file) != digest:
-            raise CheckpointDamaged(
-                f"checkpoint file {file} is not the bytes written (its checksum differs): it "
-                "is damaged"
-            )
+    verify_files(path, record, wanted)
     weights = _load_tensors(path / MODEL_FILE)
     moments = _load_tensors(path / OPTIMIZER_FILE) if optimizer else {}
     return CheckpointData(path, record, weights, moments)
@@ -549,6 +459,8 @@ def resumable_checkpoint(run_dir: Path, say: Callable[[str], None]) -> Checkpoin
     for path in reversed(found):
         try:
             data = read_checkpoint(path)
+            if "rng" not in data.record:  # (other writers' records may go without)
+                raise CheckpointDamaged(f"{path / STATE_FILE} has no random states to resume")
         except CheckpointDamaged as exc:
             say(f"skipping checkpoint {path.name}: {exc}")
             continue

@@ -265,7 +265,7 @@ PRESETS: dict[str, RunConfig] = {
 
 
 def preset(name: str) -> RunConfig:
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:  # (a list from a file is unhashable)
         raise GpuflowError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gpuflow.common.atomic import fsync_dir, write_text_atomic
+from gpuflow.common.atomic import check_replaceable, fsync_dir, write_atomic, write_text_atomic
 from gpuflow.common.errors import GpuflowError
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import (
+    PRESETS,
     RunConfig,
     apply_overrides,
     apply_sets,
@@ -40,17 +40,19 @@ REPORT_FILE = "report.json"
 PLOT_FILE = "training.png"
 TOKENIZER_FILE = "tokenizer.json"
 PROFILE_FILE = "profile.json"  # marks a `gpuflow profile` folder, which is not a run
+# The files gpuflow writes at the top of a run folder: each is a regular file or absent.
+OWN_FILES = (CONFIG_FILE, METRICS_FILE, REPORT_FILE, PLOT_FILE, TOKENIZER_FILE)
 # Temporary files of gpuflow.common.atomic (".config.toml.tmp-<pid>") and the plot's.
 _OWN_TEMPORARY = re.compile(
     rf"^\.({re.escape(CONFIG_FILE)}|{re.escape(METRICS_FILE)}|{re.escape(REPORT_FILE)}"
     rf"|{re.escape(PLOT_FILE)})\.tmp(-\d+)?$"
 )
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # (``$`` would let a final newline through)
         raise GpuflowError(
             f"run name {name!r} must start with a letter or digit and use only letters, digits, "
             "'.', '_' and '-'"
@@ -104,8 +106,18 @@ def open_run(path: Path | str) -> tuple[Path, RunConfig]:
             f"{path} is not a gpuflow run (it has no {CONFIG_FILE}); pass a folder made by "
             "`gpuflow train`, such as runs/tiny"
         )
+    if config_path.is_symlink():
+        raise GpuflowError(
+            f"{config_path} is a link; gpuflow reads only a run's own files, never through a "
+            "link: put the file itself there"
+        )
     values = load_toml(config_path)
     name = values.get("preset", "tiny")
+    if not isinstance(name, str):
+        raise GpuflowError(
+            f"{config_path}: preset must be a string naming a preset ({', '.join(PRESETS)}), "
+            f'got {name!r}; write it as preset = "tiny", say'
+        )
     config = apply_overrides(preset(name), values, str(config_path))
     return path, config
 
@@ -140,8 +152,7 @@ def resumed_config(
     explicit = any("decay_steps" in c.get("train", {}) for c in changes)
     old, new = saved.train, config.train
     if old.schedule_steps != new.schedule_steps and not explicit:
-        latest = ckpt.latest_checkpoint(run_dir)
-        at = ckpt.read_record(latest)["step"] if latest else 0
+        at = ckpt.latest_step(run_dir)
         stretched = replace(old, steps=new.steps)  # the change of length alone
         before, after = lr_at(at, old), lr_at(at, stretched)
         if abs(after - before) > 1e-3 * before:
@@ -172,8 +183,21 @@ def write_config(run_dir: Path, config: RunConfig) -> None:
 
 
 def copy_tokenizer(run_dir: Path, tokenizer_path: Path | None) -> None:
-    if tokenizer_path is not None and not (run_dir / TOKENIZER_FILE).exists():
-        shutil.copyfile(tokenizer_path, run_dir / TOKENIZER_FILE)
+    """The data's tokenizer.json into the run, unless the run has its own already; a link
+    there (dangling or not) is refused, never written through."""
+    target = run_dir / TOKENIZER_FILE
+    if tokenizer_path is None:
+        return
+    check_replaceable(target)
+    if not target.exists():
+        write_atomic(target, [tokenizer_path.read_bytes()])
+
+
+def check_own_files(run_dir: Path) -> None:
+    """Refuse, in one line, a run where a file gpuflow writes is a link or not a regular file
+    (a planted link would send its writes out of the run)."""
+    for name in OWN_FILES:
+        check_replaceable(run_dir / name)
 
 
 def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
@@ -218,10 +242,14 @@ def truncate_metrics(run_dir: Path, last_step: int) -> bool:
 
 
 class MetricsLog:
-    """Appends one JSON record per line and flushes it, so a crash loses at most one line."""
+    """Appends one JSON record per line and flushes it, so a crash loses at most one line.
+    The file is a regular one or made new: never a link (``O_NOFOLLOW``)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self._file = open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        path = Path(run_dir) / METRICS_FILE
+        check_replaceable(path)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        self._file = open(os.open(path, flags, 0o644), "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -255,9 +283,14 @@ class RunFolder:
 
     def __enter__(self) -> RunFolder:
         if self.resume and self.path.is_dir():
-            ckpt.check_checkpoint_folder(self.path)  # before anything is read or removed
             self._lock()
-            self._clean()
+            try:  # before anything is read or removed:
+                ckpt.check_checkpoint_folder(self.path)
+                check_own_files(self.path)
+                self._clean()
+            except BaseException:
+                self._unlock()
+                raise
         return self
 
     def start(self, config: RunConfig, tokenizer_path: Path | None) -> None:
@@ -302,8 +335,9 @@ class RunFolder:
             return
         if ckpt.best_checkpoint(self.path) is not None:
             return
-        for name in (CONFIG_FILE, METRICS_FILE, TOKENIZER_FILE, REPORT_FILE, PLOT_FILE):
-            (self.path / name).unlink(missing_ok=True)
+        for name in OWN_FILES:
+            if _regular_file(self.path / name):  # gpuflow's own: never a link put there
+                (self.path / name).unlink()
         with suppress(OSError):  # not empty: a write was abandoned, or someone added a file
             ckpt.checkpoint_dir(self.path).rmdir()
         with suppress(OSError):
@@ -314,7 +348,7 @@ class RunFolder:
         """Remove what a killed process of this folder left (the lock says none is alive)."""
         handled = ckpt.remove_stale_temporaries(self.path)
         for path in self.path.iterdir():
-            if _OWN_TEMPORARY.match(path.name) and path.is_file():
+            if _OWN_TEMPORARY.match(path.name) and _regular_file(path):
                 path.unlink()
                 handled.append(path.name)
         if handled:
@@ -331,13 +365,64 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
+            holder = lock_holder(self.path)
             raise GpuflowError(
-                f"{self.path} is in use by another gpuflow process; wait for it to finish, or "
-                "pass another --name"
+                f"{self.path} is in use by another gpuflow process"
+                + (f" (PID {holder})" if holder is not None else "")
+                + "; wait for it to finish, or pass another --name"
             ) from None
         self._lock_fd = fd
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the lock
+            if _kept_locks is not None:  # the command goes on writing to the run
+                _kept_locks.append(self._lock_fd)
+            else:
+                os.close(self._lock_fd)  # closing the descriptor releases the lock
             self._lock_fd = None
+
+
+# Locks of run folders whose RunFolder has ended but whose command has not (see
+# ``locks_kept``); None outside such a command.
+_kept_locks: list[int] | None = None
+
+
+@contextmanager
+def locks_kept() -> Iterator[None]:
+    """Within this block, a ``RunFolder``'s lock outlives it until the block ends: ``gpuflow
+    train`` writes the run's report after training, and is its one writer until then."""
+    global _kept_locks
+    outer, _kept_locks = _kept_locks, []
+    try:
+        yield
+    finally:
+        kept, _kept_locks = _kept_locks, outer
+        for fd in kept:
+            os.close(fd)
+
+
+def lock_holder(path: Path) -> int | None:
+    """The PID of the process holding ``flock`` on ``path``, from Linux's /proc/locks; None
+    where it cannot be told (another system, or a holder outside this PID namespace)."""
+    try:
+        info = os.stat(path)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holders = {}  # by the "major:minor:inode" of what each holds
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146493 0 EOF" (blocked waiters: "-> ...")
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4].isdigit():
+            holders[fields[5]] = int(fields[4])
+    # Some file systems (overlays) report another device there than stat does: then the
+    # inode alone, where one holder has it.
+    same_inode = [pid for key, pid in holders.items() if key.endswith(f":{info.st_ino}")]
+    pid = holders.get(device) or (same_inode[0] if len(same_inode) == 1 else 0)
+    return pid or None
+
+
+def _regular_file(path: Path) -> bool:
+    """A regular file, not a link to one."""
+    return path.is_file() and not path.is_symlink()

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import validation_windows
+from gpuflow.data.batches import check_validation_batch, validation_windows, window_starts
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.resident import default_budget
 from gpuflow.data.tokens import TokenFolder
@@ -98,7 +98,7 @@ def build_setup(
         averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)
     with each_host_first(ranks):  # the built-in corpus is prepared once per host
         data = open_training_data(cfg)
-    step_rows(cfg, ranks.world_size)  # batch_tokens that cannot be shared out: refused now
+    _check_sizes(cfg, data, ranks.world_size)  # before anything is allocated for them
     managed = cfg.data.placement == "managed"
     io = _resident_io(cfg, path, device, managed)
     if device.type == "cuda":
@@ -143,7 +143,7 @@ def build_setup(
     if checkpoint is not None:
         state = ckpt.RunState.from_record(checkpoint.record, start_step * batching.tokens_per_step)
         state.restore_rng(device)
-        best_val = ckpt.best_val_loss(run_dir)
+        best_val = ckpt.best_val_loss(run_dir, say)
         resumed, tokens_seen = state.data, state.tokens_seen
     val_batches = _validation_set(cfg, data, device, ranks, batching.micro_batch)
     plan = BatchPlan(
@@ -156,6 +156,26 @@ def build_setup(
         averager, start_step, tokens_seen, best_val,
         checkpoint.path if checkpoint is not None else None,
     )  # fmt: skip
+
+
+def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:
+    """Refuse a step that cannot be shared out into whole sequences, one that reads more
+    tokens than the train split holds, and a micro-batch larger than the val split's
+    windows: one line now, where building them would take memory without bound."""
+    seq_len = cfg.model.max_len
+    sequences = step_rows(cfg, world_size) * world_size
+    step_tokens = sequences * seq_len
+    check_validation_batch(data.val, 1, seq_len)  # no window at all: model.max_len is wrong
+    # (a train split with no window is refused where its windows are drawn)
+    if window_starts(data.train, seq_len) and step_tokens > data.train_tokens:
+        raise GpuflowError(
+            f"a step of {sequences:,} sequences of {seq_len} tokens ({step_tokens:,} tokens, "
+            f"from train.batch_size or train.batch_tokens) is more than the train split of "
+            f"{data.path} holds ({data.train_tokens:,} tokens); lower train.batch_size or "
+            "train.batch_tokens, or prepare more text"
+        )
+    if cfg.train.batch_size:  # (0: found later, and checked where validation is built)
+        check_validation_batch(data.val, cfg.train.batch_size, seq_len)
 
 
 def _validation_set(

@@ -110,7 +110,7 @@ def _train(
     from gpuflow.common.console import out_console
     from gpuflow.interface.report import write_report
     from gpuflow.train.distributed import broadcast_from_main
-    from gpuflow.train.runfolder import new_run_dir
+    from gpuflow.train.runfolder import locks_kept, new_run_dir
     from gpuflow.train.trainer import Trainer
 
     chosen = None
@@ -123,18 +123,20 @@ def _train(
         chosen = (run_dir, config)
     run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
 
-    trainer = Trainer(config, run_dir, device, ranks=ranks)
-    result = trainer.run(resume=args.resume, show_bus=args.bus)
-    if not ranks.is_main:
-        return EXIT_INTERRUPTED if result.interrupted else 0
-    try:
-        report = write_report(config, result)
-    except OSError as exc:  # the training is done and saved: say so, and what is missing
-        raise GpuflowError(
-            f"{result.run_dir} trained to step {result.last_step} and its checkpoints are saved "
-            f"(gpuflow sample --run {result.run_dir} works), but its report could not be "
-            f"written: {describe_os_error(exc)}"
-        ) from None
+    with locks_kept():  # the run stays locked until its report is written too
+        trainer = Trainer(config, run_dir, device, ranks=ranks)
+        result = trainer.run(resume=args.resume, show_bus=args.bus)
+        if not ranks.is_main:
+            return EXIT_INTERRUPTED if result.interrupted else 0
+        try:
+            report = write_report(config, result)
+        except (OSError, GpuflowError) as exc:  # the training is done and saved: say so
+            cause = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+            raise GpuflowError(
+                f"{result.run_dir} trained to step {result.last_step} and its checkpoints are "
+                f"saved (gpuflow sample --run {result.run_dir} works), but its report could not "
+                f"be written: {cause}"
+            ) from None
     rate = f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] else "-"
     if ranks.distributed and report["tokens_per_s"]:
         rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"

@@ -316,6 +316,37 @@ def test_a_snapshot_is_one_copy_without_a_host_wait(accel):
     assert totals.allocator_requests == 0 and totals.device_allocs == 0, totals
 
 
+def test_a_snapshot_of_mostly_host_tensors_stages_only_the_device_ones(accel):
+    """The split optimizer's checkpoint: masters and moments gathered on the host, a few
+    device tensors between them; the staging buffer holds those few, every byte arrives."""
+    from gpuflow.transfer.snapshot import StateSnapshot
+
+    state = {
+        "model": {
+            "big": torch.randn(1 << 20),  # host, fp32
+            "h": torch.randn(333, device=accel.torch).to(torch.bfloat16),
+            "w": torch.randn(77, device=accel.torch),
+        },
+        "optimizer": {
+            "m": torch.randn(1 << 20),
+            "step": torch.tensor(3.0, device=accel.torch),
+            "n": torch.arange(5, device=accel.torch),  # int64 after fp32 bytes
+        },
+    }
+    expected = {g: {k: v.cpu() for k, v in t.items()} for g, t in state.items()}
+    snapshots = StateSnapshot(accel)
+    snap = snapshots.capture(state)
+    snap.wait()
+    for group, tensors in expected.items():
+        for name, tensor in tensors.items():
+            assert torch.equal(snap.tensors(group)[name], tensor), name
+    snap.release()
+    device_bytes = sum(
+        t.numel() * t.element_size() for g in state.values() for t in g.values() if t.is_cuda
+    )
+    assert snapshots._staging.numel() < device_bytes + 4 * 64  # the device spans, packed
+
+
 def test_a_dataloader_with_workers_is_pinned_on_the_reader_thread_and_arrives_intact(accel):
     if not accel.supports_pinned_memory:
         pytest.skip("no pinned memory on this backend")

@@ -6,9 +6,9 @@
 
 Where the GPUs map each other's memory (``train/peer_memory.py``) neither collective is
 NCCL's: each rank averages its part by reading the others' gradients, and its update kernel
-writes the new weights into every rank's copy. Each rank keeps full-size masters and moments,
-current on its own part only (``MasterAdamW.gather_state`` before a checkpoint). How and why:
-docs/architecture/distributed.md (The split update).
+writes the new weights into every rank's copy. Each rank holds the fp32 masters and moments
+of its own part only (``MasterAdamW.gather_state`` assembles them on rank 0 for a
+checkpoint). How and why: docs/architecture/distributed.md (The split update).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from gpuflow.train.peer_memory import PeerAverage, SharedBuffer
 
 
 class ShardedAverager:
-    """The averager of a ``MasterAdamW`` made with ``shard=(rank, world_size)``."""
+    """The averager of a ``MasterAdamW`` made with ``shard=(rank, world_size)``.
+    ``peer_memory=False`` (ranks on several hosts): NCCL's collectives, never peer memory."""
 
-    def __init__(self, optimizer: MasterAdamW) -> None:
+    def __init__(self, optimizer: MasterAdamW, peer_memory: bool = True) -> None:
         if optimizer.world_size < 2:
             raise ValueError("a sharded update needs a MasterAdamW split over 2 or more ranks")
         self.optimizer = optimizer
@@ -33,7 +34,7 @@ class ShardedAverager:
         device = optimizer.weights.device
         n = optimizer.weights.numel()
         # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
-        self._gradients = peer_buffer(n, device)
+        self._gradients = peer_buffer(n, device) if peer_memory else None
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
@@ -44,7 +45,7 @@ class ShardedAverager:
             None if self._gradients is None
             else PeerAverage(self._gradients, lo, hi, self.world_size)
         )  # fmt: skip
-        self._weights = peer_buffer(n, device)
+        self._weights = peer_buffer(n, device) if peer_memory else None
         if self._weights is not None:
             optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]

@@ -13,6 +13,7 @@ Why one packed copy, how it is ordered, and the layout: docs/architecture/crossi
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -198,7 +199,11 @@ class StateSnapshot:
         one per span between host tensors, which were written into the host buffer already.
         Returns the last copy's event."""
         stream = self.device.current_stream()
-        staging = self._staging_buffer(layout.nbytes)
+        spans = _device_spans(layout, items)
+        # The staging buffer holds the device spans only, packed (host tensors, such as
+        # state gathered from other ranks, may be most of the layout).
+        places, staged = _packed(spans)
+        staging = self._staging_buffer(staged)
         if staging is None:  # no device memory to spare: copy each tensor, in stream order
             for group, slot, tensor in items:
                 begin = layout.offsets[group] + slot.start
@@ -209,16 +214,19 @@ class StateSnapshot:
             return done
         if self._last_copy is not None:
             stream.wait_event(self._last_copy)  # the last copy has read the staging buffer
+        span_begins = [begin for begin, _ in spans]
         for run in _runs(layout, items):
             begin, end, dtype = run[0][0], run[-1][0] + run[-1][1].nbytes, run[0][1].dtype
+            span = bisect.bisect_right(span_begins, begin) - 1  # the span holding the run
+            at = places[span] + begin - spans[span][0]
             pieces = [t.detach().reshape(-1) for _, _, t in run]
-            torch.cat(pieces, out=staging[begin:end].view(dtype))
+            torch.cat(pieces, out=staging[at : at + end - begin].view(dtype))
         packed = self.device.new_event()
         packed.record(stream)
         self._copy_stream.wait_event(packed)
         with self.device.use_stream(self._copy_stream):
-            for begin, end in _device_spans(layout, items):
-                host[begin:end].copy_(staging[begin:end], non_blocking=True)
+            for (begin, end), at in zip(spans, places, strict=True):
+                host[begin:end].copy_(staging[at : at + end - begin], non_blocking=True)
             done = self.device.new_event()
             done.record(self._copy_stream)
         self._last_copy = done
@@ -262,6 +270,18 @@ def _runs(layout: Layout, items: list) -> list[list[tuple[int, Slot, torch.Tenso
                 continue
         runs.append([(begin, slot, tensor)])
     return runs
+
+
+def _packed(spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Where each span lies in the staging buffer, end to end, each at the same place
+    modulo ``_GROUP_ALIGN`` as in the layout (so every tensor keeps its alignment); and the
+    buffer's size."""
+    places, total = [], 0
+    for begin, end in spans:
+        total += (begin - total) % _GROUP_ALIGN
+        places.append(total)
+        total += end - begin
+    return places, total
 
 
 def _device_spans(layout: Layout, items: list) -> list[tuple[int, int]]:

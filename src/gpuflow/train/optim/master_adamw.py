@@ -28,6 +28,8 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 BLOCK = 4096  # elements per program
+# How many fp32 elements gather_state moves through the device at once (256 MB).
+GATHER_ELEMENTS = 1 << 26
 ALIGN = 8  # each tensor's place in the flat buffers: a multiple of 8 elements (16 bf16 bytes)
 
 if triton is not None:
@@ -48,9 +50,10 @@ if triton is not None:
         block_end,  # (n_blocks,) int64: one past its last (a block may stop short of BLOCK)
         tensor_offset,  # (n_tensors,) int64: the tensor's place in the flat buffers
         tensor_decay,  # (n_tensors,) fp32: weight decay
-        master,  # (N,) fp32
-        exp_avg,  # (N,) fp32
-        exp_avg_sq,  # (N,) fp32
+        master,  # (N / world_size,) fp32: this rank's part, from flat element shard_lo
+        exp_avg,  # (N / world_size,) fp32
+        exp_avg_sq,  # (N / world_size,) fp32
+        shard_lo,  # the part's first element in the flat buffers
         weights,  # (N,) bf16: what the model's parameters are views of
         peer_weights,  # (N_PEERS,) int64: where the other ranks' weights lie, to write too
         lr_ptr,  # () fp32
@@ -82,12 +85,13 @@ if triton is not None:
         idx = start + tl.arange(0, BLOCK)
         mask = idx < end
         flat = offset + idx
+        local = flat - shard_lo  # where the part's own buffers hold the same elements
         grad = grad_addr.to(tl.pointer_type(tl.bfloat16))
         g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32)
         g = g / tl.load(scale_ptr).to(tl.float32)
-        w = tl.load(master + flat, mask=mask)
-        m = tl.load(exp_avg + flat, mask=mask)
-        v = tl.load(exp_avg_sq + flat, mask=mask)
+        w = tl.load(master + local, mask=mask)
+        m = tl.load(exp_avg + local, mask=mask)
+        v = tl.load(exp_avg_sq + local, mask=mask)
         lr = tl.load(lr_ptr)
         step = tl.load(step_ptr)
         w = w * (1.0 - lr * tl.load(tensor_decay + t))
@@ -96,9 +100,9 @@ if triton is not None:
         bias1 = _one_minus_exp(step * log_beta1)  # 1 - beta1^step
         bias2 = _one_minus_exp(step * log_beta2)
         w = w - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
-        tl.store(master + flat, w, mask=mask)
-        tl.store(exp_avg + flat, m, mask=mask)
-        tl.store(exp_avg_sq + flat, v, mask=mask)
+        tl.store(master + local, w, mask=mask)
+        tl.store(exp_avg + local, m, mask=mask)
+        tl.store(exp_avg_sq + local, v, mask=mask)
         w16 = w.to(tl.bfloat16)
         tl.store(weights + flat, w16, mask=mask)
         for j in tl.static_range(N_PEERS):  # over the link, into the other ranks' memory
@@ -111,11 +115,12 @@ class MasterAdamW(torch.optim.Optimizer):
     parameters are bf16 and this optimizer holds their fp32 values. Like fused AdamW it
     divides the gradients by ``grad_scale`` (the clip's factor) as it reads them.
 
-    ``shard=(rank, world_size)``: the flat buffers are padded to ``world_size`` equal parts
-    and ``step`` updates part ``rank`` alone (``shard_range``), reading only that part of
-    each gradient; the caller averages that part over the ranks first and gathers every
-    rank's updated weights after (``train/sharded.py``). The moments and masters outside the
-    part go stale until ``gather_state``."""
+    ``shard=(rank, world_size)``: the flat buffers are padded to ``world_size`` equal parts;
+    this rank holds the fp32 masters and moments of part ``rank`` only (``shard_range``) and
+    ``step`` updates that part alone, reading only that part of each gradient; the caller
+    averages that part over the ranks first and gathers every rank's updated weights after
+    (``train/sharded.py``). ``gather_state`` assembles the whole state on rank 0 for a
+    checkpoint."""
 
     def __init__(self, adamw: torch.optim.Optimizer, shard: tuple[int, int] = (0, 1)) -> None:
         rank, world_size = shard
@@ -133,39 +138,44 @@ class MasterAdamW(torch.optim.Optimizer):
             end += round_up(n, ALIGN)
         end = round_up(end, ALIGN * world_size)  # equal parts, each 16-byte aligned
         part = end // world_size
-        self.shard_range = (rank * part, (rank + 1) * part)
+        lo, hi = self.shard_range = (rank * part, (rank + 1) * part)
         self.world_size = world_size
-        device = self._params[0].device
-        self.master = torch.zeros(end, device=device)  # (N,) fp32
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        self.step_count = torch.zeros((), device=device)
         self._views = [
             (o, n, p.shape) for o, n, p in zip(offsets, numels, self._params, strict=True)
         ]
+        # Each tensor's part of the shard, in its own element numbers: [first, end).
+        self._ranges = [
+            (max(0, lo - o), min(n, hi - o)) for o, n in zip(offsets, numels, strict=True)
+        ]
+        device = self._params[0].device
+        self.master = torch.zeros(part, device=device)  # (N / world_size,) fp32, from lo
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.step_count = torch.zeros((), device=device)
+        # The whole masters and moments, (N,) fp32 each: the part's own buffers on one rank;
+        # host copies gathered for a checkpoint on rank 0 of several (``gather_state``).
+        self._whole: tuple[torch.Tensor, ...] | None = (
+            (self.master, self.exp_avg, self.exp_avg_sq) if world_size == 1 else None
+        )
         counters = []
         with torch.no_grad():
+            self.weights = torch.zeros(end, dtype=torch.bfloat16, device=device)  # (N,)
             for i, p in enumerate(self._params):
-                self._view(self.master, i).copy_(p)
+                self._view(self.weights, i).copy_(p)
                 moments = adamw.state.get(p, {})
+                self._part_of(self.master, i).copy_(self._own(p, i))
                 if "exp_avg" in moments:
-                    self._view(self.exp_avg, i).copy_(moments["exp_avg"])
-                    self._view(self.exp_avg_sq, i).copy_(moments["exp_avg_sq"])
+                    self._part_of(self.exp_avg, i).copy_(self._own(moments["exp_avg"], i))
+                    self._part_of(self.exp_avg_sq, i).copy_(self._own(moments["exp_avg_sq"], i))
                     counters.append(torch.as_tensor(moments["step"]).float().reshape(()))
             # AdamW counts steps per parameter; all its counters are read in one go.
             self.step_count.fill_(max(read_now(torch.stack(counters))) if counters else 0.0)
-            self.weights = self.master.to(torch.bfloat16)  # (N,)
             for i, p in enumerate(self._params):
                 p.data = self._view(self.weights, i)
         self.grad_scale: torch.Tensor | None = None
         self._one = torch.ones((), device=device)
         self._lr = torch.zeros((), device=device)
 
-        # Each tensor's part of the shard, in its own element numbers: [first, end).
-        lo, hi = self.shard_range
-        self._ranges = [
-            (max(0, lo - o), min(n, hi - o)) for o, n in zip(offsets, numels, strict=True)
-        ]
         blocks = [
             (t, s, min(s + BLOCK, last))
             for t, (first, last) in enumerate(self._ranges)
@@ -218,9 +228,31 @@ class MasterAdamW(torch.optim.Optimizer):
         o, n, shape = self._views[index]
         return flat[o : o + n].view(shape)
 
+    def _part_of(self, part: torch.Tensor, index: int) -> torch.Tensor:
+        """The elements of parameter ``index`` that this rank's part holds, in a buffer of
+        the part's (N / world_size,) layout (flattened; empty where the part has none)."""
+        o = self._views[index][0] - self.shard_range[0]
+        first, last = self._ranges[index]
+        return part[o + first : o + max(first, last)]
+
+    def _own(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's elements of ``tensor``, shaped as parameter ``index``, flattened."""
+        first, last = self._ranges[index]
+        return tensor.detach().flatten()[first : max(first, last)]
+
+    def whole_state(self) -> tuple[torch.Tensor, ...]:
+        """The masters and both moments, (N,) fp32 each, in the flat buffers' layout."""
+        if self._whole is None:
+            raise RuntimeError(
+                "the optimizer state is split over the ranks: call gather_state() on every "
+                "rank first; rank 0 then holds it whole"
+            )
+        return self._whole
+
     def master_of(self, index: int) -> torch.Tensor:
-        """The fp32 value of parameter ``index``, a view."""
-        return self._view(self.master, index)
+        """The fp32 value of parameter ``index``, a view (of the state gathered last, where
+        it is split over ranks)."""
+        return self._view(self.whole_state()[0], index)
 
     def full_precision_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """``model.state_dict()`` with each parameter this optimizer holds at fp32."""
@@ -250,13 +282,27 @@ class MasterAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def gather_state(self) -> None:
-        """Every rank's part of the masters and moments onto every rank, so that any rank
-        holds the whole state (before a checkpoint). Collective: all ranks call it."""
+        """Every rank's part of the masters and moments onto rank 0's host memory, so that
+        rank 0 holds the whole state (before a checkpoint); the device takes no more than
+        ``GATHER_ELEMENTS`` fp32 elements more meanwhile. Collective: all ranks call it."""
         if self.world_size == 1:
             return
-        lo, hi = self.shard_range
-        for flat in (self.master, self.exp_avg, self.exp_avg_sq):
-            dist.all_gather_into_tensor(flat, flat[lo:hi])
+        main = dist.get_rank() == 0
+        parts = (self.master, self.exp_avg, self.exp_avg_sq)
+        part = self.master.numel()
+        if main and self._whole is None:
+            self._whole = tuple(torch.empty(part * self.world_size) for _ in parts)
+        chunk = max(ALIGN, GATHER_ELEMENTS // self.world_size)
+        gathered = self.master.new_empty(self.world_size * min(chunk, part))
+        for own, whole in zip(parts, self._whole or (None,) * len(parts), strict=True):
+            for first in range(0, part, chunk):
+                count = min(chunk, part - first)
+                into = gathered[: self.world_size * count]  # (world_size * count,)
+                dist.all_gather_into_tensor(into, own[first : first + count])
+                if whole is not None:  # rank r's elements from r * part + first on
+                    whole.view(self.world_size, part)[:, first : first + count].copy_(
+                        into.view(self.world_size, count)
+                    )
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -293,6 +339,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.master,
             self.exp_avg,
             self.exp_avg_sq,
+            self.shard_range[0],
             self.weights,
             # (any int64 table where no rank shares the weights: N_PEERS=0 reads none of it)
             self._grad_addrs.tensor if self._shared is None else self._shared.peer_table.tensor,
@@ -329,25 +376,25 @@ class MasterAdamW(torch.optim.Optimizer):
             first, last = self._ranges[i]
             if first >= last:
                 continue
-            g = grad.flatten()[first:last].float() / scale
-            w, m, v = (
-                self._view(buf, i).flatten()[first:last]
-                for buf in (self.master, self.exp_avg, self.exp_avg_sq)
-            )
+            g = self._own(grad, i).float() / scale
+            parts = (self.master, self.exp_avg, self.exp_avg_sq)
+            w, m, v = (self._part_of(part, i) for part in parts)
             w.mul_(1 - lr * self._decay[i])
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             w.sub_(lr / bias1 * m / (v.sqrt() / bias2_sqrt + self.defaults["eps"]))
         lo, hi = self.shard_range
-        self.weights[lo:hi].copy_(self.master[lo:hi])
+        self.weights[lo:hi].copy_(self.master)
 
     def state_dict(self) -> dict:
-        """AdamW's layout: per-parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (fp32)."""
+        """AdamW's layout: per-parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (fp32); where
+        the state is split over ranks, rank 0's host copy as ``gather_state`` left it."""
+        _, exp_avg, exp_avg_sq = self.whole_state()
         state = {
             i: {
                 "step": self.step_count.clone(),
-                "exp_avg": self._view(self.exp_avg, i),
-                "exp_avg_sq": self._view(self.exp_avg_sq, i),
+                "exp_avg": self._view(exp_avg, i),
+                "exp_avg_sq": self._view(exp_avg_sq, i),
             }
             for i in range(len(self._params))
         }

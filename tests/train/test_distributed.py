@@ -46,6 +46,12 @@ def test_ranks_come_from_torchruns_environment():
         Ranks.from_env({"RANK": "a", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     with pytest.raises(GpuflowError, match="not in a world of 2"):
         Ranks.from_env({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert ranks.one_host  # no LOCAL_WORLD_SIZE: one host
+    node = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert not Ranks.from_env(node).one_host  # two nodes of two: no peer memory across
+    assert Ranks.from_env({**node, "LOCAL_WORLD_SIZE": "4"}).one_host
+    with pytest.raises(GpuflowError, match="LOCAL_WORLD_SIZE 1 must exceed LOCAL_RANK 1"):
+        Ranks.from_env({**node, "LOCAL_WORLD_SIZE": "1"})
 
 
 def _model() -> GPT:
@@ -177,7 +183,9 @@ def _split_update(clip: float, shard: tuple[int, int], gradients) -> dict:
     opt.gather_state()
     return {
         "weights": [p.detach().clone() for p in module],
-        "state": [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq)],
+        # rank 0 holds the whole state once gathered; every rank only its part before
+        "state": [t.clone() for t in opt.whole_state()] if shard[0] == 0 else None,
+        "part": opt.master.numel(),
         "losses": losses,
         "norms": norms,
         "bytes_per_step": averager.bytes_per_step if averager else 0,
@@ -218,6 +226,9 @@ def test_an_update_split_over_two_ranks_is_the_whole_update_on_each(tmp_path):
                 else:
                     assert torch.equal(ours, theirs)
             n = whole["state"][0].numel()
+            assert result["part"] * 2 == ranks[0][clip]["state"][0].numel() >= n  # a half
+            if result["state"] is None:  # rank 1: its part only, never gathered
+                continue
             for ours, theirs in zip(result["state"], whole["state"], strict=True):
                 rtol, atol = (1e-5, 1e-7) if clip else (0, 0)
                 torch.testing.assert_close(ours[:n], theirs, rtol=rtol, atol=atol)
@@ -377,3 +388,5 @@ def test_host_sampled_batches_train_data_parallel_under_ddp(prepared, workdir):
     assert report["world_size"] == 2 and report["steps_done"] == 4
     # DDP all-reduces the fp32 gradients; the loss is averaged on its own.
     assert report["collective_bytes_per_step_per_rank"] == 4 * (report["parameters"] + 1)
+    assert report["exchange"] == "gradients by all-reduce (DDP's buckets)"
+    assert report["peak_device_bytes_per_rank"] is None  # the cpu: no device memory

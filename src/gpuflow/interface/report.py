@@ -39,6 +39,8 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
             result.tokens_per_s / result.world_size if result.tokens_per_s else None
         ),
         "collective_bytes_per_step_per_rank": result.collective_bytes_per_step,
+        "exchange": result.exchange,  # how: NCCL's collectives, or the GPUs' peer memory
+        "peak_device_bytes_per_rank": result.peak_device_bytes,  # allocated, in rank order
         "data_io": dataclasses.asdict(result.data_io) if result.data_io else None,
         "chunk_turns": result.chunk_turns,  # a corpus streamed in chunks: what its turns cost
         "mfu": result.mfu,

@@ -62,12 +62,26 @@ class Ranks:
     # Started by torchrun: the job's machinery runs (process group, the gradients' all-reduce
     # in the step) even with one process, whose figures are then those of a rank.
     launched: bool = False
+    # Ranks on this rank's host (torchrun's LOCAL_WORLD_SIZE); None: all of them.
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise GpuflowError(f"rank {self.rank} is not in a world of {self.world_size}")
         if self.local_rank < 0:
             raise GpuflowError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
+        local = self.local_world_size
+        if local is not None and not self.local_rank < local <= self.world_size:
+            raise GpuflowError(
+                f"LOCAL_WORLD_SIZE {local} must exceed LOCAL_RANK {self.local_rank} and be at "
+                f"most WORLD_SIZE {self.world_size}: launch with torchrun"
+            )
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank of the job runs on this host (so the GPUs may map each other's
+        memory); torchrun with --nnodes above 1 says otherwise."""
+        return self.local_world_size in (None, self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -92,11 +106,14 @@ class Ranks:
             )
         try:
             ranks = (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+            local = env.get("LOCAL_WORLD_SIZE")
+            local_world_size = None if local is None else int(local)
         except ValueError:
             raise GpuflowError(
-                "RANK, WORLD_SIZE and LOCAL_RANK must be integers: launch with torchrun"
+                "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers: launch "
+                "with torchrun"
             ) from None
-        return cls(*ranks, launched=True)
+        return cls(*ranks, launched=True, local_world_size=local_world_size)
 
 
 def rank_device(ranks: Ranks, requested: str) -> Device:
@@ -224,6 +241,15 @@ def largest(values: Mapping[str, float], ranks: Ranks) -> dict[str, float]:
     return dict(zip(keys, box.tolist(), strict=True))
 
 
+def each_rank(value: int, ranks: Ranks) -> list[int]:
+    """Every rank's ``value``, in rank order (host work, gloo); ``[value]`` for one process."""
+    if not ranks.distributed:
+        return [value]
+    boxes = [torch.zeros(1, dtype=torch.int64) for _ in range(ranks.world_size)]
+    _on_host(lambda: dist.all_gather(boxes, torch.tensor([value], dtype=torch.int64)))
+    return [int(box.item()) for box in boxes]
+
+
 @contextmanager
 def each_host_first(ranks: Ranks) -> Iterator[None]:
     """The first rank of each host (``LOCAL_RANK`` 0) runs the block before the others,
@@ -301,6 +327,11 @@ class GradientAverager:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return global_grad_norm(grads)
+
+    @property
+    def exchange(self) -> str:
+        """How the ranks exchange gradients."""
+        return "gradients by all-reduce" + ("" if self.reduce_gradients else " (DDP's buckets)")
 
     def after_step(self) -> None:
         """Nothing: every rank updated every weight."""

@@ -134,7 +134,10 @@ def build_setup(
     shard = (ranks.rank, ranks.world_size) if split else (0, 1)
     optimizer = optimizer_for(path, adamw, device, options, shard)
     if isinstance(optimizer, MasterAdamW) and optimizer.world_size > 1:
-        averager = ShardedAverager(optimizer)
+        # peer memory between the GPUs of one host only; NCCL between hosts
+        averager = ShardedAverager(optimizer, peer_memory=ranks.one_host)
+    if optimizer is not adamw:  # its whole-size state (a resumed run's) goes before measuring
+        del adamw
     budget = _device_budget(cfg, device, ranks)
     # Measured with the weights and the optimizer's state in place (before the RNG of a
     # resumed run is restored: the measuring draws from it).

@@ -26,9 +26,7 @@ from gpuflow.device.accelerator import Device, out_of_memory_figures
 from gpuflow.model.gpt import flops_per_token
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
-from gpuflow.train.distributed import (
-    Ranks,
-)
+from gpuflow.train.distributed import Ranks, each_rank
 from gpuflow.train.loop import TrainLoop
 from gpuflow.train.paths import build_step, open_batches
 from gpuflow.train.runfolder import RunFolder, truncate_metrics
@@ -59,10 +57,14 @@ class TrainResult:
     # What each rank handed NCCL per step (the gradients' all-reduce): computed from the
     # buffers it reduces, since the transfer ledger cannot see collectives. None: one process.
     collective_bytes_per_step: int | None = None
+    exchange: str | None = None  # how the ranks exchange gradients and weights
     data_io: IoChoice | None = None  # how the resident corpus was read; None: no such corpus
     # What the turns of a corpus streamed in chunks cost rank 0 (turns, host seconds, bytes
     # read); None: the corpus stayed resident, or the path has none.
     chunk_turns: dict[str, Any] | None = None
+    # The most device memory each rank's tensors took at once while it trained (torch's
+    # allocator: allocated, not the cache it reserves beside), in rank order; None off CUDA.
+    peak_device_bytes: list[int] | None = None
 
 
 class Trainer:
@@ -227,6 +229,9 @@ class Trainer:
             )
         median_rate = loop.throughput.steady_median()
         averager = self.setup.averager
+        peaks = None
+        if self.device.type == "cuda":  # every rank reaches here (collective)
+            peaks = each_rank(torch.cuda.max_memory_allocated(self.device.torch), self.ranks)
         return TrainResult(
             run_dir=self.run_dir,
             start_step=self.setup.start_step,
@@ -242,6 +247,8 @@ class Trainer:
             micro_batch=self.setup.batching.micro_batch,
             accumulation=self.setup.batching.accumulation,
             collective_bytes_per_step=averager.bytes_per_step if averager else None,
+            exchange=getattr(averager, "exchange", None),
             data_io=self.setup.io,
             chunk_turns=self._chunk_turns,
+            peak_device_bytes=peaks,
         )

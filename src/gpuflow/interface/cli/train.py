@@ -143,6 +143,8 @@ def _train(
     reduced = report["collective_bytes_per_step_per_rank"]
     if reduced:  # traffic between the GPUs, which the transfer ledger cannot see
         rate += f", {reduced / 2**20:,.1f} MiB per step per rank exchanged between GPUs"
+        if report["exchange"]:
+            rate += f" ({report['exchange']})"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""
     val = (
         f"val loss {report['final_val_loss']:.4f} at step {report['final_val_step']}"

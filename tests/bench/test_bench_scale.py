@@ -74,6 +74,12 @@ def test_scale_runs_plain_torchrun_1_and_2_and_reports_their_scaling(prepared, w
         assert row["tokens_per_s_per_rank"] == pytest.approx(
             row["tokens_per_s"] / row["world_size"]
         )
+        step_s = row["tokens_per_step"] / row["tokens_per_s"]
+        assert row["step_ms"] == pytest.approx(1e3 * step_s)
+        # the step less one rank's share of it at the plain row's rate
+        own_s = row["tokens_per_step"] / row["world_size"] / plain
+        assert row["job_cost_ms_per_step"] == pytest.approx(1e3 * (step_s - own_s))
+    assert rows[0]["job_cost_ms_per_step"] == pytest.approx(0.0, abs=1e-9)
     # The job of 2 trains both ranks' batches; only the torchrun rows all-reduce.
     assert rows[2]["tokens_per_step"] == 2 * rows[0]["tokens_per_step"]
     assert rows[0]["collective_bytes_per_step_per_rank"] is None

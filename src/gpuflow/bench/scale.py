@@ -372,11 +372,17 @@ def _run_row(
 
 
 def with_figures(rows: list[dict[str, Any]]) -> None:
-    """Add each row's speedup over the plain row (the first) and its scaling efficiency."""
+    """Add each row's speedup over the plain row (the first), its scaling efficiency, its
+    step time, and what the job costs a step beyond a rank's own work: the step's time less
+    the time the plain row takes for one rank's share of the step's tokens (the exchange
+    between ranks, and whatever else the job adds)."""
     plain = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / plain
         row["efficiency"] = row["speedup"] / row["world_size"]
+        row["step_ms"] = 1e3 * row["tokens_per_step"] / row["tokens_per_s"]
+        own_work_ms = 1e3 * row["tokens_per_step"] / row["world_size"] / plain
+        row["job_cost_ms_per_step"] = row["step_ms"] - own_work_ms
 
 
 def print_scale_table(result: dict[str, Any]) -> None:
@@ -385,7 +391,7 @@ def print_scale_table(result: dict[str, Any]) -> None:
     per = "per GPU" if result["gpus"] else "per rank"
     out = table(
         "row", "processes", "tokens/s", f"tokens/s {per}", "speedup", "efficiency", "MFU",
-        "exchanged per step per rank", "final train loss",
+        "exchanged per step per rank", "step", "job's cost a step", "final train loss",
         title=(
             f"{result['preset']} (B {result['batch_size_per_rank'] or 'found'} per rank, "
             f"T {result['seq_len']}), {result['steps']} steps: plain vs torchrun"
@@ -403,6 +409,8 @@ def print_scale_table(result: dict[str, Any]) -> None:
             f"{row['efficiency']:.0%}",
             f"{row['mfu']:.1%}" if row["mfu"] is not None else "-",
             f"{reduced / 2**20:,.2f} MiB" if reduced is not None else "-",
+            f"{row['step_ms']:,.1f} ms",
+            f"{row['job_cost_ms_per_step']:+,.1f} ms",
             f"{loss:.4f}" if loss is not None else "-",
         )
     out_console.print(out)

@@ -67,3 +67,27 @@ def test_residual_stream_takes_autocast_dtype_and_the_loss_stays_close():
     assert abs(mixed.item() - exact.item()) < 0.02 * exact.item()
     mixed.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_recomputed_blocks_give_the_same_gradients_and_keep_less_for_the_backward():
+    config = ModelConfig(vocab_size=96, n_layer=3, n_head=2, d_model=32, max_len=24)
+    ids = torch.randint(96, (4, 25), generator=torch.Generator().manual_seed(0))
+    grads, kept = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(config)
+        model.recompute_blocks = recompute
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        kept.append(sum(saved))
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6)
+    assert kept[1] < 0.5 * kept[0]  # each block's input, not its activations

@@ -65,3 +65,29 @@ def test_compiled_attention_uses_flex_and_matches_sdpa(accel):
     eager = run(attention)
     for a, b in zip(compiled, eager, strict=True):
         assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_recomputed_blocks_compile_train_alike_and_take_less_memory_a_sequence(accel):
+    if accel.type != "cuda":
+        pytest.skip("device memory is measured on cuda")
+    from gpuflow.model.gpt import GPT, ModelConfig
+    from gpuflow.train.batching import device_fit
+
+    config = ModelConfig(vocab_size=4096, n_layer=4, n_head=8, d_model=512, max_len=512)
+    ids = torch.randint(4096, (8, 513), device=accel.torch)
+    grads, per_sequence = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(config).to(accel.torch)
+        model.recompute_blocks = recompute
+        fit = device_fit(model, accel, 512, 4096, reserved=0)
+        per_sequence.append(fit.per_sequence)
+        torch._dynamo.reset()
+        step = torch.compile(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        grads.append([p.grad.float() for p in model.parameters()])
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
+        assert (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max() + 1e-6
+    assert per_sequence[1] < 0.6 * per_sequence[0]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.model.head import linear_cross_entropy
@@ -149,6 +150,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, bias=False)
         self.register_buffer("positions", torch.arange(config.max_len), persistent=False)
+        # Keep only each block's input for the backward and compute the rest again there
+        # (activation checkpointing): less memory per sequence for one more forward's work.
+        self.recompute_blocks = False
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
         for name, param in self.named_parameters():
@@ -179,8 +183,9 @@ class GPT(nn.Module):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
+        recompute = self.recompute_blocks and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.ln_f(x)  # (B, T, C)
 
     def loss_from_embeddings(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

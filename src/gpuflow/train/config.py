@@ -64,6 +64,9 @@ class TrainConfig:
     # Compile the model's forward and backward with torch.compile where it can run (CUDA:
     # Triton kernels); elsewhere the model runs eagerly. Costs tens of seconds at start-up.
     compile: bool = True
+    # Recompute each block's activations in the backward instead of keeping them: for a
+    # micro-batch that does not fit otherwise, at the cost of one more forward a step.
+    activation_checkpointing: bool = False
     # The CUDA allocator (gpuflow.device.allocator): auto (what PYTORCH_CUDA_ALLOC_CONF
     # selects, else native), native, cudaMallocAsync or expandable.
     allocator: str = "auto"

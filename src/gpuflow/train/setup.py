@@ -251,7 +251,9 @@ def _resident_io(cfg: RunConfig, path: DataPath, device: Device, managed: bool) 
 
 def _model(cfg: RunConfig, device: Device) -> GPT:
     try:
-        return place(GPT(cfg.model), device.torch)
+        model = place(GPT(cfg.model), device.torch)
+        model.recompute_blocks = cfg.train.activation_checkpointing
+        return model
     except RuntimeError as exc:  # the host's allocator refusing (a device's is below)
         if "can't allocate memory" not in str(exc):
             raise

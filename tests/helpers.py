@@ -8,6 +8,7 @@ whether or not gpuflow is installed and from any working directory."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -176,3 +177,28 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     data = read_checkpoint(path)
     apply_checkpoint(data, model, optimizer)
     return data.record
+
+
+def entry_hashes(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` (links not followed): a file's SHA-256, a link's target."""
+    found = {}
+    for folder, names, files in os.walk(root):
+        for name in names + files:
+            path = Path(folder) / name
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                found[key] = f"-> {os.readlink(path)}"
+            elif path.is_file():
+                found[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                found[key] = "folder"
+    return found
+
+
+def one_error(err: str, *said: str) -> str:
+    """The one `error:` line of ``err``, which says each of ``said``; no traceback."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert all(part in lines[0] for part in said), (said, lines[0])
+    return lines[0]

@@ -5,9 +5,7 @@ saved config whose preset is not a name. Older checkpoints (sizes only) still lo
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,35 +16,10 @@ from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
-from tests.helpers import FAST, gpuflow_cli
+from tests.helpers import FAST, entry_hashes, gpuflow_cli, one_error
 
 VICTIM = "the user's own file"
 SAMPLE = ["sample", "--run", "runs/r", "--max-tokens", "3", "--device", "cpu"]
-
-
-def _hashes(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (links not followed): a file's SHA-256, a link's target."""
-    found = {}
-    for folder, names, files in os.walk(root):
-        for name in names + files:
-            path = Path(folder) / name
-            key = str(path.relative_to(root))
-            if path.is_symlink():
-                found[key] = f"-> {os.readlink(path)}"
-            elif path.is_file():
-                found[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                found[key] = "folder"
-    return found
-
-
-def _one_error(err: str, *said: str) -> str:
-    """The one `error:` line of ``err``, which says each of ``said``; no traceback."""
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    assert all(part in lines[0] for part in said), (said, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +43,10 @@ def run(trained, workdir) -> Path:
 
 
 def _refused(argv: list[str], workdir: Path, capsys, *said: str) -> str:
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     assert main(argv) == 2
-    line = _one_error(capsys.readouterr().err, *said)
-    assert _hashes(workdir) == before
+    line = one_error(capsys.readouterr().err, *said)
+    assert entry_hashes(workdir) == before
     assert (workdir / "victim.txt").read_text() == VICTIM
     return line
 
@@ -177,7 +150,7 @@ def test_an_older_checkpoint_with_sizes_alone_still_loads(run, capsys):
     assert main([*SAMPLE, "--checkpoint", "step_000002"]) == 0
     (step / "model.safetensors").write_bytes(b"short")  # its sizes are still checked
     assert main([*SAMPLE, "--checkpoint", "step_000002"]) == 2
-    _one_error(capsys.readouterr().err, "model.safetensors is 5 bytes where")
+    one_error(capsys.readouterr().err, "model.safetensors is 5 bytes where")
 
 
 @pytest.mark.parametrize(
@@ -209,11 +182,11 @@ def test_a_best_record_is_verified_before_any_field_is_read(
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line(run, workdir):
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     result = gpuflow_cli(*SAMPLE, "--prompt", "abc\udcff", cwd=workdir)  # argv b"abc\xff"
     assert result.returncode == 2
-    _one_error(result.stderr, "--prompt is not valid UTF-8 text (byte 0xff", "pass UTF-8 text")
-    assert _hashes(workdir) == before
+    one_error(result.stderr, "--prompt is not valid UTF-8 text (byte 0xff", "pass UTF-8 text")
+    assert entry_hashes(workdir) == before
 
 
 def test_a_saved_config_whose_preset_is_not_a_string_is_one_line(run, workdir, capsys):

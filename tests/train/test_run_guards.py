@@ -6,7 +6,6 @@ before and after, and a victim file outside the run."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
 from gpuflow.train.runfolder import RunFolder
 from gpuflow.train.trainer import Trainer
-from tests.helpers import FAST, gpuflow_cli
+from tests.helpers import FAST, entry_hashes, gpuflow_cli, one_error
 
 VICTIM = "the user's own file"
 
@@ -34,31 +33,6 @@ def _sets(data: Path, *extra: str) -> list[str]:
 
 def _resume(data: Path) -> list[str]:
     return ["train", "--device", "cpu", "--name", "r", "--resume", "--steps", "3", *_sets(data)]
-
-
-def _hashes(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (links not followed): a file's SHA-256, a link's target."""
-    found = {}
-    for folder, names, files in os.walk(root):
-        for name in names + files:
-            path = Path(folder) / name
-            key = str(path.relative_to(root))
-            if path.is_symlink():
-                found[key] = f"-> {os.readlink(path)}"
-            elif path.is_file():
-                found[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                found[key] = "folder"
-    return found
-
-
-def _one_error(err: str, *said: str) -> str:
-    """The one `error:` line of ``err``, which says each of ``said``; no traceback."""
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    assert all(part in lines[0] for part in said), (said, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +57,12 @@ def run(trained, workdir) -> Path:
 
 
 def test_a_second_writer_is_refused_naming_the_holders_pid(run, prepared, workdir):
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     with RunFolder(run, resume=True):  # this process trains it
         result = gpuflow_cli(*_resume(prepared), cwd=workdir)
     assert result.returncode == 2
-    _one_error(result.stderr, "runs/r is in use by another gpuflow process", f"PID {os.getpid()}")
-    assert _hashes(workdir) == before
+    one_error(result.stderr, "runs/r is in use by another gpuflow process", f"PID {os.getpid()}")
+    assert entry_hashes(workdir) == before
 
 
 def test_the_run_stays_locked_until_its_report_is_written(run, prepared, monkeypatch, capsys):
@@ -129,10 +103,10 @@ def test_a_link_at_a_file_the_run_writes_is_refused(run, prepared, workdir, caps
     (run / name).unlink(missing_ok=True)
     (workdir / "outside").mkdir()
     (run / name).symlink_to(workdir / target)
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     assert main(_resume(prepared)) == 2
-    _one_error(capsys.readouterr().err, f"runs/r/{name} is a link")
-    assert _hashes(workdir) == before
+    one_error(capsys.readouterr().err, f"runs/r/{name} is a link")
+    assert entry_hashes(workdir) == before
     assert (workdir / "victim.txt").read_text() == VICTIM
     assert list((workdir / "outside").iterdir()) == []  # no target created
 
@@ -201,10 +175,10 @@ def _small_tokenizer(folder: Path, stdlib_documents) -> int:
 
 
 def _refused_train(data: Path, workdir: Path, capsys, *said: str, sets=()) -> None:
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     assert main(["train", "--device", "cpu", "--steps", "2", *_sets(data, *sets)]) == 2
-    _one_error(capsys.readouterr().err, *said)
-    assert _hashes(workdir) == before  # no run folder, nothing changed in the data
+    one_error(capsys.readouterr().err, *said)
+    assert entry_hashes(workdir) == before  # no run folder, nothing changed in the data
 
 
 @pytest.mark.parametrize("path", ["resident", "streamed"])
@@ -277,10 +251,10 @@ def test_a_batch_larger_than_the_corpus_is_refused_before_it_is_built(
 
 
 def test_a_run_name_ending_in_a_newline_is_refused(prepared, workdir, capsys):
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     assert main(["train", "--device", "cpu", "--name", "nl\n", *_sets(prepared)]) == 2
-    _one_error(capsys.readouterr().err, "run name 'nl\\n' must start with a letter or digit")
-    assert _hashes(workdir) == before
+    one_error(capsys.readouterr().err, "run name 'nl\\n' must start with a letter or digit")
+    assert entry_hashes(workdir) == before
 
 
 def test_a_saved_config_whose_preset_is_not_a_string_is_one_line(run, prepared, workdir, capsys):
@@ -288,7 +262,7 @@ def test_a_saved_config_whose_preset_is_not_a_string_is_one_line(run, prepared, 
     text = config.read_text().replace('preset = "tiny"', 'preset = ["tiny"]')
     config.unlink()
     config.write_text(text)
-    before = _hashes(workdir)
+    before = entry_hashes(workdir)
     assert main(_resume(prepared)) == 2
-    _one_error(capsys.readouterr().err, "runs/r/config.toml: preset must be a string")
-    assert _hashes(workdir) == before
+    one_error(capsys.readouterr().err, "runs/r/config.toml: preset must be a string")
+    assert entry_hashes(workdir) == before

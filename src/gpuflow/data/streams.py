@@ -16,12 +16,20 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from gpuflow.common.errors import GpuflowError
 
-if TYPE_CHECKING:
-    from gpuflow.data.formats import Input
+
+class Input(Protocol):
+    """What is read: a file (``path`` None: standard input), its compression (None, gzip,
+    bz2, xz or zstd) and the name an error gives it (``formats.Input`` is one)."""
+
+    path: Path | None
+    compression: str | None
+
+    @property
+    def name(self) -> str: ...
 
 
 class opened:

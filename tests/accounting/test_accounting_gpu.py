@@ -239,3 +239,51 @@ def test_a_tensor_made_on_the_device_from_host_data_is_a_counted_blocking_copy(a
         line = next(n for n, t in enumerate(lines, 1) if marker in t and "zip(" not in t)
         assert event.location.endswith(f"{Path(__file__).name}:{line}")
     assert sum(e.kind == "sync" for e in ledger.events) == 2
+
+
+def test_an_item_inside_a_compiled_function_is_counted_on_the_device(accel):
+    """Inductor, on the device: the `.item()` at the graph break runs between two compiled
+    graphs and is counted at its line, as it is outside torch.compile."""
+    if accel.type != "cuda":
+        pytest.skip("inductor's device code: cuda")
+    import torch._dynamo.utils as dynamo_utils
+
+    from gpuflow.accounting.ledger import TransferLedger
+
+    @torch.compile
+    def step(x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().max().item()  # compiled-device-item
+        return (x / scale).square().sum()
+
+    x = torch.randn(64, device=accel.torch)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    step(x)
+    compiled = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert compiled >= 1
+    with TransferLedger(accel) as ledger:
+        step(x)
+    syncs = [e for e in ledger.events if e.kind == "sync"]
+    assert [e.op for e in syncs] == ["blocking d2h item"], ledger.events
+    line = next(
+        n
+        for n, text in enumerate(Path(__file__).read_text().splitlines(), start=1)
+        if "# compiled-device-item" in text and "text" not in text
+    )
+    assert syncs[0].location.endswith(f"{Path(__file__).name}:{line}")
+    assert [(e.kind, e.nbytes) for e in ledger.events if e.kind == "d2h"] == [("d2h", 4)]
+    with pytest.raises(BudgetExceeded, match="blocking d2h item"), budget(syncs=0):
+        step(x)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled  # the same graphs ran
+    assert not dynamo_utils.counters["recompiles"]
+
+
+def test_a_budget_for_the_gpu_counts_device_reads_and_leaves_host_reads_alone(accel):
+    """On a machine with a GPU, "auto" is the GPU: a read of a host tensor waits for nothing
+    there and is not counted; the same read of a device tensor is."""
+    scores = torch.arange(4.0)  # on the host
+    with budget(syncs=0) as ledger:
+        scores.sum().item()
+    assert ledger.events == []
+    with pytest.raises(BudgetExceeded, match="item"), budget(syncs=0):
+        scores.to(accel.torch).sum().item()

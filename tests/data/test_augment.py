@@ -180,6 +180,49 @@ def test_translate_is_a_zero_padded_shift(dtype):
     assert torch.equal(out[~moved], images[~moved])
 
 
+@pytest.mark.parametrize(
+    "transform",
+    [RandomCrop(6, padding=3), RandomCrop(6, padding=3, fill="zeros"), Translate(2)],
+    ids=["crop-reflect", "crop-zeros", "translate"],
+)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_crops_come_back_contiguous_as_a_dataloaders_batches(transform, dtype):
+    out = transform(_images(dtype), _keys())
+    assert out.is_contiguous()
+    assert out.view(B, -1).shape[1] == out[0].numel()  # flattens without a copy
+
+
+def test_random_crop_takes_a_height_and_width_as_torchvision_does():
+    images, keys = _images(), _keys()  # 7 x 9
+    out = RandomCrop((4, 6), padding=1)(images, keys)
+    assert out.shape == (B, 3, 4, 6)
+    rows, cols = below(keys, 0, 7 + 2 - 4 + 1), below(keys, 1, 9 + 2 - 6 + 1)
+    for b in range(B):
+        padded = F.pad(images[b], (1,) * 4, mode="reflect")
+        r, c = int(rows[b]), int(cols[b])
+        assert torch.equal(out[b], padded[:, r : r + 4, c : c + 6])
+    # A one-side sequence is a square, and [h, w] is taken as (h, w).
+    assert torch.equal(RandomCrop([5])(images, keys), RandomCrop(5)(images, keys))
+    assert torch.equal(RandomCrop([4, 6], 1)(images, keys), out)
+    assert RandomCrop(5, padding=None)(images, keys).shape == (B, 3, 5, 5)  # torchvision's None
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: RandomCrop((4, 5, 6)), r"an int or \(height, width\), got \(4, 5, 6\)"),
+        (lambda: RandomCrop((4.0, 5)), r"an int or \(height, width\), got \(4.0, 5\)"),
+        (lambda: RandomCrop("4"), r"an int or \(height, width\), got '4'"),
+        (lambda: RandomCrop((0, 4)), "size >= 1"),
+        (lambda: RandomCrop(4, padding=(1, 2)), r"one int of pixels, got padding=\(1, 2\)"),
+    ],
+)
+def test_random_crop_refuses_other_sizes_and_paddings_in_one_line(make, match):
+    with pytest.raises(GpuflowError, match=match) as caught:
+        make()
+    assert "\n" not in str(caught.value)
+
+
 # ---- HorizontalFlip -------------------------------------------------------------------------
 
 

@@ -244,3 +244,29 @@ def test_samples_larger_than_an_upload_piece_cross_whole(cuda):
     assert data.resident and data.tensors[0].device.type == "cuda"
     got, labels = data.gather(torch.tensor([1, 0], device=cuda.torch))
     assert torch.equal(got.cpu(), volumes.flip(0)) and labels.tolist() == [4, 3]
+
+
+def test_compiled_draws_give_contiguous_crops_and_a_custom_transform_the_real_last_rows(cuda):
+    seen: list[int] = []
+
+    def centred(images: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        seen.append(len(keys))  # at trace and eager calls: the sizes the transform was given
+        x = images.float()
+        return x - x.mean(0, keepdim=True)  # a batch statistic: padded rows would skew it
+
+    data = _dataset(cuda)
+    loader = ResidentLoader(data, B, seed=2, transform=Compose(RandomCrop(8, 2), centred))
+    assert loader.compiled
+    batches = _batches(loader)
+    assert [len(x) for x, _ in batches] == [B] * 6 + [N % B]
+    assert set(seen) <= {1, B, N % B} and N % B in seen
+    eager = ResidentLoader(
+        data, B, seed=2, compile=False, transform=Compose(RandomCrop(8, 2), centred)
+    )
+    for (x, y), (xe, ye) in zip(batches, eager, strict=True):
+        assert x.is_contiguous() and torch.equal(y, ye)
+        torch.testing.assert_close(x, xe)
+    crops = ResidentLoader(data, B, seed=2, transform=RandomCrop((6, 8), 1))
+    for x, _ in crops:
+        assert x.shape[1:] == (3, 6, 8) and x.is_contiguous()
+        assert x.view(len(x), -1).shape[1] == 3 * 6 * 8

@@ -391,6 +391,26 @@ _COMPILER_FILES = frozenset(
 )
 
 
+# torch.compile converts every Python frame that starts while a compiled function runs, unless
+# its file is on dynamo's skip list: the counting kernels that an operation run eagerly there
+# calls (the `.item()` at a graph break), and the wrappers of the reads and waits, would be
+# traced, read torch.compiler.is_compiling() as True, and count nothing. The ledger's files
+# go on that list once dynamo has loaded it, which is before anything can be compiled; it is
+# looked up, never imported here (a kernel may run while dynamo is being imported).
+_OUT_OF_DYNAMO = ("gpuflow.accounting", "gpuflow.transfer.tally")
+_dynamo_told = False
+
+
+def _keep_out_of_dynamo() -> None:
+    global _dynamo_told
+    add = getattr(sys.modules.get("torch._dynamo.trace_rules"), "add", None)
+    if _dynamo_told or add is None:
+        return
+    for module in _OUT_OF_DYNAMO:
+        add(module)
+    _dynamo_told = True
+
+
 def _inside_the_compiler() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
@@ -405,14 +425,15 @@ def _emit(
     ledgers: list[TransferLedger],
     host_only: bool = False,
 ) -> None:
-    """Count one event in ``ledgers`` (``host_only``: in those of them open for the host)."""
+    """Count one event in ``ledgers`` (``host_only``: in those of them that count the reads
+    of host data, ``TransferLedger.host_reads``)."""
     if tally.in_housekeeping():  # the transfer layer's own clean-up: not the region's work
         return
     if _inside_the_compiler():
         return
     violation: Exception | None = None
     for ledger in list(ledgers):  # another thread (a backward's) may close one meanwhile
-        if host_only and ledger.device.type != "cpu":
+        if host_only and not ledger.host_reads:
             continue
         event = make(ledger)
         ledger._events.append(event)
@@ -450,13 +471,15 @@ def _reads_device_data() -> bool:
 
 
 def _any_for_the_host(ledgers: list[TransferLedger]) -> bool:
-    return any(ledger.device.type == "cpu" for ledger in ledgers)
+    return any(ledger.host_reads for ledger in ledgers)
 
 
 def _record_host_read(op: str, ledgers: list[TransferLedger]) -> None:
-    """On the host, a read of a tensor's data is what would make the host wait on a GPU:
-    ledgers open for the host count it as a sync, so that a cpu run of ``budget(syncs=0)``
-    fails where a GPU run would."""
+    """A read of a host tensor's data is what would make the host wait were the tensor on a
+    GPU: ledgers for the cpu (on a machine without a GPU, "auto" is the cpu) count it as a
+    sync, so that ``budget(syncs=0)`` fails there where the same code, its tensors on a GPU,
+    would fail on one. A ledger for a GPU counts only real waits on it: reading a tensor the
+    code keeps on the host waits for nothing there."""
     if _any_for_the_host(ledgers) and _reads_device_data():
         where = caller_location()
         label = f"{op} (would wait on a GPU)"
@@ -568,6 +591,8 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
     stays = _STAYS.get(op)  # a test that the operation can be neither a crossing nor a wait
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _dynamo_told:
+            _keep_out_of_dynamo()  # dynamo loaded since the ledger opened
         args, wrapped = _rewrapped(args, positions, value_at)
         below = keyset & below_key
 
@@ -937,6 +962,9 @@ class TransferLedger:
     every open ledger of its thread. ``device`` is whose allocator statistics are read."""
 
     device: Device | str = "auto"
+    # Whether reads of host tensors count as the syncs they would be on a GPU: for the cpu
+    # only; a ledger for an accelerator counts what waits on it.
+    host_reads: bool = field(default=False, init=False)
     _events: list[TransferEvent] = field(default_factory=list, init=False, repr=False)
     _steps: list[StepTotals] = field(default_factory=list, init=False, repr=False)
     _step: int = field(default=0, init=False, repr=False)
@@ -950,10 +978,12 @@ class TransferLedger:
 
     def __post_init__(self) -> None:
         self.device = Device.resolve(self.device)
+        self.host_reads = self.device.type == "cpu"
 
     def __enter__(self) -> TransferLedger:
         if self._open:
             raise RuntimeError("this TransferLedger is already open")
+        _keep_out_of_dynamo()
         self._allocator = _Allocator(self.device)
         self._region_start = dict(self._allocator.last)
         _install_waits()

@@ -13,7 +13,7 @@ training step can be captured in one CUDA graph. Any dtype goes in; ``Normalize`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,13 +32,53 @@ def _check_images(images: torch.Tensor, what: str) -> None:
         raise GpuflowError(f"{what} takes (B, C, H, W) images, got shape {tuple(images.shape)}")
 
 
-class RandomCrop:
-    """A ``size`` x ``size`` window (``None``: the image's own height and width) at a random
-    place in the image padded by ``padding`` on each side; the padding reflects the image
-    (``fill="reflect"``) or is zeros."""
+def check_transformed(images: Any, rows: int, transform: Any) -> None:
+    """Refuse what a transform gave unless it is the batch's images: one tensor, a row per
+    sample. A torchvision transform takes (images, keys) for two inputs and gives both back."""
+    if isinstance(images, torch.Tensor) and images.dim() > 0 and images.shape[0] == rows:
+        return
+    got = (
+        f"a tensor of shape {tuple(images.shape)}"
+        if isinstance(images, torch.Tensor)
+        else f"a {type(images).__name__}"
+    )
+    name = getattr(transform, "__name__", type(transform).__name__)
+    raise GpuflowError(
+        f"transform= is called as transform(images, keys) and must return the images, one "
+        f"tensor with a row per sample ({rows} here); {name} returned {got}. A torchvision "
+        "transform takes images alone: use gpuflow.data.augment's transforms (a draw per "
+        "sample), or pass transform=lambda images, keys: t(images) (one draw for the batch)"
+    )
 
-    def __init__(self, size: int | None, padding: int = 0, fill: str = "reflect") -> None:
-        if (size is not None and size < 1) or padding < 0:
+
+def _crop_size(size: Any) -> tuple[int, int] | None:
+    """``size`` as (height, width): an int is a square, a sequence of one or two ints (as
+    torchvision takes) is (side, side) or (height, width); None stays None."""
+    if size is None:
+        return None
+    sides = tuple(size) if isinstance(size, (tuple, list)) else (size,)
+    if len(sides) == 1:
+        sides *= 2
+    if len(sides) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in sides):
+        raise GpuflowError(f"RandomCrop's size is an int or (height, width), got {size!r}")
+    return sides
+
+
+class RandomCrop:
+    """A ``size`` window (an int for a square, or (height, width); ``None``: the image's own
+    height and width) at a random place in the image padded by ``padding`` on each side; the
+    padding reflects the image (``fill="reflect"``) or is zeros."""
+
+    def __init__(
+        self, size: int | Sequence[int] | None, padding: int | None = 0, fill: str = "reflect"
+    ) -> None:
+        padding = 0 if padding is None else padding
+        if not isinstance(padding, int) or isinstance(padding, bool):
+            raise GpuflowError(
+                f"RandomCrop pads every side by one int of pixels, got padding={padding!r}"
+            )
+        self.window = _crop_size(size)
+        if (self.window is not None and min(self.window) < 1) or padding < 0:
             raise GpuflowError(
                 f"RandomCrop needs size >= 1 and padding >= 0, got {size} and {padding}"
             )
@@ -51,7 +91,7 @@ class RandomCrop:
         _check_images(images, self.name)
         _, _, H, W = images.shape
         p = self.padding
-        h, w = (H, W) if self.size is None else (self.size, self.size)
+        h, w = (H, W) if self.window is None else self.window
         if h > H + 2 * p or w > W + 2 * p:
             raise GpuflowError(f"RandomCrop({self.size}, padding={p}) does not fit {H}x{W} images")
         if self.fill == "reflect" and p >= min(H, W):
@@ -74,8 +114,9 @@ def _gather_window(
     images: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, fill: str
 ) -> torch.Tensor:
     """``images[b, :, rows[b], cols[b]]`` for each b, with rows and cols outside the image
-    reflected back into it or read as zeros: (B, C, len(rows), len(cols))."""
-    B, _, H, W = images.shape
+    reflected back into it or read as zeros: (B, C, len(rows), len(cols)), contiguous (as a
+    DataLoader's batches are, so ``x.view(B, -1)`` works)."""
+    B, C, H, W = images.shape
     if fill == "reflect":
         rows = _reflect(rows, H)
         cols = _reflect(cols, W)
@@ -83,11 +124,13 @@ def _gather_window(
     else:
         inside = ((rows >= 0) & (rows < H))[:, :, None] & ((cols >= 0) & (cols < W))[:, None, :]
         rows, cols = rows.clamp(0, H - 1), cols.clamp(0, W - 1)
-    batch = torch.arange(B, device=images.device)[:, None, None]  # (B, 1, 1)
-    out = images[batch, :, rows[:, :, None], cols[:, None, :]]  # (B, h, w, C)
+    # One index per output dimension, so the gather writes (B, C, h, w) in order.
+    batch = torch.arange(B, device=images.device)[:, None, None, None]  # (B, 1, 1, 1)
+    channel = torch.arange(C, device=images.device)[None, :, None, None]  # (1, C, 1, 1)
+    out = images[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
     if inside is not None:
-        out = out * inside[..., None].to(out.dtype)
-    return out.permute(0, 3, 1, 2)  # (B, C, h, w), channels-last in memory
+        out = out * inside[:, None].to(out.dtype)  # (B, 1, h, w)
+    return out
 
 
 def _reflect(index: torch.Tensor, n: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from rich.progress import DownloadColumn
+from torch.utils.data import Dataset
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
@@ -95,9 +96,11 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
     raise GpuflowError(f"{what} is a {type(value).__name__}; give tensors or NumPy arrays")
 
 
-class ResidentDataset:
-    """See the module docstring. ``len(data)`` samples; ``data.fields`` their layouts;
-    ``data.resident`` whether they live on the device."""
+class ResidentDataset(Dataset):
+    """See the module docstring. ``len(data)`` samples; ``data[i]`` sample i, a tuple of its
+    fields as ``TensorDataset`` gives it (where the dataset lives, in the types given), so it
+    serves a ``DataLoader`` too; ``data.fields`` their layouts; ``data.resident`` whether they
+    live on the device."""
 
     def __init__(
         self,
@@ -134,6 +137,9 @@ class ResidentDataset:
 
     def __len__(self) -> int:
         return self.length
+
+    def __getitem__(self, index: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(t[index].to(d) for t, d in zip(self.tensors, self.dtypes, strict=True))
 
     @property
     def sample_bytes(self) -> int:

@@ -8,7 +8,8 @@ device, resumable.
             ...
 
 Each epoch's order, each rank's share and each sample's augmentation are pure functions of
-(seed, epoch, place), so ``state_dict`` / ``load_state_dict`` resume the same batches;
+(seed, epoch, place), so ``state_dict`` / ``load_state_dict`` resume the same batches (a
+loop that starts at the saved ``state["epoch"]`` trains every epoch once);
 ``cursor()`` draws from a position held on the device, for a captured step; a dataset left on
 the host streams through in chunks with the same batches. How: docs/architecture/data.md
 (Resident datasets).
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Transform
-from gpuflow.data.keyed import order_keys, sample_keys
+from gpuflow.data.augment import Transform, check_transformed
+from gpuflow.data.keyed import check_seed, order_keys, sample_keys
 from gpuflow.data.resident_dataset import ResidentDataset, gather_rows
 from gpuflow.transfer.pinned import PinnedPool
 from gpuflow.transfer.tally import report_copy
@@ -76,6 +77,7 @@ class ResidentLoader:
             )
         if batch_size < 1:
             raise GpuflowError(f"batch_size must be at least 1, got {batch_size}")
+        seed = check_seed(seed)
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
         self.transform = transform
@@ -112,9 +114,9 @@ class ResidentLoader:
         return math.ceil(self.samples / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
+        # A position at an epoch's end gives that epoch's rest, no batches, and the epoch
+        # after it comes next: the loop that resumes at the saved epoch trains each once.
         epoch, step = self._next
-        if step >= len(self):
-            epoch, step = epoch + 1, 0
         self._next = (epoch + 1, 0)
         self._position = (epoch, step)  # a checkpoint before its first batch resumes here
         if self.dataset.resident:
@@ -123,8 +125,9 @@ class ResidentLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` starts, from its first batch; or, after
-        ``load_state_dict`` of a position inside that epoch, from where it stopped (the
-        usual ``set_epoch`` at the top of each epoch keeps a resumed position)."""
+        ``load_state_dict`` of a position in that epoch, from where it stopped: the usual
+        ``set_epoch`` at the top of each epoch keeps a resumed position, and one taken after
+        the epoch's last batch gives no batches, so the epoch is not trained again."""
         if self._next[0] != epoch:
             self._next = (epoch, 0)
         self._position = None
@@ -138,7 +141,8 @@ class ResidentLoader:
         return {"epoch": epoch, "step": step, **self._settings()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The next ``iter()`` carries on after the batch ``state`` was taken at."""
+        """The next ``iter()`` carries on after the batch ``state`` was taken at: the rest
+        of epoch ``state["epoch"]`` (none, if it was taken after its last batch)."""
         self.check_state(state)
         self._next = (int(state["epoch"]), int(state["step"]))
         self._position = None
@@ -183,8 +187,9 @@ class ResidentLoader:
     def draw_next(self, order: torch.Tensor, step: torch.Tensor, epoch: torch.Tensor) -> Batch:
         """The full batch at position ``step`` (a 0-dim device tensor, moved on by one) of
         epoch ``epoch``'s ``order``: each field in its given type, the transform applied to
-        the first. Places past this rank's last repeat it (a partial batch is cut by the
-        caller). Device work only, fixed shapes: compiled on CUDA, safe in a CUDA graph."""
+        the first. Places past this rank's last repeat it (the iterators draw the last
+        partial batch with ``draw_rows`` instead). Device work only, fixed shapes: compiled
+        on CUDA, safe in a CUDA graph."""
         args = (
             self.dataset.tensors, self.dataset.dtypes, order, step, epoch, self._rows,
             self.world_size, self.rank, self._last_place, self.transform, self.seed,
@@ -196,6 +201,16 @@ class ResidentLoader:
             draw_samples(self.dataset.tensors, self.dataset.dtypes, first, first, *args[-2:], epoch)
             self._traced = True
         return _compiled_draw_next()(*args)
+
+    def draw_rows(self, order: torch.Tensor, step: int, size: int, epoch: torch.Tensor) -> Batch:
+        """The first ``size`` samples of batch ``step`` of epoch ``epoch``'s ``order``, and
+        no others: the last partial batch, drawn eagerly at its own size, so the transform
+        sees only real samples (no second shape is compiled for one batch an epoch)."""
+        places = self.places(step, size)
+        return draw_samples(
+            self.dataset.tensors, self.dataset.dtypes, order[places], places, self.transform,
+            self.seed, epoch,
+        )  # fmt: skip
 
     def device_scalar(self, value: int) -> torch.Tensor:
         """``value`` (an epoch, a step) as a 0-dim int64 device tensor, made by a fill (no
@@ -234,6 +249,19 @@ class ResidentLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- copies -------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled or copied loader has the dataset, the settings and the position; its
+        streaming thread and pinned buffers are its own, made again when it streams."""
+        state = self.__dict__.copy()
+        state.update(_reader=None, _pool=None, _lock=None, _traced=False)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
 
 def draw_samples(
     stored: Batch, dtypes: tuple[torch.dtype, ...], rows: torch.Tensor, places: torch.Tensor,
@@ -243,7 +271,9 @@ def draw_samples(
     with each sample's key from (seed, epoch, place)."""
     out = list(gather_rows(stored, dtypes, rows))
     if transform is not None:
-        out[0] = transform(out[0], sample_keys(seed, epoch, places))
+        images = transform(out[0], sample_keys(seed, epoch, places))
+        check_transformed(images, rows.numel(), transform)
+        out[0] = images
     return tuple(out)
 
 
@@ -293,9 +323,10 @@ class _ResidentEpoch:
         if self.step >= self.steps:
             raise StopIteration
         size = min(loader.batch_size, loader.samples - self.step * loader.batch_size)
-        batch = loader.draw_next(self._order, self._step, self._epoch)
-        if size < loader.batch_size:  # the last partial batch
-            batch = tuple(t[:size] for t in batch)
+        if size < loader.batch_size:  # the last partial batch: its real samples only
+            batch = loader.draw_rows(self._order, self.step, size, self._epoch)
+        else:
+            batch = loader.draw_next(self._order, self._step, self._epoch)
         self.step += 1
         loader._position = (self.epoch, self.step)
         return batch

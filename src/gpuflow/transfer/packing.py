@@ -904,5 +904,15 @@ def unpack(
     host buffer unchanged until the copy completes (``DeviceLoader`` does this with events).
     """
     target = device if isinstance(device, torch.device) else Device.resolve(device).torch
-    on_device = packed.buffer[: packed.nbytes].to(target, non_blocking=non_blocking)
+    try:
+        on_device = packed.buffer[: packed.nbytes].to(target, non_blocking=non_blocking)
+    except (AssertionError, RuntimeError):
+        # A torch.device is taken as it is, unchecked on the way (once a batch); a copy that
+        # fails is checked here, so a device this machine lacks is one line, as elsewhere.
+        try:
+            if target.type != "meta":
+                Device.resolve(target)
+        except GpuflowError as missing:
+            raise missing from None
+        raise
     return rebuild(on_device, packed.spec)

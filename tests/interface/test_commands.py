@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -18,6 +19,7 @@ from gpuflow.interface.cli.common import (
     unescape,
 )
 from gpuflow.interface.cli.main import COMMANDS, build_parser
+from gpuflow.interface.profile import profiler_notices_dropped
 from tests.helpers import FAST
 
 SETS = [a for s in FAST for a in ("--set", s)]
@@ -125,6 +127,36 @@ def test_profile_writes_its_files_where_it_is_told(workdir, prepared, capsys):
         "prof/trace.json",
     ]
     assert (workdir / "prof" / "profile.json").is_file()
+
+
+def test_profile_keeps_the_profilers_notices_out_of_the_terminal(workdir, prepared, capfd):
+    args = parse("profile", "--steps", "1", "--warmup", "0", "--device", "cpu", "--out", "p",
+                 *SETS, "--set", f"data.dir={prepared}")  # fmt: skip
+    assert profile.run(args) == 0
+    out, err = capfd.readouterr()
+    assert "wrote p/trace.json, p/profile.json" in out
+    assert "USDT:" not in out + err and "SyncActivityProfilerHandler" not in out + err
+    # What else reaches stderr meanwhile is passed on, in order.
+    with profiler_notices_dropped():
+        os.write(2, b"a warning of the step's\n")
+        os.write(2, b"USDT:2026-11-28 05:53:47 1:1 SyncActivityProfilerHandler.cpp:52] start\n")
+        os.write(2, b"and another\n")
+    assert capfd.readouterr().err == "a warning of the step's\nand another\n"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def test_every_command_and_bench_describes_itself_in_its_help():
+    commands = _subparsers(build_parser())
+    benches = {f"bench {name}": p for name, p in _subparsers(commands["bench"]).items()}
+    assert len(commands) == len(COMMANDS) and len(benches) >= 9
+    for name, parser in {**commands, **benches}.items():
+        assert parser.description and len(parser.description) > 60, name
+        printed = "".join(parser.format_help().split())  # wrapped to the terminal's width
+        assert "".join(parser.description.split()) in printed, name
 
 
 def test_bench_has_one_subcommand_per_bench_and_checks_its_folder_first(tmp_path, monkeypatch):

@@ -1,9 +1,12 @@
 """``gpuflow export --format hf``: transformers loads the folder as GPT-2 and computes what
-gpuflow computes."""
+gpuflow computes; where the two differ (the context length, ``<|endoftext|>`` in decoded
+text) is as docs/cli.md says; the files are made as a checkpoint's are."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from gpuflow.data.tokenizer import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from gpuflow.interface.export import export_hf
-from gpuflow.interface.sample import SampleConfig, sample
+from gpuflow.interface.sample import SampleConfig, generate_no_sync, open_trained, sample
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
@@ -90,3 +93,52 @@ def test_the_cli_exports_a_named_checkpoint_and_refuses_a_folder_in_use(trained,
     with pytest.raises(GpuflowError, match="has no checkpoint 'step_999999'"):
         export_hf(trained, tmp_path / "x", "step_999999")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_exported_files_are_made_as_a_checkpoints_are(trained, tmp_path):
+    old = os.umask(0o022)  # a user's usual umask, whatever this process runs under
+    try:
+        export_hf(trained, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert set(modes.values()) == {0o644}, modes  # safetensors alone would make 0600
+    weights = ckpt.best_checkpoint(trained) / "model.safetensors"
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o644
+
+
+def test_decoded_text_differs_only_in_end_of_text_as_the_docs_say(trained, tmp_path):
+    out = tmp_path / "hf"
+    export_hf(trained, out)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_tokenizer(out / "tokenizer.json")
+    ids = ours.encode("x = 1 ; y = ( 2 , 3 )<|endoftext|>import os").ids
+    assert eot_id(ours) in ids
+    assert theirs.decode(ids) == "x = 1 ; y = ( 2 , 3 )<|endoftext|>import os"  # kept
+    assert ours.decode(ids) == "x = 1 ; y = ( 2 , 3 )import os"  # gpuflow's: dropped
+    assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+    assert theirs("import os")["input_ids"][0] != eot_id(ours)  # no <|endoftext|> put first
+
+
+def test_generate_stops_at_the_context_length_where_sample_slides_on(trained, tmp_path):
+    out = tmp_path / "hf"
+    export_hf(trained, out)
+    config = json.loads((out / "config.json").read_text())
+    _, run_config = open_run(trained)
+    assert config["n_positions"] == run_config.model.max_len == 32
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[config["eos_token_id"]]])
+    past = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad(), pytest.raises(IndexError):  # positions past n_positions
+        hf.generate(ids, **past)
+    _, _, _, model = open_trained(trained, "best", say=lambda note: None)
+    greedy = SampleConfig(max_tokens=40, temperature=0.0)
+    assert generate_no_sync(model.eval(), ids, greedy).shape == (1, 41)  # its window slides
+
+
+def test_export_takes_the_hf_format_alone(trained, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["export", "--run", str(trained), "--out", str(tmp_path / "x"), "--format", "onnx"])
+    assert refused.value.code == 2 and "invalid choice: 'onnx'" in capsys.readouterr().err
+    assert main(["export", "--run", str(trained), "--out", str(tmp_path / "y"), "--format=hf"]) == 0
+    assert (tmp_path / "y" / "model.safetensors").is_file()

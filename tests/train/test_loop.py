@@ -22,6 +22,10 @@ def test_the_cadence_logs_evaluates_and_checkpoints_on_its_intervals_and_at_the_
     assert [d for d in done if cadence.evaluates(d)] == [10, 20, 25]  # and the last step
     assert [d for d in done if cadence.checkpoints(d, stopping=False)] == [8, 16, 24, 25]
     assert cadence.checkpoints(3, stopping=True)  # a stop asked for saves where it is
+    # Train records close on logging steps and at the end, never at a checkpoint between.
+    assert [d for d in done if cadence.records(d)] == [5, 10, 15, 20, 25]
+    uneven = Cadence(_train_config(steps=23, log_interval=5, checkpoint_interval=8))
+    assert [d for d in range(1, 24) if uneven.records(d)] == [5, 10, 15, 20, 23]
 
 
 class _Step:

@@ -69,11 +69,14 @@ def test_run_folder_holds_everything(prepared, workdir):
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step_000004", "step_000006"]
     files = sorted(p.name for p in (run_dir / "checkpoints" / "step_000006").iterdir())
     assert files == ["model.safetensors", "optimizer.safetensors", "state.json"]
-    # A checkpoint also closes a logging interval, so metrics are complete up to each one.
+    # Records fall on logging steps alone; a checkpoint inside an interval keeps its part.
     steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
-    assert steps == [2, 3, 4, 6]
+    assert steps == [3, 6]
     state = json.loads((run_dir / "checkpoints" / "step_000006" / "state.json").read_text())
-    assert state["step"] == 6 and state["data"]["next_step"] == 6
+    assert state["step"] == 6 and state["data"]["next_step"] == 6 and "interval" not in state
+    inside = json.loads((run_dir / "checkpoints" / "step_000004" / "state.json").read_text())
+    assert {k: inside["interval"][k] for k in ("through", "steps")} == {"through": 4, "steps": 1}
+    assert set(inside["interval"]["means"]) == {"loss", "grad_norm"}
 
 
 @pytest.mark.parametrize(
@@ -114,7 +117,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve_bit_exactly(prepared, wo
 def test_finished_run_asks_for_more_steps(prepared, workdir):
     run_dir = workdir / "runs" / "done"
     _train(_config(prepared, "train.steps=3"), run_dir)
-    with pytest.raises(GpuflowError, match="already finished 3 of 3 steps; pass --steps"):
+    with pytest.raises(GpuflowError, match="already finished 3 of 3 steps; train further with"):
         _train(_config(prepared, "train.steps=3"), run_dir, resume=True)
     result = _train(_config(prepared, "train.steps=5"), run_dir, resume=True)
     assert (result.start_step, result.last_step) == (3, 5)

@@ -16,10 +16,12 @@ from pathlib import Path
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.data.shards import Shard
-from gpuflow.data.tokenizer import load_tokenizer
+from gpuflow.data.tokenizer import MIN_VOCAB, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"
+# gpuflow writes train_000000.bin; llm.c and modded-nanogpt write *_train_000001.bin.
+TRAIN_SHARDS, VAL_SHARDS = "*train*.bin", "*val*.bin"
 # The tokenizer of each token folder opened, by folder: (its file, its vocabulary). The
 # readers call ``check_ids`` with a shard's path and largest id alone; this is how it knows
 # the vocabulary of the tokenizer beside that shard.
@@ -37,15 +39,18 @@ class TokenFolder:
     vocab: int | None = None  # the tokenizer's vocabulary (None: the folder has no tokenizer)
 
     @classmethod
-    def open(cls, path: Path | str) -> TokenFolder:
+    def open(cls, path: Path | str, vocab_size: int | None = None) -> TokenFolder:
+        """The folder at ``path``; ``vocab_size``, the model's, goes into the command a
+        missing folder's refusal names, so that the folder it prepares fits the model."""
         path = Path(path)
         if not path.is_dir():
+            vocab = f" --vocab-size {vocab_size}" if (vocab_size or 0) >= MIN_VOCAB else ""
             raise GpuflowError(
-                f"token folder {path} does not exist; run `gpuflow prepare --out {path}` first"
+                f"token folder {path} does not exist; run `gpuflow prepare --out {path}{vocab}` "
+                "first (with --data PATH... for your own corpus; without it, the built-in one)"
             )
-        # gpuflow writes train_000000.bin; llm.c and modded-nanogpt write *_train_000001.bin.
-        train = tuple(Shard.open(p) for p in sorted(path.glob("*train*.bin")))
-        val = tuple(Shard.open(p) for p in sorted(path.glob("*val*.bin")))
+        train = tuple(Shard.open(p) for p in sorted(path.glob(TRAIN_SHARDS)))
+        val = tuple(Shard.open(p) for p in sorted(path.glob(VAL_SHARDS)))
         if not train or not val:
             missing = "train" if not train else "val"
             raise GpuflowError(
@@ -85,20 +90,51 @@ class TokenFolder:
 
 def check_ids(source: Path | str, max_id: int, vocab_size: int) -> None:
     """Refuse ``source`` (a shard) when its largest token id ``max_id`` has no embedding row,
-    or no token in the tokenizer of the folder it was opened from (``TokenFolder.open``)."""
-    if max_id >= vocab_size:
+    or no token in the tokenizer of the folder it was opened from (``TokenFolder.open``).
+
+    The shards are checked one at a time, but a refusal speaks for the whole folder (read
+    then, on the way out): what it says to set holds every shard's ids, so that following it
+    does not meet a larger id in the next shard."""
+    source = Path(source)
+    tokenizer = _TOKENIZERS.get(source.resolve().parent)
+    if max_id < vocab_size and (tokenizer is None or max_id < tokenizer[1]):
+        return
+    shard, largest = _largest_id(source, max_id)
+    if tokenizer is not None and largest >= tokenizer[1]:  # no vocabulary setting mends that
+        model = f"model.vocab_size is {vocab_size} and " if largest >= vocab_size else ""
         raise GpuflowError(
-            f"{source} holds token id {max_id} but model.vocab_size is {vocab_size}; set "
-            f"model.vocab_size to at least {max_id + 1} (--set model.vocab_size="
-            f"{round_up(max_id + 1, 64)}) or prepare the data with --vocab-size {vocab_size}"
+            f"{shard} holds token id {largest} but {model}{tokenizer[0]} has "
+            f"{tokenizer[1]:,} tokens: the shards were not made with that tokenizer; prepare "
+            "the folder again, or put back the tokenizer.json they were made with"
         )
-    tokenizer = _TOKENIZERS.get(Path(source).resolve().parent)
-    if tokenizer is not None and max_id >= tokenizer[1]:
-        raise GpuflowError(
-            f"{source} holds token id {max_id} but {tokenizer[0]} has {tokenizer[1]:,} tokens: "
-            "the shards were not made with that tokenizer; prepare the folder again, or put "
-            "back the tokenizer.json they were made with"
-        )
+    # The vocabulary named holds the folder's largest id and, where the folder has a
+    # tokenizer, each of its tokens (a prompt may encode to any), rounded up to 64.
+    needed = max(largest + 1, tokenizer[1] if tokenizer is not None else 0)
+    why = [f"{shard.name} holds id {largest}"] if largest > max_id else []
+    if tokenizer is not None and needed > largest + 1:
+        why.append(f"{tokenizer[0].name} has {tokenizer[1]:,} tokens")
+    advice = f"train with --set model.vocab_size={round_up(needed, 64)}"
+    advice += f" ({' and '.join(why)})" if why else ""
+    if vocab_size >= MIN_VOCAB:  # a vocabulary prepare can train
+        advice += f", or prepare the data again with --vocab-size {vocab_size}"
+    raise GpuflowError(
+        f"{source} holds token id {max_id} but model.vocab_size is {vocab_size}; {advice}"
+    )
+
+
+def _largest_id(source: Path, max_id: int) -> tuple[Path, int]:
+    """The shard of ``source``'s folder holding the largest id, and that id (``source``'s own,
+    ``max_id``, unless another train or val shard holds a larger one; a shard that cannot be
+    read is passed over: it is refused where it is read)."""
+    found = (source, max_id)
+    for path in sorted({*source.parent.glob(TRAIN_SHARDS), *source.parent.glob(VAL_SHARDS)}):
+        try:
+            largest = Shard.open(path).max_token()
+        except (GpuflowError, OSError, ValueError):
+            continue
+        if largest > found[1]:
+            found = (path, largest)
+    return found
 
 
 def tokenizer_vocab(path: Path) -> int:

@@ -5,7 +5,11 @@ blocks, exact GELU, a head tied to the token table. The folder holds ``config.js
 (``GPT2LMHeadModel``, ``activation_function="gelu"``), ``model.safetensors`` (every bias
 written as zeros, the fused q/k/v and the MLP's weights transposed into GPT-2's ``Conv1D``
 layout) and the run's tokenizer (``tokenizer.json`` with a ``tokenizer_config.json``).
-Writing it needs no ``transformers``; loading it does.
+Writing it needs no ``transformers``; loading it does. Its files are made as a checkpoint's
+are: created new, mode 0644 less the umask, fsynced.
+
+What a user of ``transformers`` meets that ``gpuflow sample`` hides is in docs/cli.md
+(``gpuflow export``): the context length, and ``<|endoftext|>`` at both ends of the text.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from gpuflow.common.atomic import fsync_dir, open_new
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.tokenizer import EOT, eot_id, load_tokenizer
 from gpuflow.interface.sample import open_trained
@@ -79,6 +85,24 @@ def gpt2_weights(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _write_new(path: Path, data: bytes) -> None:
+    """``data`` as the new file ``path``, as a checkpoint's files are made (``open_new``)."""
+    with open(open_new(path), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_weights(path: Path, tensors: dict[str, torch.Tensor], mode_of: Path) -> None:
+    """The safetensors file of ``tensors``, fsynced. safetensors makes its file 0600 (and
+    replaces whatever is there): it is given the mode of ``mode_of``, a file ``_write_new``
+    made, so that every file of the export reads the same."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, stat.S_IMODE(mode_of.stat().st_mode))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _check_out(out: Path) -> None:
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise GpuflowError(f"{out} is not a folder; pass --out a new or empty folder")
@@ -102,20 +126,25 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)  # our own, from a killed export of this pid
     tmp.mkdir(parents=True)
     try:
-        (tmp / "config.json").write_text(json.dumps(gpt2_config(config.model, eot), indent=2))
-        save_file(gpt2_weights(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        model_config = json.dumps(gpt2_config(config.model, eot), indent=2)
+        _write_new(tmp / "config.json", model_config.encode())
+        _write_weights(tmp / "model.safetensors", gpt2_weights(model), tmp / "config.json")
+        _write_new(tmp / "tokenizer.json", tokenizer_path.read_bytes())
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": EOT,
             "eos_token": EOT,
             "unk_token": EOT,
             "model_max_length": config.model.max_len,
+            # decode as gpuflow's tokenizer does: no spaces taken out before punctuation
+            "clean_up_tokenization_spaces": False,
         }
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        _write_new(tmp / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2).encode())
+        fsync_dir(tmp)
         if out.is_dir():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

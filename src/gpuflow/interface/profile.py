@@ -4,16 +4,20 @@ Writes ``trace.json`` (the profiler's trace of the timed steps), ``timeline.png`
 activity per stream and bytes per step) and ``profile.json`` (the ledger's totals and
 per-step figures, the profiler cross-check, the transfer metrics). The output folder must be
 new, empty, or an earlier profile's. What it runs, and what it shows on the CPU:
-docs/architecture/benches.md (gpuflow profile).
+docs/architecture/benches.md (gpuflow profile). The notices torch's profiler prints at each
+start and stop are kept out of the user's terminal (``profiler_notices_dropped``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,10 +37,35 @@ from gpuflow.train.runfolder import PROFILE_FILE
 from gpuflow.train.trainer import Trainer
 
 OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
+# What torch's profiler (kineto) writes to stderr itself at each start and stop, whatever
+# its log level: "USDT:2026-11-28 05:53:47 18906:18906 SyncActivityProfilerHandler.cpp:52]
+# profiler_start" (and STAGE: lines alike).
+PROFILER_NOTICE = re.compile(rb"(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
 HOST_ONLY_NOTE = (
     "on the cpu there is no device to trace: the step time is the host's, and the timeline, "
     "link utilisation and overlap need an accelerator; the ledger's counts hold as on one"
 )
+
+
+@contextmanager
+def profiler_notices_dropped() -> Iterator[None]:
+    """This process's stderr held while the profiler runs, then passed on less the
+    profiler's own notices. Held at the file descriptor: the profiler writes from C++."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not PROFILER_NOTICE.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 def check_output_folder(out_dir: Path) -> None:
@@ -87,12 +116,12 @@ def profile_training(
         train(0, warmup)
         # Counting every operation slows the host, so the ledger and the timing get a pass
         # each: first the ledger inside the profiler (the cross-check), then the profiler alone.
-        with tempfile.TemporaryDirectory() as scratch:
+        with profiler_notices_dropped(), tempfile.TemporaryDirectory() as scratch:
             counted = ProfiledLedger(Path(scratch) / "trace.json", device)
             with counted:
                 train(warmup, steps, lambda step: counted.step())
         timed = DeviceTrace(out_dir / "trace.json", device)
-        with timed:
+        with profiler_notices_dropped(), timed:
             host_started = time.perf_counter()
             train(warmup + steps, steps)
             host_seconds = time.perf_counter() - host_started

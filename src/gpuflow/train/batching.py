@@ -73,11 +73,13 @@ def step_rows(config: RunConfig, world_size: int) -> int:
     rows, rest = divmod(tc.batch_tokens, seq_len * world_size)
     if rest or not rows:
         per_rank = seq_len * world_size
-        near = max(1, round(tc.batch_tokens / per_rank)) * per_rank
+        # The example is whole micro-batches on each rank too, which ``plan_batching`` needs.
+        unit = per_rank * (tc.batch_size or 1)
+        near = max(1, round(tc.batch_tokens / unit)) * unit
         raise GpuflowError(
             f"train.batch_tokens ({tc.batch_tokens:,}) does not share out into whole sequences "
             f"of {seq_len} over {world_size} rank(s); use a multiple of {per_rank:,}, such as "
-            f"{near:,}"
+            f"{near}"
         )
     return rows
 

@@ -104,21 +104,24 @@ _SAFETENSORS_DTYPES = {
 class RunState:
     """What a training run's checkpoint holds beyond weights and optimizer (state.json): the
     random states, the data position (every data path draws step s's batch from (seed, s),
-    plus a streamed corpus's place in its chunk order), the tokens trained so far and the
-    latest validation loss. The record's layout lives here alone."""
+    plus a streamed corpus's place in its chunk order), the tokens trained so far, the
+    latest validation loss, and the logging interval the checkpoint came inside, if it did
+    (``IntervalPart.as_record``). The record's layout lives here alone."""
 
     data: dict[str, Any]
     tokens_seen: int
     val_loss: float | None
     rng_torch: torch.Tensor
     rng_device: torch.Tensor | None
+    interval: dict[str, Any] | None = None
 
     @classmethod
     def now(
-        cls, device: Device, data: dict[str, Any], tokens_seen: int, val_loss: float | None
-    ) -> RunState:
+        cls, device: Device, data: dict[str, Any], tokens_seen: int, val_loss: float | None,
+        interval: dict[str, Any] | None = None,
+    ) -> RunState:  # fmt: skip
         """The run's state after its latest step, random states read now."""
-        return cls(data, tokens_seen, val_loss, torch.get_rng_state(), device.rng_state())
+        return cls(data, tokens_seen, val_loss, torch.get_rng_state(), device.rng_state(), interval)
 
     def as_record(self) -> dict[str, Any]:
         rng_device = encode_tensor(self.rng_device) if self.rng_device is not None else None
@@ -127,6 +130,7 @@ class RunState:
             "data": dict(self.data),
             "tokens_seen": self.tokens_seen,
             "val_loss": self.val_loss,
+            **({"interval": self.interval} if self.interval is not None else {}),
         }
 
     @classmethod
@@ -139,6 +143,7 @@ class RunState:
             val_loss=record.get("val_loss"),
             rng_torch=decode_byte_tensor(rng["torch"]),
             rng_device=decode_byte_tensor(rng["device"]) if rng.get("device") else None,
+            interval=record.get("interval"),
         )
 
     def restore_rng(self, device: Device) -> None:

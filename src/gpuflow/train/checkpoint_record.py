@@ -138,6 +138,7 @@ def _check_fields(record: dict[str, Any], file: Path, version: int) -> None:
         "data": (lambda v: isinstance(v, dict), "a data position (an object)", False),
         "tokens_seen": (lambda v: _is_int(v) and v >= 0, "a count of tokens", False),
         "val_loss": (lambda v: v is None or _is_number(v), "a number or null", False),
+        "interval": (_interval, "the steps and means of a logging interval's part", False),
     }
     for key, (good, what, required) in checks.items():
         if key not in record and not required:
@@ -182,6 +183,19 @@ def _digests(files: Any) -> bool:
         )
 
     return isinstance(files, dict) and all(good(files.get(n)) for n in (MODEL_FILE, OPTIMIZER_FILE))
+
+
+def _interval(part: Any) -> bool:
+    """The part of a logging interval a checkpoint came inside (``IntervalPart``): the step it
+    reaches, how many steps it covers (at least one, none before step 0) and a mean per name."""
+    return (
+        isinstance(part, dict)
+        and _is_int(part.get("through"))
+        and _is_int(part.get("steps"))
+        and 0 < part["steps"] <= part["through"]
+        and isinstance(part.get("means"), dict)
+        and all(isinstance(k, str) and _is_number(v) for k, v in part["means"].items())
+    )
 
 
 def _param_groups(groups: Any) -> bool:

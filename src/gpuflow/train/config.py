@@ -89,11 +89,6 @@ class TrainConfig:
                 "grad_clip", "seed",
             ),
         )  # fmt: skip
-        if self.batch_size == 0 and self.batch_tokens == 0:
-            raise GpuflowError(
-                "train.batch_size=0 (the largest micro-batch that fits) needs train.batch_tokens, "
-                "the tokens of a step, e.g. --set train.batch_tokens=524288; or give a batch_size"
-            )
         if self.data_path not in tuple(DataPath):
             raise GpuflowError(
                 f"train.data_path must be one of {', '.join(DataPath)}, got {self.data_path!r}"
@@ -171,11 +166,23 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        tokens, seq_len = self.train.batch_tokens, self.model.max_len
-        if tokens % seq_len:
+        # (checked here, where model.max_len is known, so that the values named fit the model)
+        tc, seq_len = self.train, self.model.max_len
+        if tc.batch_size == 0 and tc.batch_tokens == 0:
             raise GpuflowError(
-                f"train.batch_tokens ({tokens}) must be a multiple of model.max_len ({seq_len}): "
-                f"whole sequences, e.g. {max(1, tokens // seq_len) * seq_len}"
+                "train.batch_size=0 (the largest micro-batch that fits) needs train.batch_tokens, "
+                f"the tokens of a step, e.g. --set train.batch_tokens={16 * seq_len} (16 "
+                f"sequences of model.max_len {seq_len}; GPT-2's recipe is 524288); or give a "
+                "batch_size"
+            )
+        if tc.batch_tokens % seq_len:
+            # The example is whole micro-batches too, which a step must also be (on one
+            # process; ``step_rows`` says what several ranks need).
+            unit = seq_len * (tc.batch_size or 1)
+            raise GpuflowError(
+                f"train.batch_tokens ({tc.batch_tokens}) must be a multiple of model.max_len "
+                f"({seq_len}): whole sequences, e.g. "
+                f"{max(1, round(tc.batch_tokens / unit)) * unit}"
             )
 
 

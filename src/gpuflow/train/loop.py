@@ -3,6 +3,11 @@
 The step (``gpuflow.train.step``) does the work; ``Cadence`` says when the rest happens,
 ``BusMeter`` and ``Throughput`` (``gpuflow.train.meter``) measure, and a logging step's
 record waits until its scalars have landed on the host, a few steps later.
+
+Records fall on logging steps and the last step alone. A checkpoint inside an interval
+keeps the means so far (``IntervalPart``) in its record instead of writing one: the record
+closing the interval averages them in, so that a run resumed from that checkpoint writes
+the records an uninterrupted run writes.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.display import TrainDisplay
 from gpuflow.train.distributed import agree, largest
-from gpuflow.train.meter import BusMeter, Throughput
+from gpuflow.train.meter import BusMeter, IntervalPart, Throughput
 from gpuflow.train.runfolder import MetricsLog
-from gpuflow.train.schedule import lr_at
+from gpuflow.train.schedule import lr_at, warmup_notice
 from gpuflow.train.step import TrainStep
 from gpuflow.train.trackers import Tracker, open_trackers
 
@@ -53,7 +58,11 @@ class LoopHost(Protocol):
     def gather_state(self) -> None: ...
 
     def save(
-        self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
+        self,
+        checkpointer: ckpt.Checkpointer,
+        step: int,
+        names: tuple[str, ...] | None = None,
+        interval: IntervalPart | None = None,
     ) -> None: ...
 
     def mfu(self, tokens_per_s: float | None) -> float | None: ...
@@ -87,6 +96,10 @@ class Cadence:
 
     def logs(self, done: int) -> bool:
         return done % self.config.log_interval == 0
+
+    def records(self, done: int) -> bool:
+        """Whether a train record closes at ``done``: on logging steps and at the end."""
+        return self.logs(done) or done == self.config.steps
 
     def evaluates(self, done: int) -> bool:
         return done % self.config.eval_interval == 0 or done == self.config.steps
@@ -158,6 +171,10 @@ class TrainLoop:
         self.bus = BusMeter(trainer.device, self.config.log_interval, first_sampled)
         # Per logging step, its lr and timing, held until its scalars land on the host.
         self.pending: dict[int, dict[str, Any]] = {}
+        # The interval a checkpoint came inside, so far (a resumed run's from its checkpoint),
+        # and the step the scalars were last flushed at.
+        self.part: IntervalPart | None = trainer.setup.interval
+        self.flushed = trainer.setup.start_step
         self.trackers: list[Tracker] = []  # TensorBoard, W&B: opened by run (rank 0)
 
     def run(self, latest: Path | None) -> int:
@@ -185,6 +202,8 @@ class TrainLoop:
             self.display.note(setup.batching.describe())
             if setup.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
                 self.display.note(setup.io.describe())
+            if notice := warmup_notice(tc):
+                self.display.note(notice)
             if latest is not None:
                 self.display.note(f"resumed {trainer.run_dir} at step {step} from {latest.name}")
             elif main:  # the untrained baseline, so the curve shows what was learnt
@@ -199,7 +218,7 @@ class TrainLoop:
                 if ranks.distributed:  # every rank stops after the same step
                     stopping = when.logs(step) and agree(stopping, ranks)
                 checkpoint_now = when.checkpoints(step, stopping)
-                if when.logs(step) or checkpoint_now:  # metrics are whole up to a checkpoint
+                if when.records(step):
                     self.close_interval(step)
                 if ranks.distributed and (checkpoint_now or when.evaluates(step)):
                     trainer.gather_state()  # any checkpoint below holds every rank's part
@@ -207,13 +226,14 @@ class TrainLoop:
                 with self.throughput.paused(evaluate_now or checkpoint_now):
                     names = []
                     if checkpoint_now:
-                        self.publish(self.train_step.scalars.drain(step))  # diverged: stops
+                        self.settle(step)  # diverged: stops
                         names.append(ckpt.step_name(step))
                     if evaluate_now and (val := self.evaluate(step)) < self.best_val:
                         self.best_val = val
                         names.append(ckpt.BEST)
                     if names and main:
-                        trainer.save(self.checkpointer, step, tuple(names))
+                        part = self.part if checkpoint_now else None  # (best alone: no resume)
+                        trainer.save(self.checkpointer, step, tuple(names), part)
                 if stopping:
                     break
         return step
@@ -246,6 +266,7 @@ class TrainLoop:
         interval = self.throughput.close_interval()
         with self.bus.readback():
             results = self.train_step.readback(step)
+        self.flushed = step
         # Under torchrun every rank counts its own sampled step; the record keeps the largest
         # figure of each (a sync on any rank shows), exchanged at this step on every rank.
         bus = largest(self.bus.take(), self.trainer.ranks)
@@ -259,9 +280,24 @@ class TrainLoop:
         self.publish(results)
         self.display.step(step)
 
+    def settle(self, step: int) -> None:
+        """Before a checkpoint: every record due written, and the interval ``step`` falls
+        inside (where it closes none) kept in ``part``, the checkpoint's to carry."""
+        for tag, means in self.train_step.scalars.drain(step):
+            if tag in self.pending:
+                self.publish([(tag, means)])
+                continue
+            self.part = (self.part or IntervalPart(self.flushed)).then(tag, means)
+            self.flushed = tag
+            if not math.isfinite(self.part.means["loss"]):
+                self.diverged(tag, self.part.means["loss"])
+
     def publish(self, results: list[tuple[int, dict[str, float]]]) -> None:
-        """Write the records whose scalars have landed."""
+        """Write the records whose scalars have landed (the first of an interval a checkpoint
+        came inside with the means of its part before)."""
         for tag, means in results:
+            if self.part is not None and self.part.through < tag:
+                means, self.part = dict(self.part.then(tag, means).means), None
             fields = self.pending.pop(tag)
             rate = self.throughput.rate(fields.pop("interval"))  # its scalars landed
             mfu = self.trainer.mfu(rate)

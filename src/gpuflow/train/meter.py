@@ -10,14 +10,17 @@ them.
 ``BusMeter`` runs the last step of each interval under a ``TransferLedger`` (untimed: the
 ledger slows the host) and the interval's readback too, spread over the interval's steps:
 its host->device and device->host bytes, host syncs and cudaMalloc calls per step.
+
+``IntervalPart`` is what a checkpoint inside an interval keeps of it: the means of its steps
+so far, averaged into the record that closes the interval, in this run or a resumed one.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuflow.accounting.ledger import TransferLedger
@@ -128,3 +131,38 @@ class BusMeter:
         """The interval's fields (empty when no step of it was sampled), then a fresh start."""
         fields, self.fields = self.fields, {}
         return fields
+
+
+@dataclass(frozen=True)
+class IntervalPart:
+    """The first steps of a logging interval that a checkpoint came inside: their means (the
+    train step's scalars) up to step ``through``. The checkpoint records it (state.json's
+    ``interval``), and the record closing the interval averages it in, so that a run resumed
+    from that checkpoint logs the records, and the means, an uninterrupted run logs."""
+
+    through: int  # the last step it covers
+    steps: int = 0  # how many steps it covers, up to ``through``
+    means: Mapping[str, float] = field(default_factory=dict)
+
+    def then(self, through: int, means: Mapping[str, float]) -> IntervalPart:
+        """This part and the steps after it up to ``through``, whose means are ``means``:
+        each name's mean over both, weighted by their steps (a name one side lacks had no
+        value there)."""
+        later = through - self.through
+        steps = self.steps + later
+        merged = {}
+        for name in dict.fromkeys([*self.means, *means]):
+            if name not in self.means or name not in means:
+                merged[name] = self.means.get(name, means.get(name, 0.0))
+                continue
+            merged[name] = (self.means[name] * self.steps + means[name] * later) / steps
+        return IntervalPart(through, steps, merged)
+
+    def as_record(self) -> dict[str, Any]:
+        return {"through": self.through, "steps": self.steps, "means": dict(self.means)}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> IntervalPart:
+        """The part a checkpoint recorded (its type checked where the record was read)."""
+        means = {name: float(value) for name, value in record["means"].items()}
+        return cls(int(record["through"]), int(record["steps"]), means)

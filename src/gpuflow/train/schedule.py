@@ -48,3 +48,25 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def lr_tensor(step: torch.Tensor, config: TrainConfig) -> torch.Tensor:
     """``lr_at`` of a 0-d integer step tensor, computed on its device (no sync)."""
     return _rate(step.float(), config, torch.cos, lambda p: p.clamp(0.0, 1.0), torch.where)
+
+
+def warmup_notice(config: TrainConfig) -> str | None:
+    """What to tell a run whose schedule ends inside its warm-up, where the learning rate
+    never follows its cosine (a short trial, ``--steps 30`` on ``tiny``, is one); None
+    otherwise."""
+    if config.schedule_steps > config.warmup_steps:
+        return None
+    if config.steps <= config.warmup_steps:
+        return (
+            f"note: the run's {config.steps} steps are all warm-up (train.warmup_steps is "
+            f"{config.warmup_steps}): it trains entirely in warm-up, its learning rate rising "
+            f"to {lr_at(config.steps - 1, config):.2e} of train.lr {config.lr:g} and never "
+            "decaying; train more --steps, or lower train.warmup_steps (e.g. --set "
+            f"train.warmup_steps={config.steps // 10})"
+        )
+    return (
+        f"note: train.decay_steps ({config.decay_steps}) ends inside the warm-up of "
+        f"{config.warmup_steps} steps: the learning rate rises for {config.warmup_steps} "
+        f"steps, then drops at once to its final {lr_at(config.steps, config):.2e}; set "
+        "train.decay_steps above train.warmup_steps"
+    )

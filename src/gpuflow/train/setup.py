@@ -29,6 +29,7 @@ from gpuflow.train.batching import Batching, device_fit, plan_batching, step_row
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import DataPath, resolve_data_path
 from gpuflow.train.distributed import Averager, GradientAverager, Ranks, each_host_first, least
+from gpuflow.train.meter import IntervalPart
 from gpuflow.train.optim import StepOptimizer
 from gpuflow.train.optim.adamw import build_optimizer
 from gpuflow.train.optim.master_adamw import MasterAdamW
@@ -64,6 +65,8 @@ class RunSetup:
     tokens_seen: int  # by the restored checkpoint: its steps may have run on other ranks
     best_val: float  # the best checkpoint's validation loss (inf: none yet)
     checkpoint: Path | None  # the checkpoint restored, if any
+    # The logging interval the restored checkpoint came inside, for the record closing it
+    interval: IntervalPart | None = None
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -72,7 +75,7 @@ def open_training_data(config: RunConfig) -> TokenFolder:
     if not config.data.dir and not folder.exists():
         err_console.print(f"preparing the built-in corpus into {folder} (once)")
         prepare(PrepareConfig(out=str(folder), vocab_size=config.model.vocab_size))
-    return TokenFolder.open(folder)
+    return TokenFolder.open(folder, config.model.vocab_size)
 
 
 def _silent(message: str) -> None:
@@ -126,7 +129,7 @@ def build_setup(
     if start_step >= cfg.train.steps:
         raise GpuflowError(
             f"{run_dir} already finished {start_step} of {cfg.train.steps} steps; "
-            f"pass --steps N with N > {start_step} to train further"
+            f"{_more_steps(cfg, start_step)}"
         )
     # Chosen once, for the data path: the step never swaps it. The captured step on several
     # ranks splits the update over them (train/sharded.py).
@@ -142,12 +145,14 @@ def build_setup(
     # Measured with the weights and the optimizer's state in place (before the RNG of a
     # resumed run is restored: the measuring draws from it).
     batching = _batching(cfg, model, device, ranks, path, data, budget)
-    tokens_seen, best_val, resumed = 0, math.inf, None
+    tokens_seen, best_val, resumed, interval = 0, math.inf, None, None
     if checkpoint is not None:
         state = ckpt.RunState.from_record(checkpoint.record, start_step * batching.tokens_per_step)
         state.restore_rng(device)
         best_val = ckpt.best_val_loss(run_dir, say)
         resumed, tokens_seen = state.data, state.tokens_seen
+        if state.interval is not None and state.interval["through"] == start_step:
+            interval = IntervalPart.from_record(state.interval)
     val_batches = _validation_set(cfg, data, device, ranks, batching.micro_batch)
     plan = BatchPlan(
         data, batching.rows, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size, budget,
@@ -157,8 +162,22 @@ def build_setup(
     return RunSetup(
         path, path_note, data, val_batches, plan, batching, io, model, forward, optimizer,
         averager, start_step, tokens_seen, best_val,
-        checkpoint.path if checkpoint is not None else None,
+        checkpoint.path if checkpoint is not None else None, interval,
     )  # fmt: skip
+
+
+def _more_steps(cfg: RunConfig, done: int) -> str:
+    """How to train a finished run further. Where its schedule follows train.steps, more
+    steps alone would move the learning rate at the resumed step, which ``resumed_config``
+    refuses: the advice names the decay setting too, so that it works the first time."""
+    more = f"train further with --steps N (N > {done})"
+    if cfg.train.decay_steps:
+        return more
+    return (
+        f"{more} and --set train.decay_steps={cfg.train.schedule_steps} to keep its learning-"
+        "rate schedule (the new steps train at its final rate), or --set train.decay_steps=N "
+        "to stretch it over all N"
+    )
 
 
 def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:

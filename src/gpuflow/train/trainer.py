@@ -28,6 +28,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
 from gpuflow.train.distributed import Ranks, each_rank
 from gpuflow.train.loop import TrainLoop
+from gpuflow.train.meter import IntervalPart
 from gpuflow.train.paths import build_step, open_batches
 from gpuflow.train.runfolder import RunFolder, truncate_metrics
 from gpuflow.train.setup import RunSetup, build_setup
@@ -154,10 +155,12 @@ class Trainer:
         return self.last_val
 
     def save(
-        self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None
-    ) -> None:
+        self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None,
+        interval: IntervalPart | None = None,
+    ) -> None:  # fmt: skip
         """Checkpoint the state after ``step`` (its files are written while training goes on,
-        unless ``checkpointer`` writes in the foreground)."""
+        unless ``checkpointer`` writes in the foreground); ``interval``: the logging interval
+        ``step`` falls inside, so far."""
         tc, setup = self.config.train, self.setup
         data = {"path": str(setup.path), "seed": tc.seed, "next_step": step}
         state = ckpt.RunState.now(
@@ -165,6 +168,7 @@ class Trainer:
             {**data, **self._batches.position(step)},
             setup.tokens_seen + (step - setup.start_step) * self.tokens_per_step,
             self.last_val,
+            interval.as_record() if interval is not None else None,
         )
         checkpointer.save(step, setup.model, setup.optimizer, state.as_record(), names)
 

@@ -446,12 +446,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from gpuflow.train.datapath import DataPath  # light: no torch
 
     p = sub.add_parser(
-        "bench", help="measure a path beside its baseline; JSON to runs/bench (or --out)"
+        "bench",
+        help="measure a path beside its baseline; JSON to runs/bench (or --out)",
+        description="Measure one of gpuflow's paths beside the baseline it replaces. Each "
+        "bench writes its results as JSON (some a plot beside) into runs/bench/ or --out, "
+        "named by date, bench, preset and device, never over earlier results. "
+        "gpuflow bench BENCH --help describes each.",
     )
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, bench in BENCHES.items():
+        what = bench.help.format(paths=", ".join(DataPath.runnable()))
         parser = benches.add_parser(
-            name, help=bench.help.format(paths=", ".join(DataPath.runnable()))
+            name, help=what, description=f"{what}; results to runs/bench/ (or --out) as JSON"
         )
         if bench.overrides:
             parser.add_argument(

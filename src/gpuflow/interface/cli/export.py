@@ -13,11 +13,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a run's checkpoint as a transformers GPT-2 folder",
         description="Write a run's checkpoint as a folder that transformers loads as a GPT-2 "
         "causal LM (AutoModelForCausalLM.from_pretrained(DIR)): config.json, "
-        "model.safetensors (GPT-2's biases, which gpuflow's model lacks, as zeros) and the "
-        "run's tokenizer.",
+        "model.safetensors (GPT-2's biases, which gpuflow's model lacks, as zeros), "
+        "tokenizer.json and tokenizer_config.json. Its context length is the run's "
+        "model.max_len: generate() fails past it, where gpuflow sample slides its window. "
+        "transformers' decode keeps <|endoftext|> unless skip_special_tokens=True; gpuflow "
+        "sample begins the prompt with it and drops it from the text (docs/cli.md).",
     )
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
-    p.add_argument("--format", default="hf", choices=("hf",), help="hf: transformers (default)")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=("hf",),
+        help="hf (the only one, and the default): a transformers GPT-2 folder",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder")
     add_checkpoint_argument(p)
     p.set_defaults(func=run)

@@ -9,7 +9,15 @@ from typing import Any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="accelerators, software versions, allocator, link speeds")
+    p = sub.add_parser(
+        "info",
+        help="accelerators, software versions, allocator, link speeds",
+        description="Show what this machine gives gpuflow: each accelerator (cuda, xpu, mps, "
+        "cpu) with its name and memory; the torch, CUDA and cuDNN versions; the allocator's "
+        "settings; what data.io=auto takes here and why; and a measured probe of the link, "
+        "host->device and device->host from pinned and pageable memory and device->device, "
+        "in GB/s. With a CUDA device, which GPUs reach each other's memory, and how fast.",
+    )
     p.add_argument("--json", action="store_true", help="print the same facts as JSON")
     p.add_argument("--device", default="auto", help="device to probe (default: auto)")
     p.set_defaults(func=run)

@@ -8,7 +8,16 @@ from gpuflow.interface.cli.common import add_corpus_arguments, unescape
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize a corpus into train/val token shards")
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus into train/val token shards",
+        description="Tokenize a corpus into a token folder that gpuflow train reads: train "
+        "and val shards of token ids, the tokenizer.json they were made with, and meta.json. "
+        "A byte-level BPE is trained on an even sample of the corpus (--vocab-size), unless "
+        "--tokenizer gives one. Memory stays bounded whatever the corpus's size, every core "
+        "encodes, and a prepare that was stopped continues where it was when started again. "
+        "It ends with the gpuflow train command that fits the vocabulary.",
+    )
     add_corpus_arguments(p, data_help=(
         ".txt/.md/.jsonl/.parquet files (maybe .gz/.bz2/.xz/.zst), folders, globs, datasets "
         "saved with save_to_disk, or - for standard input (default: the built-in corpus of "

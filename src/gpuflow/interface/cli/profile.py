@@ -13,6 +13,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile",
         help="training steps under the profiler and the transfer ledger: trace, timeline, metrics",
+        description="Run a preset's training steps on its data path, after --warmup untimed "
+        "ones, under torch's profiler and gpuflow's transfer ledger. Writes trace.json (open "
+        "it in Perfetto), timeline.png and profile.json into --out, and prints the bytes each "
+        "way, host syncs and cudaMalloc calls per step, the transfer metrics, the "
+        "ledger-vs-profiler cross-check and where the step's device time goes. On a CPU the "
+        "step is timed by the host clock and there is no timeline.",
     )
     p.add_argument("--preset", help=f"{', '.join(PRESET_VOCAB_SIZES)} (default tiny)")
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")

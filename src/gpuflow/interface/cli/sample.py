@@ -8,7 +8,14 @@ from gpuflow.interface.cli.common import DEVICE_HELP, add_checkpoint_argument
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sample", help="generate text from a run's best checkpoint")
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a run's best checkpoint",
+        description="Generate text from a run's checkpoint (by default its best: the lowest "
+        "validation loss), continuing --prompt, or starting a document without one. Tokens "
+        "are drawn on the device; the model sees the last model.max_len of them, so the text "
+        "may run past its context. It stops at the first <|endoftext|>, which it leaves out.",
+    )
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
     add_checkpoint_argument(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a document)")

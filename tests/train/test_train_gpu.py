@@ -352,16 +352,19 @@ def test_the_master_adamw_kernel_split_in_three_updates_what_it_updates_whole(ac
         opts.append(opt)
     whole, parts = opts[0], opts[1:]
     n = whole.master.numel()
-    for name in ("master", "exp_avg", "exp_avg_sq", "weights"):
-        joined = torch.cat([getattr(p, name)[slice(*p.shard_range)] for p in parts])[:n]
-        assert torch.equal(joined, getattr(whole, name)), name
+    for name in ("master", "exp_avg", "exp_avg_sq"):  # each part holds its own elements alone
+        held = [getattr(p, name) for p in parts]
+        assert [t.numel() for t in held] == [hi - lo for lo, hi in (p.shard_range for p in parts)]
+        assert torch.equal(torch.cat(held)[:n], getattr(whole, name)), name
+    joined = torch.cat([p.weights[slice(*p.shard_range)] for p in parts])[:n]
+    assert torch.equal(joined, whole.weights)
     params = [torch.nn.Parameter(x.to(accel.torch)) for x in start]
-    initial = MasterAdamW(torch.optim.AdamW(decay_groups(params, 0.1), lr=1e-2)).master
-    for part in parts:  # outside its part, nothing moved
+    initial = MasterAdamW(torch.optim.AdamW(decay_groups(params, 0.1), lr=1e-2)).weights
+    for part in parts:  # outside its part, no weight moved
         lo, hi = part.shard_range
         outside = torch.ones(n, dtype=torch.bool, device=accel.torch)
         outside[lo:hi] = False
-        assert torch.equal(part.master[:n][outside], initial[outside])
+        assert torch.equal(part.weights[:n][outside], initial[outside])
 
 
 # ---- checkpoints ------------------------------------------------------------------------------

@@ -328,7 +328,7 @@ def test_impossible_settings_are_refused(kwargs, message):
 
 def test_token_ids_beyond_the_model_vocab_are_refused(data_copy):
     folder = TokenFolder.open(data_copy)
-    with pytest.raises(GpuflowError, match=r"model.vocab_size is 100; set model.vocab_size"):
+    with pytest.raises(GpuflowError, match=r"model.vocab_size is 100; train with --set model.voc"):
         folder.check_vocab(100)
     folder.check_vocab(folder.max_token + 1)
 

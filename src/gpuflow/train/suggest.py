@@ -27,7 +27,7 @@ PRESET_VOCAB_SIZES = {
 
 
 # What the tiny preset costs where there is no GPU (README, "Two commands").
-TINY_ON_CPU = "tiny: 300 steps, about 70 seconds on 2 CPU cores at its 4,096-token vocabulary"
+TINY_ON_CPU = "tiny: 300 steps, about 80 seconds on 2 CPU cores at its 4,096-token vocabulary"
 
 
 def gpu_present() -> bool:

@@ -202,3 +202,33 @@ def one_error(err: str, *said: str) -> str:
     assert len(lines) == 1, err
     assert all(part in lines[0] for part in said), (said, lines[0])
     return lines[0]
+
+
+class RecordingBackend:
+    """A torch.compile backend that counts the graphs it compiles and each run of one."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.runs = 0
+
+    def __call__(self, gm, inputs: list) -> object:
+        self.compiled += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def two_checkpointed_steps(prepared: Path, root: Path) -> Path:
+    """``root``/runs/r: 2 steps of FAST on the cpu, a checkpoint at each, a best one;
+    returns ``root``/runs."""
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.config import resolve_config
+    from gpuflow.train.trainer import Trainer
+
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=2", "train.checkpoint_interval=1"]
+    config = resolve_config("tiny", None, [*sets, "train.eval_interval=1"])
+    Trainer(config, root / "runs" / "r", Device("cpu")).run()
+    return root / "runs"

@@ -28,7 +28,7 @@ from gpuflow.device.accelerator import Device, HostEvent
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
 from gpuflow.transfer.loader import DeviceLoader
-from tests.helpers import FAST, child_env, line_holding, plugin_args
+from tests.helpers import FAST, RecordingBackend, child_env, line_holding, plugin_args
 
 HERE = Path(__file__).name
 
@@ -421,25 +421,8 @@ def test_the_marker_fails_at_the_site_when_asked(pytester):
 # ---- accounting does not change what it measures ----------------------------------------
 
 
-class _RecordingBackend:
-    """A torch.compile backend that counts the graphs it compiles and each run of one."""
-
-    def __init__(self) -> None:
-        self.compiled = 0
-        self.runs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> object:
-        self.compiled += 1
-
-        def run(*args):
-            self.runs += 1
-            return gm.forward(*args)
-
-        return run
-
-
 def test_a_compiled_function_stays_compiled_inside_a_ledger_and_after_it():
-    backend = _RecordingBackend()
+    backend = RecordingBackend()
 
     @torch.compile(backend=backend)
     def step(x):

@@ -15,7 +15,7 @@ from gpuflow.accounting.budgets import BudgetExceeded, budget
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.device import accelerator
 from gpuflow.device.accelerator import Device
-from tests.helpers import line_holding
+from tests.helpers import RecordingBackend, line_holding
 
 HERE = Path(__file__).name
 
@@ -24,29 +24,12 @@ def _line(marker: str) -> int:
     return line_holding(__file__, marker)
 
 
-class _RecordingBackend:
-    """A torch.compile backend that counts the graphs it compiles and each run of one."""
-
-    def __init__(self) -> None:
-        self.compiled = 0
-        self.runs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> object:
-        self.compiled += 1
-
-        def run(*args):
-            self.runs += 1
-            return gm.forward(*args)
-
-        return run
-
-
 # ---- reads at a compiled function's graph breaks -------------------------------------------
 
 
 @pytest.mark.parametrize("first_call", ["before", "inside"])
 def test_an_item_at_a_compiled_functions_graph_break_is_counted(first_call):
-    backend = _RecordingBackend()
+    backend = RecordingBackend()
 
     @torch.compile(backend=backend)
     def step(x):

@@ -1,6 +1,7 @@
 """The times the README and the docs state are the ones measured: each is read from the newest
-``benchmarks/results/*-newcomer-cpu.json`` (a fresh clone's `gpuflow train --preset tiny` and
-the CPU suite, timed on a 2-core machine), with its date, wherever it is written."""
+``benchmarks/results/*-newcomer-tiny-cpu.json`` (a fresh clone's `gpuflow train --preset
+tiny` and the CPU suite, timed on a 2-core machine), with its date, wherever it is
+written."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.helpers import ROOT
 
 
 def _measured() -> dict:
-    newest = sorted((ROOT / "benchmarks" / "results").glob("*-newcomer-cpu.json"))[-1]
+    newest = sorted((ROOT / "benchmarks" / "results").glob("*-newcomer-tiny-cpu.json"))[-1]
     return json.loads(newest.read_text())
 
 

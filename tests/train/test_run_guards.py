@@ -16,13 +16,10 @@ import pytest
 
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer import train_tokenizer
-from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint as ckpt
-from gpuflow.train.config import resolve_config
 from gpuflow.train.runfolder import RunFolder
-from gpuflow.train.trainer import Trainer
-from tests.helpers import FAST, entry_hashes, gpuflow_cli, one_error
+from tests.helpers import FAST, entry_hashes, gpuflow_cli, one_error, two_checkpointed_steps
 
 VICTIM = "the user's own file"
 
@@ -38,11 +35,7 @@ def _resume(data: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(prepared, tmp_path_factory) -> Path:
     """runs/r: 2 steps, a checkpoint at each, a best one."""
-    root = tmp_path_factory.mktemp("guarded")
-    sets = [*FAST, f"data.dir={prepared}", "train.steps=2", "train.checkpoint_interval=1"]
-    config = resolve_config("tiny", None, [*sets, "train.eval_interval=1"])
-    Trainer(config, root / "runs" / "r", Device("cpu")).run()
-    return root / "runs"
+    return two_checkpointed_steps(prepared, tmp_path_factory.mktemp("guarded"))
 
 
 @pytest.fixture

@@ -140,6 +140,7 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(prepared, workdir, monke
         and "model.max_len (now 32)" in err[-1]
     )
     assert "removed runs/big: the run failed before its first checkpoint" in err
+    assert err[-1].endswith("no checkpoint was written yet")  # not "checkpoints are intact"
     assert not (workdir / "runs" / "big").exists()
 
 

@@ -190,12 +190,17 @@ class Trainer:
             cfg = self.config
             setup = getattr(self, "setup", None)
             micro = setup.batching.micro_batch if setup is not None else cfg.train.batch_size
+            # (a run that failed before its first checkpoint was removed on the way here)
+            kept = (
+                "the run's checkpoints are intact"
+                if self.run_dir.is_dir() and ckpt.latest_checkpoint(self.run_dir) is not None
+                else "no checkpoint was written yet"
+            )
             raise GpuflowError(
                 f"out of device memory on {self.device} ({out_of_memory_figures(exc)}); lower "
                 f"train.batch_size (the micro-batch, now {micro}; train.batch_tokens keeps the "
                 f"step's size), model.max_len (now {cfg.model.max_len}) or the model's size, or "
-                "cap the resident corpus with data.device_budget_mb; the run's checkpoints are "
-                "intact"
+                f"cap the resident corpus with data.device_budget_mb; {kept}"
             ) from None
 
     def _run(self, resume: bool, show_bus: bool) -> TrainResult:

@@ -36,7 +36,7 @@ CROSSING_ALLOWED = {
     "bench/io.py": "times memmap + .to(), the idiom kvikio and the pinned reads compete with",
     "bench/checkpoint.py": "times the usual checkpoint save (every tensor .cpu()) as a baseline",
     "device/managed.py::torch.as_tensor(..., device=...)": "wraps managed memory: no copy",
-    "train/checkpoint.py::.numpy()": "encode_tensor's RNG states, which live on the host",
+    "train/run_state.py::.numpy()": "encode_tensor's RNG states, which live on the host",
     "train/distributed.py::.item()": "agree's and least's host tensors, all-reduced over gloo",
     "train/distributed.py::.tolist()": "largest's host tensor, all-reduced over gloo",
 }

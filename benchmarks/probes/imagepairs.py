@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from gpuflow.bench.loaders import SyntheticImages, image_step, small_cnn
+from gpuflow.bench.workloads import SyntheticImages, image_step, small_cnn
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 from gpuflow.transfer.packing import Planner, rebuild

@@ -11,29 +11,29 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncScalars": "gpuflow.transfer.scalars",
-    "LedgerSummary": "gpuflow.accounting.ledger",
+    "LedgerSummary": "gpuflow.accounting.ledger.records",
     "LoaderStats": "gpuflow.transfer.loader",
     "MirrorStats": "gpuflow.transfer.mirror",
     "PoolStats": "gpuflow.transfer.pinned",
-    "StepTotals": "gpuflow.accounting.ledger",
+    "StepTotals": "gpuflow.accounting.ledger.records",
     "BudgetExceeded": "gpuflow.accounting.budgets",
     "Device": "gpuflow.device.accelerator",
     "DeviceLoader": "gpuflow.transfer.loader",
     "GpuflowError": "gpuflow.common.errors",
     "HostMirror": "gpuflow.transfer.mirror",
     "PinnedPool": "gpuflow.transfer.pinned",
-    "Ragged": "gpuflow.transfer.packing",
+    "Ragged": "gpuflow.transfer.packing.spec",
     "ResidentDataset": "gpuflow.data.resident_dataset",
     "ResidentLoader": "gpuflow.data.resident_loader",
     "ResidentTokens": "gpuflow.data.resident",
     "StateSnapshot": "gpuflow.transfer.snapshot",
     "TransferLedger": "gpuflow.accounting.ledger",
     "budget": "gpuflow.accounting.budgets",
-    "pack": "gpuflow.transfer.packing",
+    "pack": "gpuflow.transfer.packing.plan",
     "peer_copy": "gpuflow.transfer.peer",
-    "plan_pack": "gpuflow.transfer.packing",
-    "PackPlan": "gpuflow.transfer.packing",
-    "unpack": "gpuflow.transfer.packing",
+    "plan_pack": "gpuflow.transfer.packing.plan",
+    "PackPlan": "gpuflow.transfer.packing.write",
+    "unpack": "gpuflow.transfer.packing.rebuilding",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -43,13 +43,13 @@ if TYPE_CHECKING:
     from gpuflow.accounting.budgets import BudgetExceeded as BudgetExceeded
     from gpuflow.accounting.budgets import budget as budget
     from gpuflow.accounting.ledger import (
+        TransferLedger as TransferLedger,
+    )
+    from gpuflow.accounting.ledger.records import (
         LedgerSummary as LedgerSummary,
     )
-    from gpuflow.accounting.ledger import (
+    from gpuflow.accounting.ledger.records import (
         StepTotals as StepTotals,
-    )
-    from gpuflow.accounting.ledger import (
-        TransferLedger as TransferLedger,
     )
     from gpuflow.common.errors import GpuflowError as GpuflowError
     from gpuflow.data.resident import ResidentTokens as ResidentTokens
@@ -60,11 +60,11 @@ if TYPE_CHECKING:
     from gpuflow.transfer.loader import LoaderStats as LoaderStats
     from gpuflow.transfer.mirror import HostMirror as HostMirror
     from gpuflow.transfer.mirror import MirrorStats as MirrorStats
-    from gpuflow.transfer.packing import PackPlan as PackPlan
-    from gpuflow.transfer.packing import Ragged as Ragged
-    from gpuflow.transfer.packing import pack as pack
-    from gpuflow.transfer.packing import plan_pack as plan_pack
-    from gpuflow.transfer.packing import unpack as unpack
+    from gpuflow.transfer.packing.plan import pack as pack
+    from gpuflow.transfer.packing.plan import plan_pack as plan_pack
+    from gpuflow.transfer.packing.rebuilding import unpack as unpack
+    from gpuflow.transfer.packing.spec import Ragged as Ragged
+    from gpuflow.transfer.packing.write import PackPlan as PackPlan
     from gpuflow.transfer.peer import peer_copy as peer_copy
     from gpuflow.transfer.pinned import PinnedPool as PinnedPool
     from gpuflow.transfer.pinned import PoolStats as PoolStats

@@ -18,10 +18,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import gpuflow
-from gpuflow.accounting import ledger as ledger_module
 from gpuflow.accounting.budgets import BudgetExceeded, budget
 from gpuflow.accounting.crosscheck import Interval, device_activity
 from gpuflow.accounting.ledger import TransferLedger
+from gpuflow.accounting.ledger import threads as ledger_threads
 from gpuflow.accounting.metrics import from_activity, intersection, merged
 from gpuflow.data.sources import StreamedBatches
 from gpuflow.device.accelerator import Device, HostEvent
@@ -544,7 +544,7 @@ def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line()
     def on_worker() -> None:
         # What the autograd engine does (the list is kept in one of the two).
         for obj in carried_objects:
-            ledger_module._stash(obj)
+            ledger_threads._stash(obj)
         for mode in taken_over:
             torch.overrides._push_mode(mode)
         try:
@@ -565,7 +565,7 @@ def test_waits_on_a_thread_that_works_for_a_backward_are_counted_at_their_line()
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         taken_over[:] = torch.overrides._get_current_function_mode_stack()
-        key = ledger_module._CARRIED
+        key = ledger_threads._CARRIED
         carried_objects[:] = [torch._C._get_obj_in_tls(key)] if torch._C._is_key_in_tls(key) else []
         in_worker_thread()
         taken_over.clear()
@@ -739,7 +739,7 @@ def test_ledgers_closed_out_of_order_inside_inference_mode_keep_counting():
 def test_a_ledger_opened_on_short_lived_threads_leaves_the_process_to_exit_cleanly(tmp_path):
     """torch frees what a thread left in its thread-local objects as the thread ends; at
     interpreter exit that aborted the process. The ledger leaves nothing there."""
-    keys = (ledger_module._CARRIED, ledger_module._PROBE)
+    keys = (ledger_threads._CARRIED, ledger_threads._PROBE)
     left = []
 
     def on_a_thread() -> None:
@@ -747,8 +747,8 @@ def test_a_ledger_opened_on_short_lived_threads_leaves_the_process_to_exit_clean
             torch.ones(2).to("meta")
         left.extend(key for key in keys if torch._C._is_key_in_tls(key))
 
-    if ledger_module._CAN_REMOVE:  # a torch that cannot take them out uses none off main
-        ledger_module._stash_steals = None  # probe again, on this thread
+    if ledger_threads._CAN_REMOVE:  # a torch that cannot take them out uses none off main
+        ledger_threads._stash_steals = None  # probe again, on this thread
         worker = threading.Thread(target=on_a_thread)
         worker.start()
         worker.join()

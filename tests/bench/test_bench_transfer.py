@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflow.bench.loaders import paired_rounds, token_batches
+from gpuflow.bench.loop_timing import paired_rounds
 from gpuflow.bench.transfer import TransferBench, TransferBenchConfig
+from gpuflow.bench.workloads import token_batches
 from gpuflow.device.accelerator import Device
 
 

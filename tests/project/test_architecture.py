@@ -213,7 +213,7 @@ def _plant(root: Path, relative: str, text: str) -> None:
     [
         ("model/gpt.py", "from gpuflow.train.config import TrainConfig\n"),
         ("data/shards.py", "import gpuflow.interface.cli\n"),
-        ("transfer/pinned.py", "from gpuflow import accounting\n"),
+        ("accounting/tally.py", "from gpuflow import transfer\n"),
     ],
 )
 def test_the_import_check_finds_a_planted_upward_import(tmp_path, relative, text):

@@ -350,7 +350,7 @@ def test_a_snapshot_of_mostly_host_tensors_stages_only_the_device_ones(accel):
 def test_a_dataloader_with_workers_is_pinned_on_the_reader_thread_and_arrives_intact(accel):
     if not accel.supports_pinned_memory:
         pytest.skip("no pinned memory on this backend")
-    from gpuflow.bench.loaders import SyntheticImages
+    from gpuflow.bench.workloads import SyntheticImages
 
     data = SyntheticImages(6 * 128, 64)  # uint8 3x64x64 images of 12 KiB
     source = torch.utils.data.DataLoader(data, batch_size=128, num_workers=2)  # 1.5 MiB each

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuflow.bench.loaders import timed_steps
+from gpuflow.bench.loop_timing import timed_steps
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.augment import Compose, HorizontalFlip, Normalize, RandomCrop
 from gpuflow.data.resident_dataset import ResidentDataset

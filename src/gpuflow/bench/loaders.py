@@ -1,4 +1,5 @@
-"""``DeviceLoader`` against the PyTorch idioms it replaces, in one process.
+"""``DeviceLoader`` against the PyTorch idioms it replaces, in one process: the loaders
+sections of ``gpuflow bench transfer``.
 
 - ``sweep``: batch sizes from pageable and pinned memory, through three idioms and two ways
   of using ``DeviceLoader``;
@@ -10,25 +11,34 @@
 
 Paths run in alternating rounds and the median round counts (for the training loops, the
 median ratio of rounds run side by side, and each loop's feeds also timed alone, with no
-model: what the loader adds to a step, apart from the rounds' spread). What each part
-compares, and
-why the rounds alternate: docs/architecture/benches.md (The loaders section).
+model: what the loader adds to a step, apart from the rounds' spread); how they are timed:
+``gpuflow.bench.loop_timing``; the loops' models and data: ``gpuflow.bench.workloads``. What
+each part compares, and why the rounds alternate: docs/architecture/benches.md (The loaders
+section).
 """
 
 from __future__ import annotations
 
 import itertools
 import statistics
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from gpuflow.bench.loop_timing import consume, feed_cost, feed_figures, paired_rounds, timed_reads
 from gpuflow.bench.results import gb_per_s
+from gpuflow.bench.workloads import (
+    VOCAB,
+    SmallLM,
+    SyntheticImages,
+    small_cnn,
+    token_batches,
+    train_images,
+    train_text,
+)
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 
@@ -44,7 +54,7 @@ class LoaderBenchConfig:
     rounds: int = 3
     image_batch_sizes: tuple[int, ...] = (256, 2048)  # 3x64x64 uint8: 3.1 MB and 25 MB
     image_side: int = 64
-    # Short runs moved a lot from round to round (worker start-up, the host's drift;
+    # Short runs move a lot from round to round (worker start-up, the host's drift;
     # docs/decisions/019): longer runs and more rounds, so that the median compares the
     # feeds, not the noise
     image_steps: int = 240
@@ -88,7 +98,7 @@ def _batches_per_round(cfg: LoaderBenchConfig, nbytes: int) -> int:
     return max(32, min(2000, cfg.bytes_per_round // nbytes))
 
 
-# ---- the sweep --------------------------------------------------------------------------------
+# ---- the sweep -----------------------------------------------------------------------------------
 
 
 def _paths(device: Device) -> dict[str, Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]]:
@@ -118,31 +128,6 @@ def _paths(device: Device) -> dict[str, Callable[[list[torch.Tensor]], Iterable[
         "dataloader": dataloader, "pin_to": pin_to, "to": to, "deviceloader": deviceloader,
         "deviceloader_fresh": deviceloader_fresh,
     }  # fmt: skip
-
-
-def _timed(
-    device: Device, loader: Iterable[Any], read: Callable[[Any], torch.Tensor] | None
-) -> float:
-    """Seconds from the first request to the last batch's work done on the device, each
-    batch's ``read`` (a device scalar; None: no work at all) summed into an accumulator; the
-    loader closed after."""
-    acc = torch.zeros((), device=device.torch)
-    device.synchronize()
-    started = time.perf_counter()
-    for batch in loader:
-        if read is not None:
-            acc += read(batch)
-    device.synchronize()
-    elapsed = time.perf_counter() - started
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
-    return elapsed
-
-
-def consume(device: Device, loader: Iterable[torch.Tensor], compute: bool = True) -> float:
-    """``_timed`` with a little work per batch (one read of it), or none."""
-    return _timed(device, loader, (lambda b: b.sum()) if compute else None)
 
 
 def sweep(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
@@ -213,7 +198,7 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
 
 
 def _read_all(device: Device, loader: Iterable[Any], dtype: torch.dtype | None) -> float:
-    """``_timed`` with each batch's tensors stacked and summed (in ``dtype``, if given), as a
+    """``timed_reads`` with each batch's tensors stacked and summed (in ``dtype``, if given), as a
     model reads all of them."""
 
     def read(batch: Any) -> torch.Tensor:
@@ -221,7 +206,7 @@ def _read_all(device: Device, loader: Iterable[Any], dtype: torch.dtype | None) 
         whole = torch.stack(leaves) if len(leaves) > 1 else leaves[0]
         return (whole if dtype is None else whole.to(dtype)).sum()
 
-    return _timed(device, loader, read)
+    return timed_reads(device, loader, read)
 
 
 def _case_idioms(device: Device) -> dict[str, Callable[[list[Any]], Iterable[Any]]]:
@@ -282,103 +267,7 @@ def cases(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-# ---- training loops ------------------------------------------------------------------------------
-
-
-def paired_rounds(
-    idiom: Callable[[], tuple[float, int]], ours: Callable[[], tuple[float, int]], rounds: int,
-    idiom_name: str, unit: str,
-) -> dict[str, Any]:  # fmt: skip
-    """Both loops ``rounds`` times in pairs, the pair's order alternating (idiom first, then
-    ours first: a drift of the host's speed over the run favours neither), after one untimed
-    round of each (the process's first round ran apart from the rest: docs/decisions/044);
-    each loop returns (seconds, items). Rates per round and their medians, and ``speedup``:
-    the median of the pairs' ratios, ours over the idiom's, which compares rounds run side by
-    side."""
-    rates: dict[str, list[float]] = {idiom_name: [], "deviceloader": []}
-    order = [(idiom_name, idiom), ("deviceloader", ours)]
-    for _, run in order:
-        run()
-    for pair in range(rounds):
-        for name, run in order if pair % 2 == 0 else order[::-1]:
-            seconds, count = run()
-            rates[name].append(count / seconds)
-    result: dict[str, Any] = {}
-    for name, per_round in rates.items():
-        result[f"{name}_{unit}_s"] = statistics.median(per_round)
-        result[f"{name}_{unit}_s_per_round"] = per_round
-    ratios = [a / b for a, b in zip(rates["deviceloader"], rates[idiom_name], strict=True)]
-    result["pair_ratios"] = ratios
-    result["speedup"] = statistics.median(ratios)
-    return result
-
-
-# ---- the image loop -----------------------------------------------------------------------------
-
-
-class SyntheticImages(torch.utils.data.Dataset):
-    """uint8 (3, side, side) images drawn from a fixed bank, with int64 labels: the
-    decode-free end of an image pipeline, so the loop measures the movement, not a codec."""
-
-    def __init__(self, length: int, side: int, bank: int = 512) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.images = torch.randint(0, 256, (bank, 3, side, side), dtype=torch.uint8,
-                                    generator=generator)  # fmt: skip
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"image": self.images[i % len(self.images)], "label": i % 10}
-
-
-def small_cnn() -> torch.nn.Module:
-    nn = torch.nn
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
-    )  # fmt: skip
-
-
-def timed_steps(
-    device: Device, batches: Iterable[Any], step: Callable[[Any], int], warmup: int
-) -> tuple[float, int]:
-    """(seconds from the end of ``warmup`` steps until the last step's work is done, the
-    items ``step`` counted in that time): each batch goes through ``step``."""
-    items, started = 0, 0.0
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            device.synchronize()
-            started = time.perf_counter()
-        counted = step(batch)
-        if i >= warmup:
-            items += counted
-    device.synchronize()
-    return time.perf_counter() - started, items
-
-
-def image_step(
-    device: Device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    batch: dict[str, torch.Tensor],
-) -> int:  # fmt: skip
-    """One training step of the image loop on ``batch``; the images in it."""
-    x = batch["image"].float().div_(255)  # (B, 3, H, W) uint8 crossed; widened here
-    with device.autocast():
-        loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return len(batch["label"])
-
-
-def train_images(
-    device: Device, batches: Iterable[dict[str, torch.Tensor]], model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer, warmup: int,
-) -> tuple[float, int]:  # fmt: skip
-    """(seconds after ``warmup`` steps until the last step is done, images in that time)."""
-    return timed_steps(device, batches, partial(image_step, device, model, optimizer), warmup)
+# ---- the image loop ------------------------------------------------------------------------------
 
 
 def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
@@ -417,43 +306,38 @@ def image_loop(device: Device, cfg: LoaderBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-# ---- the text loop ------------------------------------------------------------------------------
+def image_feed_cost(device: Device, batch_size: int, cfg: LoaderBenchConfig) -> dict[str, float]:
+    """``feed_cost`` of the image loop's feeds from the point where both take their batches
+    from DataLoader's pin-memory thread: a bank of pinned batches (uint8 images, int64
+    labels) through ``{k: v.to(non_blocking=True)}``, through ``DeviceLoader`` (which reads
+    such batches where they lie), and as they are (``source_alone``)."""
+    target = device.torch
+    pin = device.supports_pinned_memory
+    generator = torch.Generator().manual_seed(0)
+    side = cfg.image_side
 
-VOCAB = 50_257  # GPT-2's: ids cross as uint16 when narrowed
+    def made() -> dict[str, torch.Tensor]:
+        batch = {
+            "image": torch.randint(0, 256, (batch_size, 3, side, side), dtype=torch.uint8,
+                                   generator=generator),
+            "label": torch.arange(batch_size),
+        }  # fmt: skip
+        return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+
+    bank = [made() for _ in range(4)]
+    batches = [bank[i % len(bank)] for i in range(cfg.image_feed_batches)]
+    placed = {"image": torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=target)}
+    feeds: dict[str, Callable[[], Iterable[Any]]] = {
+        "dataloader": lambda: (
+            {k: v.to(target, non_blocking=True) for k, v in b.items()} for b in batches
+        ),
+        "deviceloader": lambda: DeviceLoader(batches, device, fresh_batches=True),
+        "source_alone": lambda: (placed for _ in batches),
+    }
+    return feed_cost(device, feeds, lambda b: b["image"][0, 0, 0, 0], cfg.image_feed_batches)
 
 
-class SmallLM(torch.nn.Module):
-    """A two-block causal transformer over token ids: a step whose host dispatch is a few
-    milliseconds, so that a feed's per-batch host time shows in tokens/s."""
-
-    def __init__(self, width: int, context: int) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.embed = nn.Embedding(VOCAB, width)
-        self.position = nn.Parameter(torch.zeros(context, width))
-        block = nn.TransformerEncoderLayer(
-            width, nhead=4, dim_feedforward=4 * width, dropout=0.0, batch_first=True,
-            norm_first=True,
-        )  # fmt: skip
-        self.blocks = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(width, VOCAB)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, VOCAB)
-        h = self.embed(ids) + self.position[: ids.shape[1]]  # (B, T, width)
-        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
-
-
-def token_batches(
-    tokens: np.ndarray, batch: int, context: int, steps: int, seed: int = 0
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, targets), each (batch, context) int64, at random offsets into the uint16
-    ``tokens``: how a hand-written loop cuts batches from a token file."""
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        starts = rng.integers(0, len(tokens) - context - 1, batch)
-        rows = np.stack([tokens[i : i + context + 1] for i in starts]).astype(np.int64)
-        yield torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+# ---- the text loop -------------------------------------------------------------------------------
 
 
 def pin_to_pairs(
@@ -468,25 +352,6 @@ def pin_to_pairs(
         (x.pin_memory().to(target, non_blocking=True), y.pin_memory().to(target, non_blocking=True))
         for x, y in pairs
     )
-
-
-def train_text(
-    device: Device, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], model: SmallLM,
-    optimizer: torch.optim.Optimizer, warmup: int,
-) -> tuple[float, int]:  # fmt: skip
-    """(seconds after ``warmup`` steps until the last step is done, tokens in that time)."""
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
-        inputs, targets = batch
-        with device.autocast():
-            logits = model(inputs)  # (B, T, VOCAB)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return targets.numel()
-
-    return timed_steps(device, batches, step, warmup)
 
 
 def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
@@ -519,47 +384,6 @@ def text_loop(device: Device, cfg: LoaderBenchConfig) -> dict[str, Any]:
     return row | feed_figures(text_feed_cost(device, tokens, cfg), "pin_to", step_s)
 
 
-def feed_figures(feed_us: dict[str, float], idiom: str, step_s: float) -> dict[str, Any]:
-    """A loop's row fields from its feeds timed alone: the feeds' host us per batch, the
-    idiom's step (ms), and DeviceLoader's host time beyond the idiom's as a share of it."""
-    step_ms = step_s * 1e3
-    extra_ms = (feed_us["deviceloader"] - feed_us[idiom]) / 1e3
-    return {"feed_us": feed_us, "step_ms": step_ms, "feed_extra_share": extra_ms / step_ms}
-
-
-def feed_cost(
-    device: Device, feeds: dict[str, Callable[[], Iterable[Any]]],
-    first: Callable[[Any], torch.Tensor], batches: int, rounds: int = 5,
-) -> dict[str, float]:  # fmt: skip
-    """Host microseconds per batch of each feed with no model: ``batches`` batches, each
-    read by one small device op on ``first(batch)``, in ``rounds`` rounds in alternating
-    order; medians. A loop bound by the host pays its feed's time on top of its step, so
-    the difference between two feeds is what one costs a step more than the other, without
-    the round-to-round spread of whole training runs."""
-    target = device.torch
-
-    def consume(feed: Iterable[Any]) -> float:
-        total = torch.zeros((), device=target)
-        device.synchronize()
-        started = time.perf_counter()
-        for batch in feed:
-            total += first(batch)
-        device.synchronize()
-        seconds = time.perf_counter() - started
-        if isinstance(feed, DeviceLoader):
-            feed.close()
-        return seconds / batches * 1e6
-
-    for make in feeds.values():  # untimed warm-up
-        consume(make())
-    runs: dict[str, list[float]] = {name: [] for name in feeds}
-    order = list(feeds.items())
-    for round_ in range(rounds):
-        for name, make in order if round_ % 2 == 0 else order[::-1]:
-            runs[name].append(consume(make()))
-    return {name: statistics.median(us) for name, us in runs.items()}
-
-
 def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -> dict[str, float]:
     """``feed_cost`` of the text loop's feeds: the source's batches through the idiom,
     through ``DeviceLoader``, and as they are (``source_alone``: the same cutting of
@@ -576,34 +400,3 @@ def text_feed_cost(device: Device, tokens: np.ndarray, cfg: LoaderBenchConfig) -
         "source_alone": lambda: (placed for _ in source()),
     }
     return feed_cost(device, feeds, lambda b: b[0][0, 0] + b[1][0, 0], cfg.text_feed_batches)
-
-
-def image_feed_cost(device: Device, batch_size: int, cfg: LoaderBenchConfig) -> dict[str, float]:
-    """``feed_cost`` of the image loop's feeds from the point where both take their batches
-    from DataLoader's pin-memory thread: a bank of pinned batches (uint8 images, int64
-    labels) through ``{k: v.to(non_blocking=True)}``, through ``DeviceLoader`` (which reads
-    such batches where they lie), and as they are (``source_alone``)."""
-    target = device.torch
-    pin = device.supports_pinned_memory
-    generator = torch.Generator().manual_seed(0)
-    side = cfg.image_side
-
-    def made() -> dict[str, torch.Tensor]:
-        batch = {
-            "image": torch.randint(0, 256, (batch_size, 3, side, side), dtype=torch.uint8,
-                                   generator=generator),
-            "label": torch.arange(batch_size),
-        }  # fmt: skip
-        return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
-
-    bank = [made() for _ in range(4)]
-    batches = [bank[i % len(bank)] for i in range(cfg.image_feed_batches)]
-    placed = {"image": torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=target)}
-    feeds: dict[str, Callable[[], Iterable[Any]]] = {
-        "dataloader": lambda: (
-            {k: v.to(target, non_blocking=True) for k, v in b.items()} for b in batches
-        ),
-        "deviceloader": lambda: DeviceLoader(batches, device, fresh_batches=True),
-        "source_alone": lambda: (placed for _ in batches),
-    }
-    return feed_cost(device, feeds, lambda b: b["image"][0, 0, 0, 0], cfg.image_feed_batches)

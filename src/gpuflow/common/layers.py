@@ -10,8 +10,8 @@ from __future__ import annotations
 LAYERS = (
     "common",  # errors, atomic writes, consoles: shared by every layer
     "device",
+    "accounting",  # below transfer: the transfer and data layers report copies to its tally
     "transfer",  # the memory layer (pinned pools) lives here too
-    "accounting",
     "data",
     "model",
     "baselines",  # the naive and standard data paths: below train, which runs them

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from gpuflow.accounting.tally import report_copy
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.augment import Transform, check_transformed
 from gpuflow.data.keyed import check_seed, order_keys, sample_keys
 from gpuflow.data.resident_dataset import ResidentDataset, gather_rows
 from gpuflow.transfer.pinned import PinnedPool
-from gpuflow.transfer.tally import report_copy
 
 Batch = tuple[torch.Tensor, ...]
 _STATE_KEYS = ("samples", "batch_size", "world_size", "seed", "shuffle", "drop_last")

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from gpuflow.accounting.tally import report_copy
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.tally import report_copy
 
 IO_PATHS = ("auto", "kvikio", "pinned")
 # cuFile moves whole 4 KiB pages without a bounce: requests past the first start on one.

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from gpuflow.accounting.tally import housekeeping, report_copy
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 from gpuflow.device.drivercopy import driver_copy
 from gpuflow.transfer.packing import ALIGN, SIDE_STREAM_BYTES, PackPlan, rebuild, rebuild_run
 from gpuflow.transfer.pinned import PinnedPool
 from gpuflow.transfer.staging import BatchTiming, Crossing, Epoch
-from gpuflow.transfer.tally import housekeeping, report_copy
 
 # Crossings with copies made as they were read, issued ahead of the consumer's stream before
 # the host waits for it (each holds device memory the consumer has not yet let go of).

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuflow.accounting.tally import housekeeping
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import LossyFloat, Planner
 from gpuflow.transfer.pinned import PoolStats
 from gpuflow.transfer.pipeline import Pipeline
 from gpuflow.transfer.staging import BatchTiming, Epoch
-from gpuflow.transfer.tally import housekeeping
 
 
 def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from gpuflow.accounting.tally import housekeeping, report_copy
 from gpuflow.common.errors import GpuflowError
-from gpuflow.transfer.tally import housekeeping, report_copy
 
 
 def _check(dst: torch.Tensor, src: torch.Tensor) -> None:

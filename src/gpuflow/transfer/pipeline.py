@@ -11,11 +11,11 @@ from collections import deque
 from contextlib import suppress
 from typing import Any
 
+from gpuflow.accounting.tally import housekeeping
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.issuing import Issuer
 from gpuflow.transfer.packing import Planner
 from gpuflow.transfer.staging import BatchTiming, Crossing, Epoch, Stager
-from gpuflow.transfer.tally import housekeeping
 
 
 class Pipeline:
@@ -43,7 +43,7 @@ class Pipeline:
     def take_at_once(self, ep: Epoch) -> Any:
         """The next batch, read, copied on the current stream and handed out now, when
         nothing of the epoch is read ahead and it is a batch DataLoader's pin thread made
-        whose tensors all cross where they lie (``Layout.direct_only``). Reading it ahead
+        whose tensors all cross where they lie (``PackLayout.direct_only``). Reading it ahead
         would queue its copies on that same stream in the same order, and the host work of a
         crossing and of its reading ahead cost the image loop 3-4% of its step
         (docs/decisions/044). Otherwise None (such a batch holds a tensor, so it is never

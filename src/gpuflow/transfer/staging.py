@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from gpuflow.accounting.tally import housekeeping
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.packing import ALIGN, PackPlan, Planner
 from gpuflow.transfer.pinned import PinnedBuffer, PinnedPool, size_class
-from gpuflow.transfer.tally import housekeeping
 
 COALESCE_BYTES = 1 << 20  # consecutive batches share one staging buffer up to this size
 _COALESCE_MAX_BATCH = COALESCE_BYTES // 4  # larger batches cross on their own

@@ -72,11 +72,8 @@ def _transfer_name(args: argparse.Namespace) -> str:
 
 
 def _transfer(args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    from gpuflow.bench.transfer import (
-        TransferBenchConfig,
-        print_transfer_tables,
-        run_transfer_bench,
-    )
+    from gpuflow.bench.transfer import TransferBenchConfig, run_transfer_bench
+    from gpuflow.bench.transfer_tables import print_transfer_tables
 
     results = run_transfer_bench(
         device,

@@ -8,14 +8,14 @@ import threading
 import numpy as np
 
 from gpuflow.accounting.ledger import TransferLedger
-from gpuflow.transfer.loader import DeviceLoader
-from gpuflow.transfer.tally import (
+from gpuflow.accounting.tally import (
     housekeeping,
     in_housekeeping,
     listen,
     report_copy,
     stop_listening,
 )
+from gpuflow.transfer.loader import DeviceLoader
 
 
 def test_a_report_reaches_every_listener_of_its_thread_until_it_stops_listening():

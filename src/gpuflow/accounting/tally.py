@@ -3,9 +3,8 @@
 The ledger sees the operations of its own thread only, when they are made.
 ``DeviceLoader`` queues a batch's copy before the consumer takes it (and shares one copy
 among small batches), so it makes its copies as housekeeping and reports each batch here
-when the consumer takes it; the ledgers open on the consumer's thread count it then. This
-module sits below the transfer layer so that the layer can report without importing the
-ledger.
+when the consumer takes it; the ledgers open on the consumer's thread count it then. The
+transfer and data layers report here without importing the ledger, which listens.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ def test_train_from_nothing_then_sample(workdir):
     assert (run / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [0, 6, 12]
     assert "finished at step 12" in result.stdout
+    assert f"val bpb {report['final_val_bpb']:.4f}" in result.stdout  # built-in: byte-level
 
     again = gpuflow_cli(*args, cwd=workdir)  # never overwrites: a second run gets a new folder
     assert again.returncode == 0, again.stderr

@@ -114,3 +114,24 @@ def test_off_a_terminal_each_record_is_one_whole_line_with_step_and_total(piped,
         "h2d 8.3 kB/step  d2h 0.8 B/step  0 syncs/step  0 cudaMalloc/step",
         "step 120/300  val loss 5.4321",
     ]
+
+
+def test_validation_bits_per_byte_shows_beside_the_validation_loss(piped, clock):
+    def run(console):
+        with TrainDisplay(300, 0, console=console) as shown:
+            shown.record({"step": 0, "val_loss": 8.3173, "val_bpb": 3.1234})
+            shown.step(60)
+            clock[0] += 10
+            shown.step(120)
+            shown.record({**TRAIN, "mfu": None})
+        return shown
+
+    console = terminal(80)
+    run(console)
+    [line] = last_frame(console, 1)
+    assert "val 8.3173  bpb 3.1234  " in line and len(line) <= 80
+    assert "eta 0:00:30" in line  # what always shows is still there
+    shown = run(None)
+    assert piped.readouterr().err.splitlines()[0] == "step   0/300  val loss 8.3173  bpb 3.1234"
+    [wide] = shown.lines(120)
+    assert "bpb 3.1234" in wide.plain and "━" * 10 in wide.plain  # room for the bar too

@@ -330,6 +330,7 @@ def test_torchrun_trains_on_two_ranks_and_resumes_on_one_and_on_two(prepared, wo
     assert bus and all(r["h2d_bytes_per_step"] == 0 for r in bus)
     report = json.loads((run / "report.json").read_text())
     assert report["tokens_per_s"] > 0 and report["world_size"] == 2
+    assert report["final_val_bpb"] > 0  # rank 0, which evaluates, counted the val bytes
     per_rank = B * 2 * 32  # FAST's batch of 8 windows of 32 tokens
     assert report["tokens_per_step"] == 2 * per_rank
     two = _saved(run)

@@ -23,7 +23,7 @@ from tests.helpers import FAST
 # Records at 4, 8 and 12 (and validation at 0, 6 and 12); the values that are timings or
 # memory differ between any two runs, resumed or not.
 SETS = ("train.steps=12", "train.log_interval=4", "train.eval_interval=6")
-SAME = ("step", "lr", "loss", "grad_norm", "val_loss")
+SAME = ("step", "lr", "loss", "grad_norm", "val_loss", "val_bpb")
 
 
 def _run(prepared: Path, run_dir: Path, *sets: str, resume: bool = False):

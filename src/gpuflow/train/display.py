@@ -1,7 +1,8 @@
 """Live training progress: a status line fitted to the terminal, or plain lines elsewhere.
 
 On a terminal the line always shows the step count, train and validation loss, tokens/s and
-the time left, uncut at 80 columns; MFU and a bar take the room that is left. Bus figures
+the time left, uncut at 80 columns; MFU, validation bits per byte and a bar take the room
+that is left, in that order (the bar repeats the step count). Bus figures
 (bytes each way, host syncs, cudaMalloc per step) join it once one of them is not zero, or
 always when asked for. Anywhere else each record is one whole line: `step 120/300 loss ...`.
 """
@@ -61,7 +62,8 @@ def _fmt_bus(bus: dict[str, float]) -> str:
 
 
 class TrainDisplay:
-    """Shows step, loss, validation loss, tokens/s, ETA, MFU and bus traffic while training.
+    """Shows step, loss, validation loss and bits per byte, tokens/s, ETA, MFU and bus traffic
+    while training.
 
     `console` is where it draws (stderr by default); it is live only on a terminal.
     """
@@ -79,6 +81,7 @@ class TrainDisplay:
         self.show_bus = show_bus
         self.loss: float | None = None
         self.val_loss: float | None = None
+        self.val_bpb: float | None = None  # None: the run's bytes were not counted
         self.rate: float | None = None
         self.mfu: float | None = None
         self.bus: dict[str, float] | None = None  # the latest measured figures
@@ -114,6 +117,7 @@ class TrainDisplay:
     def record(self, record: dict[str, Any]) -> None:
         if "val_loss" in record:
             self.val_loss = record["val_loss"]
+            self.val_bpb = record.get("val_bpb")
         else:
             self.step(record["step"])  # its step is done; the trainer may say so only after
             self.loss = record["loss"]
@@ -146,7 +150,9 @@ class TrainDisplay:
     def _plain_line(self, record: dict[str, Any]) -> str:
         step = f"step {record['step']:>{len(str(self.total))}}/{self.total}"
         if "val_loss" in record:
-            return f"{step}{SEP}val loss {record['val_loss']:.4f}"
+            line = f"{step}{SEP}val loss {record['val_loss']:.4f}"
+            bpb = record.get("val_bpb")
+            return line if bpb is None else f"{line}{SEP}bpb {bpb:.4f}"
         parts = [step, f"loss {record['loss']:.4f}", f"{_fmt_rate(self.rate)} tok/s"]
         if self.mfu is not None:
             parts.append(f"MFU {self.mfu:.1%}")
@@ -176,6 +182,11 @@ class TrainDisplay:
             if len(SEP + mfu) <= room:
                 parts.insert(-1, mfu)
                 room -= len(SEP + mfu)
+        if self.val_bpb is not None:
+            bpb = f"bpb {fmt(self.val_bpb):>6}"
+            if len(SEP + bpb) <= room:
+                parts.insert(3, bpb)  # beside the validation loss it is measured from
+                room -= len(SEP + bpb)
         below = None
         if self._bus_shown():
             bus = _fmt_bus(self.bus) if self.bus is not None else "bus not measured yet"

@@ -200,6 +200,8 @@ class TrainLoop:
             why = f" ({setup.path_note})" if setup.path_note else ""
             self.display.note(f"data path: {setup.path}{why}")
             self.display.note(setup.batching.describe())
+            if setup.val_bytes_note:
+                self.display.note(setup.val_bytes_note)
             if setup.io is not None and trainer.device.type == "cuda":  # (a GPU-only choice)
                 self.display.note(setup.io.describe())
             if notice := warmup_notice(tc):
@@ -258,7 +260,11 @@ class TrainLoop:
 
     def evaluate(self, step: int) -> float:
         val = self.trainer.evaluate()
-        self.emit({"step": step, "val_loss": val})
+        record: dict[str, Any] = {"step": step, "val_loss": val}
+        # (from the bytes counted at setup: host arithmetic, nothing more read back)
+        if (bpb := self.trainer.setup.bits_per_byte(val)) is not None:
+            record["val_bpb"] = bpb
+        self.emit(record)
         return val
 
     def close_interval(self, step: int) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,6 +21,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import check_validation_batch, validation_windows, window_starts
 from gpuflow.data.prepare import PrepareConfig, prepare
 from gpuflow.data.resident import default_budget
+from gpuflow.data.token_bytes import target_bytes, token_bytes
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import check_allocator
@@ -67,6 +69,19 @@ class RunSetup:
     checkpoint: Path | None  # the checkpoint restored, if any
     # The logging interval the restored checkpoint came inside, for the record closing it
     interval: IntervalPart | None = None
+    # UTF-8 bytes of the validation set's target tokens (rank 0's; None: not counted, and
+    # ``val_bytes_note`` says why)
+    val_bytes: int | None = None
+    val_bytes_note: str | None = None
+
+    def bits_per_byte(self, val_loss: float) -> float | None:
+        """``val_loss`` (the mean over the validation set's target tokens, in nats) as bits per
+        UTF-8 byte of those targets: their summed loss over ln 2 times their bytes. None where
+        the bytes were not counted. Host arithmetic on shapes alone: no device work."""
+        if not self.val_bytes:
+            return None
+        targets = sum(b.shape[0] * (b.shape[1] - 1) for b in self.val_batches)  # rows x T
+        return val_loss * targets / (math.log(2) * self.val_bytes)
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
@@ -153,7 +168,9 @@ def build_setup(
         resumed, tokens_seen = state.data, state.tokens_seen
         if state.interval is not None and state.interval["through"] == start_step:
             interval = IntervalPart.from_record(state.interval)
-    val_batches = _validation_set(cfg, data, device, ranks, batching.micro_batch)
+    val_batches, val_bytes, bytes_note = _validation_set(
+        cfg, data, device, ranks, batching.micro_batch
+    )
     plan = BatchPlan(
         data, batching.rows, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size, budget,
         ranks.rank, ranks.world_size, resumed, managed=managed, io=io.path if io else "pinned",
@@ -162,7 +179,7 @@ def build_setup(
     return RunSetup(
         path, path_note, data, val_batches, plan, batching, io, model, forward, optimizer,
         averager, start_step, tokens_seen, best_val,
-        checkpoint.path if checkpoint is not None else None, interval,
+        checkpoint.path if checkpoint is not None else None, interval, val_bytes, bytes_note,
     )  # fmt: skip
 
 
@@ -202,15 +219,35 @@ def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:
 
 def _validation_set(
     cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks, batch_size: int
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], int | None, str | None]:
     """The validation set, read now (a split too short for one window is refused) and
     uploaded once, by the rank that evaluates (rank 0); it stays on the device. The other
-    ranks read nothing but their slice of the train split."""
+    ranks read nothing but their slice of the train split. With it, the UTF-8 bytes of its
+    targets (or None, and why not: ``_target_bytes``)."""
     if not ranks.is_main:
-        return []
+        return [], None, None
     data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
     windows = validation_windows(data.val, batch_size, cfg.model.max_len, cfg.train.eval_batches)
-    return [upload_tokens(w, device) for w in windows]
+    counted, note = _target_bytes(data, windows, cfg.model.vocab_size)
+    return [upload_tokens(w, device) for w in windows], counted, note
+
+
+def _target_bytes(
+    data: TokenFolder, windows: list[np.ndarray], vocab_size: int
+) -> tuple[int | None, str | None]:
+    """The UTF-8 bytes of the validation windows' targets, counted once on the host from the
+    ids read for the upload (the windows are fixed: every evaluation takes the same ones);
+    or None and why, where the folder's tokenizer cannot say what text an id stands for."""
+    why = "val bits per byte not measured: "
+    if data.tokenizer_path is None:
+        return None, f"{why}{data.path} has no tokenizer.json to count the text of its tokens"
+    lengths = token_bytes(data.tokenizer_path, vocab_size)
+    if lengths is None:
+        return None, f"{why}{data.tokenizer_path} is not a byte-level BPE"
+    counted = target_bytes(windows, lengths)
+    if counted == 0:  # only special tokens: no text to divide by
+        return None, f"{why}the validation windows hold no text, only special tokens"
+    return counted, None
 
 
 def _batching(

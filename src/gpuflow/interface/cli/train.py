@@ -151,6 +151,8 @@ def _train(
         if report["final_val_loss"] is not None
         else "no val loss yet"
     )
+    if report["final_val_bpb"] is not None:
+        val += f", val bpb {report['final_val_bpb']:.4f}"
     train_loss = report["final_train_loss"]
     out_console.print(
         f"{'stopped' if result.interrupted else 'finished'} at step {result.last_step}: "

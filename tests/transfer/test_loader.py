@@ -12,7 +12,7 @@ import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.transfer.loader import DeviceLoader
+from gpuflow.transfer.loader import DeviceLoader, LoaderStats
 from gpuflow.transfer.pinned import size_class
 from tests.helpers import child_env
 
@@ -166,12 +166,30 @@ def test_stats_count_bytes_stall_and_overlap():
     assert stats.bytes_moved == stats.logical_bytes == 5 * 4096
     assert stats.source_s > 5 * 0.02 * 0.8  # the consumer outran a slow source
     assert stats.compute_ms >= 5 * 10 * 0.8
-    assert 0 <= stats.overlap_efficiency <= 1
 
 
-def test_depth_must_be_positive():
+@pytest.mark.parametrize(
+    "transfer, exposed, compute, expected",
+    [
+        (4.0, 0.0, 10.0, 0.4),  # every copy ran under compute that took longer
+        (10.0, 0.0, 4.0, 1.0),  # the compute ran wholly under longer copies
+        (10.0, 10.0, 4.0, 0.0),  # the consumer waited for every copy
+        (10.0, 6.0, 8.0, 0.4),  # 4 ms of the copies hidden, the longer side 10 ms
+        (0.0, 0.0, 0.0, 0.0),  # nothing timed
+    ],
+)
+def test_overlap_efficiency_is_the_hidden_copy_time_over_the_longer_side(
+    transfer, exposed, compute, expected
+):
+    stats = LoaderStats(1, 1, 0, 0, 0.0, 0.0, transfer, exposed, compute)
+    assert stats.overlap_efficiency == pytest.approx(expected)
+
+
+def test_a_negative_depth_is_refused_and_depth_zero_reads_on_demand():
     with pytest.raises(GpuflowError, match="depth"):
         DeviceLoader([], "cpu", depth=-1)
+    with DeviceLoader(iter([np.zeros(4), np.ones(4)]), "cpu", depth=0) as loader:
+        assert [b.sum().item() for b in loader] == [0.0, 4.0]
 
 
 def test_a_torch_device_is_accepted_wherever_a_device_is():

@@ -73,7 +73,10 @@ class LoaderStats:
 
     @property
     def overlap_efficiency(self) -> float:
-        """Seed 002's definition: overlap time / max(compute time, transfer time)."""
+        """How well the copies hid behind the consumer's work: the copies' time that ran
+        under it (``overlap_ms``) over the longer of the two sides, compute or transfer. 1
+        where the shorter side ran wholly under the longer, 0 where the consumer waited for
+        every copy."""
         longest = max(self.compute_ms, self.transfer_ms)
         return self.overlap_ms / longest if longest > 0 else 0.0
 

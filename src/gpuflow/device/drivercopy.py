@@ -1,10 +1,10 @@
 """Host->device copies queued by one call into the CUDA driver (``cuMemcpyHtoDAsync``).
 
-``dst.copy_(src, non_blocking=True)`` costs 12-20 us of host time on an H100 host (dispatch,
-views, the pinned allocator's bookkeeping), several times what the copy of a small batch
-takes on the bus; the driver call behind it costs 1-3 us from Python. A loader that queues
-a copy per batch spends that difference on every batch, so ``DeviceLoader`` calls the
-driver itself for its copies (docs/decisions/017 has the figures).
+``dst.copy_(src, non_blocking=True)`` spends several times the host time of the driver call
+behind it (dispatch, views, the pinned allocator's bookkeeping), more than the copy of a
+small batch takes on the bus. A loader that queues a copy per batch spends that difference
+on every batch, so ``DeviceLoader`` calls the driver itself for its copies
+(docs/decisions/017 has the figures).
 
 What torch's copy would have done and the caller must do instead: keep the host memory
 alive and unchanged until the copy has run (torch records an event for pinned memory from
@@ -16,8 +16,8 @@ device), copy through torch instead.
 The call keeps the interpreter lock (``ctypes.PyDLL``): from pinned memory it only queues
 the copy, and letting go of the lock for those microseconds let another Python thread
 (DataLoader's pin-memory thread, in a worker-fed loop) take it, so the training thread then
-waited to get it back: two copies a batch took 181-219 us of its time in the image loop
-against 86-106 us with the lock kept (docs/decisions/042). From pageable memory the call
+waited to get it back, and its copies took about twice as long (docs/decisions/042). From
+pageable memory the call
 would copy synchronously with every Python thread stopped: one more reason it is only
 given pinned memory.
 """

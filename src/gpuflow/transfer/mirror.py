@@ -1,4 +1,4 @@
-"""Device -> host traffic: cached host views and state snapshots.
+"""Device -> host traffic: cached host views of device tensors, and the reads that wait.
 
 ``HostMirror`` keeps a host copy of a device tensor. It serves reads from that copy only
 while it can vouch that the device copy has not changed: by default it cannot (PyTorch does
@@ -6,8 +6,9 @@ not signal every write), so every whole read fetches again; with ``writes="track
 user vouches that every write is one PyTorch signals, and the mirror fetches only after one.
 Reading never invalidates the device copy, and reading one element of a stale mirror
 fetches that element, not the tensor. ``host_snapshot`` takes a host copy of a state dict
-(for checkpoints) with one wait; ``read_now`` and ``host_copy_now`` are the reads that wait,
-named so at their call sites. Training scalars are ``gpuflow.transfer.scalars``'.
+with one wait; ``read_now`` and ``host_copy_now`` are the other reads that wait, named so at
+their call sites. Snapshots that do not wait (a checkpoint's) are
+``gpuflow.transfer.snapshot``'s, training scalars ``gpuflow.transfer.scalars``'.
 """
 
 from __future__ import annotations

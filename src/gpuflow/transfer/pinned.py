@@ -208,8 +208,7 @@ class PinnedPool:
     def close(self) -> None:
         """Wait for every in-flight copy, then unpin everything the pool holds. (A pool that
         never pinned anything leaves torch's pinned cache alone: the blocks cached there may
-        be another loader's, pinned by ``pin_memory()``, and pinning them again costs tens of
-        ms per 64 MiB on an H100 host.)"""
+        be another loader's, pinned by ``pin_memory()``, and pinning memory is slow.)"""
         with self._lock:
             if self._closed:
                 return

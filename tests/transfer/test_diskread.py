@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 import types
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 import torch
 
 import gpuflow
-from gpuflow.common import pagecache
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident import ResidentTokens
 from gpuflow.data.shards import HEADER_BYTES, write_shard
@@ -253,34 +251,3 @@ def test_either_path_checks_ids_as_unsigned(posix_kvikio, tmp_path, io, dtype, b
     with pytest.raises(GpuflowError, match=f"{shards[1].path.name}.*{bad}"):
         ResidentTokens(shards, "cpu", B, T, vocab_size=60000, io=io)
     assert threading.active_count() == threads  # the refused corpus's readers are gone
-
-
-# ---- the page cache, for cold reads ---------------------------------------------------------
-
-
-def test_the_page_cache_share_of_a_file(tmp_path):
-    path = tmp_path / "pages"
-    path.write_bytes(np.random.default_rng(0).bytes(1 << 20))
-    path.read_bytes()
-    if pagecache.cached_fraction(path) is None:
-        pytest.skip("mincore is Linux's")
-    assert pagecache.cached_fraction(path) == 1.0  # just read
-    assert pagecache.drop_cached(path)
-    if _filesystem_of(path) in ("tmpfs", "ramfs"):  # nothing else to keep the pages in
-        assert pagecache.cached_fraction(path) == 1.0
-    else:  # flushed, then dropped: a cold read from here on
-        assert pagecache.cached_fraction(path) <= 0.05
-    assert np.frombuffer(path.read_bytes(), dtype=np.uint8).size == 1 << 20  # still whole
-
-
-def _filesystem_of(path):
-    """The type of the filesystem ``path`` lies on (the mount with the longest matching
-    mount point in /proc/self/mounts)."""
-    best, kind = "", ""
-    resolved = str(path.resolve())
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        mount, fstype = line.split()[1:3]
-        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, fstype
-    return kind

@@ -17,7 +17,8 @@ from gpuflow.data.tokenizer import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from gpuflow.interface.export import export_hf
-from gpuflow.interface.sample import SampleConfig, generate_no_sync, open_trained, sample
+from gpuflow.interface.sample import SampleConfig, open_trained, sample
+from gpuflow.model.generate import generate_no_sync
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import resolve_config
@@ -132,8 +133,7 @@ def test_generate_stops_at_the_context_length_where_sample_slides_on(trained, tm
     with torch.no_grad(), pytest.raises(IndexError):  # positions past n_positions
         hf.generate(ids, **past)
     _, _, _, model = open_trained(trained, "best", say=lambda note: None)
-    greedy = SampleConfig(max_tokens=40, temperature=0.0)
-    assert generate_no_sync(model.eval(), ids, greedy).shape == (1, 41)  # its window slides
+    assert generate_no_sync(model.eval(), ids, 40, 0.0, 0).shape == (1, 41)  # its window slides
 
 
 def test_export_takes_the_hf_format_alone(trained, tmp_path, capsys):

@@ -11,14 +11,13 @@ import torch
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.interface.report import build_report
 from gpuflow.train.accumulate import FP32Sum, accumulated_loss
 from gpuflow.train.batching import plan_batching
 from gpuflow.train.config import resolve_config
-from gpuflow.train.datapath import DataPath
+from gpuflow.train.datapath import DataPath, open_batches
 from gpuflow.train.optim.master_adamw import MasterAdamW
-from gpuflow.train.paths import build_step, open_batches
-from gpuflow.train.step import StepOptions, StepParts
+from gpuflow.train.report import build_report
+from gpuflow.train.step import StepOptions, StepParts, build_step
 from gpuflow.train.trainer import Trainer
 from tests.helpers import FAST
 from tests.train.test_capture import StandInGraphs

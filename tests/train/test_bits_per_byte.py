@@ -15,9 +15,9 @@ from gpuflow.data.token_bytes import byte_level_alphabet, target_bytes, token_by
 from gpuflow.data.tokenizer import EOT, train_tokenizer
 from gpuflow.data.tokens import TOKENIZER_FILE, TokenFolder
 from gpuflow.device.accelerator import Device
-from gpuflow.interface.report import build_report
 from gpuflow.train.config import resolve_config
 from gpuflow.train.distributed import Ranks
+from gpuflow.train.report import build_report
 from gpuflow.train.runfolder import read_metrics
 from gpuflow.train.setup import build_setup
 from gpuflow.train.step import StepOptions

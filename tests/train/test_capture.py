@@ -12,11 +12,10 @@ import torch
 from gpuflow.device.accelerator import Device
 from gpuflow.train.capture import CapturedStep
 from gpuflow.train.config import TrainConfig, resolve_config
-from gpuflow.train.datapath import DataPath
+from gpuflow.train.datapath import DataPath, open_batches
 from gpuflow.train.optim.master_adamw import MasterAdamW
-from gpuflow.train.paths import build_step, open_batches
 from gpuflow.train.schedule import lr_at, lr_tensor
-from gpuflow.train.step import GraphStep, StepOptions, StepParts
+from gpuflow.train.step import GraphStep, StepOptions, StepParts, build_step
 from gpuflow.train.trainer import Trainer
 from tests.helpers import FAST
 

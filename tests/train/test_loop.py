@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from gpuflow.train.config import resolve_config
-from gpuflow.train.loop import Cadence, run_steps
+from gpuflow.train.trainer import Cadence, run_steps
 
 
 def _train_config(**settings: int):

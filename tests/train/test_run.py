@@ -472,8 +472,8 @@ def _no_space(*args, **kwargs):
         "gpuflow.train.runfolder.write_config",  # the config, as the resume starts
         "gpuflow.train.runfolder.MetricsLog.write",  # a metrics record
         "gpuflow.train.checkpoint.write_safetensors",  # a checkpoint's file
-        "gpuflow.interface.report.write_text_atomic",  # report.json, at the end
-        "gpuflow.interface.report.plot_run",  # training.png, at the end
+        "gpuflow.train.report.write_text_atomic",  # report.json, at the end
+        "gpuflow.train.report.plot_run",  # training.png, at the end
     ],
 )
 def test_a_full_disk_at_any_write_of_a_resumed_run_loses_nothing(

@@ -59,7 +59,7 @@ def test_a_second_writer_is_refused_naming_the_holders_pid(run, prepared, workdi
 
 
 def test_the_run_stays_locked_until_its_report_is_written(run, prepared, monkeypatch, capsys):
-    from gpuflow.interface import report
+    from gpuflow.train import report
 
     real_plot, refused = report.plot_run, []
 

@@ -303,7 +303,7 @@ def test_interval_throughput_leaves_pauses_out():
 
 
 def test_the_report_says_what_chunk_turns_cost(prepared, workdir):
-    from gpuflow.interface.report import build_report
+    from gpuflow.train.report import build_report
 
     streamed = _config(prepared, "train.steps=30", "data.device_budget_mb=0.01")
     report = build_report(streamed, _train(streamed, workdir / "runs" / "chunks"))

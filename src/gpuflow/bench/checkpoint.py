@@ -26,8 +26,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.datapath import resolve_data_path
-from gpuflow.train.loop import run_steps
-from gpuflow.train.trainer import Trainer
+from gpuflow.train.trainer import Trainer, run_steps
 
 KINDS = ("pytorch", "blocking", "async")
 

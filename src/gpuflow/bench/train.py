@@ -28,11 +28,9 @@ from gpuflow.data.sources import FixedBatch
 from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config
-from gpuflow.train.datapath import DataPath, resolve_data_path
-from gpuflow.train.loop import run_steps
-from gpuflow.train.paths import open_batches
+from gpuflow.train.datapath import DataPath, open_batches, resolve_data_path
 from gpuflow.train.step import StepOptions
-from gpuflow.train.trainer import Trainer
+from gpuflow.train.trainer import Trainer, run_steps
 
 MODES = tuple(str(path) for path in DataPath.runnable())
 LEDGER_PAIRS = 3  # logging intervals under the ledger, each beside one without it

@@ -32,9 +32,8 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import DataPath
-from gpuflow.train.loop import run_steps
 from gpuflow.train.runfolder import PROFILE_FILE
-from gpuflow.train.trainer import Trainer
+from gpuflow.train.trainer import Trainer, run_steps
 
 OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
 # What torch's profiler (kineto) writes to stderr itself at each start and stop, whatever

@@ -19,6 +19,7 @@ import torch
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.tokenizer import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
+from gpuflow.model.generate import generate_no_sync
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
@@ -58,26 +59,6 @@ def check_text(text: str, what: str) -> None:
             f"{what} is not valid UTF-8 text (byte 0x{bad.hex()} at character {exc.start}); "
             "pass UTF-8 text (set your terminal or file to UTF-8)"
         ) from None
-
-
-@torch.no_grad()
-def generate_no_sync(model: GPT, idx: torch.Tensor, config: SampleConfig) -> torch.Tensor:
-    """Extend ``idx`` (1, t) by ``config.max_tokens`` tokens, entirely on the device."""
-    max_len = model.config.max_len
-    for _ in range(config.max_tokens):
-        logits = model.next_token_logits(idx[:, -max_len:])  # (1, V)
-        if config.temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
-        else:
-            logits = logits / config.temperature
-            if config.top_k:
-                kth = torch.topk(logits, min(config.top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            # Gumbel-max: argmax(log p - log E), E ~ Exp(1), samples from p with no host sync.
-            noise = torch.empty_like(logits).exponential_()
-            next_id = (logits.log_softmax(-1) - noise.log()).argmax(dim=-1, keepdim=True)
-        idx = torch.cat([idx, next_id], dim=1)  # (1, t + 1)
-    return idx
 
 
 def choose_checkpoint(run_dir: Path, which: str) -> Path:
@@ -184,7 +165,7 @@ def sample(
     torch.manual_seed(config.seed)
     idx = upload_tokens(np.asarray([prompt_ids], dtype=np.int64), device)  # (1, t)
     with device.autocast():
-        out = generate_no_sync(model, idx, config)
+        out = generate_no_sync(model, idx, config.max_tokens, config.temperature, config.top_k)
     ids = read_now(out[0])
     generated = ids[len(prompt_ids) :]
     if eot in generated:

@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,19 @@ class Checkpointer:
             self.wait()
         finally:
             self._snapshots.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """``close``: the last checkpoint is on disk before the run reports. After an error,
+        quietly, so that the first error is the one reported; after a second Ctrl-C, not at
+        all (the write in flight is cleared at the next start)."""
+        if exc_type is None:
+            self.close()
+        elif not issubclass(exc_type, KeyboardInterrupt):
+            with suppress(Exception):
+                self.close()
 
     def _write(self, snapshot: Snapshot, record: dict[str, Any], names: tuple[str, ...]) -> None:
         started = time.perf_counter()

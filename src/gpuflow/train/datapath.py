@@ -1,22 +1,36 @@
-"""The data paths of ``train.data_path``: how each training step gets its batch.
+"""The data paths of ``train.data_path``: which ones there are, which one runs on this device,
+and what each is made of (its row in ``PATHS``).
 
 ``naive`` (the pipeline this project replaces), ``standard`` (what most PyTorch code does),
 ``streamed`` (``DeviceLoader`` with uint16 ids), ``resident`` (the corpus uploaded once,
 batches drawn on the device) and ``resident-graph`` (``resident`` with the whole step as one
-CUDA graph; the default on CUDA). What each path is made of (its batch source, its step, DDP,
-residency): its row in ``gpuflow.train.paths``; what each does, in detail:
-docs/architecture/training.md (The data paths).
+CUDA graph; the default on CUDA). A row says where a path's batches come from, which kind of
+step trains on them, whether several ranks wrap its model in DDP, whether its corpus lives on
+the device and whether its step trains bf16 weights over fp32 masters. Adding a path is a name
+in ``DataPath`` and a row in ``PATHS``. What each does, in detail: docs/architecture/training.md
+(The data paths).
+
+The run's config checks ``train.data_path`` against these names, and every step reads that
+config: so a row names its step's kind, and ``gpuflow.train.step`` builds the step. Importing
+this module loads no torch (the command line lists the paths as it builds its parser): a
+batch source's module is imported when the source is opened.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
+from gpuflow.data.batches import WindowSampler
+from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.allocator import allocator_in
 
-if TYPE_CHECKING:  # this module stays light: ``gpuflow --help`` lists the paths
+if TYPE_CHECKING:
+    from gpuflow.data.sources import BatchSource
     from gpuflow.device.accelerator import Device
 
 
@@ -57,3 +71,106 @@ def resolve_data_path(
         # captured (torch 2.11).
         return DataPath.RESIDENT, no_capture
     return path, None
+
+
+class StepKind(StrEnum):
+    """The kinds of training step (``gpuflow.train.step``: ``STEPS`` holds their classes)."""
+
+    NAIVE = "naive"  # the naive baseline's per-sequence gradients
+    EAGER = "eager"  # forward, backward, clip, update, launched one by one
+    GRAPH = "graph"  # the whole step, batch draw included, as one CUDA graph
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What every source draws from: the train split, the batch shape and the seed."""
+
+    data: TokenFolder
+    batch_size: int
+    seq_len: int
+    seed: int
+    vocab_size: int
+    device_budget_bytes: int | None = None  # the resident corpus's cap (None: its default)
+    rank: int = 0  # of a data-parallel job: every source draws from this rank's slice
+    world_size: int = 1
+    resumed: Mapping[str, Any] | None = None  # the checkpoint's data position, if resuming
+    managed: bool = False  # the resident corpus in CUDA managed memory (data.placement)
+    io: str = "pinned"  # how the resident corpus is read: pinned or kvikio (data.io, resolved)
+
+    @cached_property
+    def sampler(self) -> WindowSampler:
+        """Batches drawn on the host, after every train shard's ids are checked (a resident
+        corpus checks its own as it uploads them); built on first use."""
+        self.data.check_vocab(self.vocab_size, splits=("train",))
+        return WindowSampler(
+            self.data.train, self.batch_size, self.seq_len, self.seed, self.rank, self.world_size
+        )
+
+
+# (the plan, the device, the first step, the step to stop before) -> the path's batches
+OpenSource = Callable[[BatchPlan, "Device", int, int], "BatchSource"]
+
+
+def _naive(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
+    from gpuflow.baselines.naive import NaiveBatches
+
+    return NaiveBatches(plan.sampler)
+
+
+def _standard(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
+    from gpuflow.baselines.standard import StandardBatches
+
+    return StandardBatches(plan.sampler, device)
+
+
+def _streamed(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
+    from gpuflow.data.sources import StreamedBatches
+
+    return StreamedBatches(plan.sampler, device, start, stop)
+
+
+def _resident(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
+    from gpuflow.data.sources import ResidentBatches
+
+    return ResidentBatches(
+        plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,
+        plan.device_budget_bytes, plan.vocab_size, plan.rank, plan.world_size, plan.resumed,
+        plan.managed, plan.io,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PathRow:
+    open_source: OpenSource
+    step: StepKind
+    # On several ranks the model is wrapped in DistributedDataParallel (which overlaps the
+    # all-reduce with the eager backward); otherwise the step's averager reduces gradients
+    # (the naive baseline's per-sequence backward is not one DDP can wrap).
+    ddp: bool
+    resident: bool  # the corpus lives on the device: data.placement and data.io apply
+    master_weights: bool = False  # bf16 weights over fp32 masters, where the kernel runs
+
+
+PATHS: Mapping[DataPath, PathRow] = {
+    DataPath.NAIVE: PathRow(_naive, StepKind.NAIVE, ddp=False, resident=False),
+    DataPath.STANDARD: PathRow(_standard, StepKind.EAGER, ddp=True, resident=False),
+    DataPath.STREAMED: PathRow(_streamed, StepKind.EAGER, ddp=True, resident=False),
+    DataPath.RESIDENT: PathRow(_resident, StepKind.EAGER, ddp=True, resident=True),
+    DataPath.RESIDENT_GRAPH: PathRow(
+        _resident, StepKind.GRAPH, ddp=False, resident=True, master_weights=True
+    ),
+}
+
+
+def row(path: DataPath) -> PathRow:
+    """``path``'s row; ``auto`` has none (``resolve_data_path`` first)."""
+    if path not in PATHS:
+        raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")
+    return PATHS[path]
+
+
+def open_batches(
+    path: DataPath, plan: BatchPlan, device: Device, start: int, stop: int
+) -> BatchSource:
+    """The source of ``path`` for steps ``start`` to ``stop``."""
+    return row(path).open_source(plan, device, start, stop)

@@ -29,13 +29,12 @@ from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.batching import Batching, device_fit, plan_batching, step_rows
 from gpuflow.train.config import RunConfig
-from gpuflow.train.datapath import DataPath, resolve_data_path
+from gpuflow.train.datapath import BatchPlan, DataPath, resolve_data_path, row
 from gpuflow.train.distributed import Averager, GradientAverager, Ranks, each_host_first, least
 from gpuflow.train.meter import IntervalPart
 from gpuflow.train.optim import StepOptimizer
-from gpuflow.train.optim.adamw import build_optimizer
-from gpuflow.train.optim.master_adamw import MasterAdamW
-from gpuflow.train.paths import BatchPlan, optimizer_for, row
+from gpuflow.train.optim.adamw import CapturableAdamW, build_optimizer
+from gpuflow.train.optim.master_adamw import MasterAdamW, with_fp32_masters
 from gpuflow.train.runfolder import TOKENIZER_FILE
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import StepOptions, compiled_forward
@@ -303,6 +302,18 @@ def _resident_io(cfg: RunConfig, path: DataPath, device: Device, managed: bool) 
                 f"{cfg.train.data_path!r} has none: use resident or resident-graph"
             )
     return choose_io(cfg.data.io, device, managed) if resident else None
+
+
+def optimizer_for(
+    path: DataPath, adamw: CapturableAdamW, device: Device, options: StepOptions,
+    shard: tuple[int, int] = (0, 1),
+) -> StepOptimizer:  # fmt: skip
+    """The optimizer ``path``'s step runs: ``adamw`` (restored from a checkpoint, if any)
+    handed to a MasterAdamW where the path trains bf16 weights and the kernel runs, updating
+    part ``rank`` of ``shard=(rank, world_size)``; elsewhere ``adamw`` itself."""
+    if row(path).master_weights and options.master_weights:
+        return with_fp32_masters(adamw, device, shard)
+    return adamw
 
 
 def _model(cfg: RunConfig, device: Device) -> GPT:

@@ -1,9 +1,9 @@
 """The training step: one object per data path, device work only.
 
-A data path's row (``train/paths.py``) names its step, built over a model, its optimizer
-and a batch source. Calling the step runs one
-optimizer step and adds its loss and grad norm to the step's ``AsyncScalars``; ``readback``
-is what a logging step reads back. Three kinds:
+A data path's row (``gpuflow.train.datapath``) names its step's kind; ``build_step`` builds
+it over a model, its optimizer and a batch source. Calling the step runs one optimizer step
+and adds its loss and grad norm to the step's ``AsyncScalars``; ``readback`` is what a
+logging step reads back. Three kinds:
 
 - ``EagerStep``: forward, backward, clip, update, from the source's (inputs, targets);
 - ``NaiveStep``: the naive baseline's per-sequence gradients, then the same update;
@@ -29,6 +29,7 @@ from gpuflow.model.gpt import GPT
 from gpuflow.train.accumulate import FP32Sum, accumulated_loss
 from gpuflow.train.capture import WARMUP_STEPS, CapturedStep, Graphs
 from gpuflow.train.config import TrainConfig
+from gpuflow.train.datapath import DataPath, StepKind, row
 from gpuflow.train.distributed import Averager, holds_collectives
 from gpuflow.train.optim import StepOptimizer
 from gpuflow.train.optim.adamw import global_grad_norm
@@ -138,7 +139,7 @@ class StepParts:
 
     model: GPT
     forward: torch.nn.Module  # the model, or its compiled forward
-    optimizer: StepOptimizer  # the path's (``train/paths.py``: ``optimizer_for``)
+    optimizer: StepOptimizer  # the path's (``train/setup.py``: ``optimizer_for``)
     config: TrainConfig
     device: Device
     options: StepOptions
@@ -263,3 +264,15 @@ class GraphStep(TrainStep):
 
     def close(self) -> None:
         self.captured.release()
+
+
+STEPS: Mapping[StepKind, type[TrainStep]] = {
+    StepKind.NAIVE: NaiveStep,
+    StepKind.EAGER: EagerStep,
+    StepKind.GRAPH: GraphStep,
+}
+
+
+def build_step(path: DataPath, parts: StepParts, batches: BatchSource) -> TrainStep:
+    """The step of ``path`` over ``batches`` (``open_batches``' source for it)."""
+    return STEPS[row(path).step](parts, batches)

@@ -108,8 +108,8 @@ def _train(
     device: Device,
 ) -> int:  # fmt: skip
     from gpuflow.common.console import out_console
-    from gpuflow.interface.report import write_report
     from gpuflow.train.distributed import broadcast_from_main
+    from gpuflow.train.report import write_report
     from gpuflow.train.runfolder import locks_kept, new_run_dir
     from gpuflow.train.trainer import Trainer
 

@@ -5,7 +5,7 @@ beyond ``torch.optim.Optimizer``'s own methods. Two keep it: ``adamw.CapturableA
 (torch's AdamW, fused on CUDA: the eager paths, and the captured step without masters) and
 ``master_adamw.MasterAdamW`` (bf16 weights over fp32 masters, one kernel, optionally split
 over ranks). A new optimizer is a module here that keeps the contract, and a line in
-``gpuflow.train.paths.optimizer_for``.
+``gpuflow.train.setup.optimizer_for``.
 """
 
 from __future__ import annotations

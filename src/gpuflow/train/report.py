@@ -1,4 +1,6 @@
-"""A run's summary (report.json) and its picture (loss and throughput against step)."""
+"""What a run's folder says about the run once it stops: ``report.json`` (its summary, from
+``metrics.jsonl`` and the ``TrainResult``) and ``training.png`` (loss and tokens/s against
+step). Written at the end of ``gpuflow train``, after the last checkpoint."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from gpuflow.device.accelerator import Device
-from gpuflow.interface.report import build_report, plot_run, write_report
 from gpuflow.train.config import resolve_config, to_dict
+from gpuflow.train.report import build_report, plot_run, write_report
 from gpuflow.train.runfolder import PLOT_FILE, REPORT_FILE, read_metrics
 from gpuflow.train.trainer import Trainer
 from tests.helpers import FAST

@@ -30,6 +30,7 @@ import torch
 
 from gpuflow.bench.loop_timing import consume, feed_cost, feed_figures, paired_rounds, timed_reads
 from gpuflow.bench.results import gb_per_s
+from gpuflow.bench.transfer_tables import KB, MB
 from gpuflow.bench.workloads import (
     VOCAB,
     SmallLM,
@@ -42,7 +43,6 @@ from gpuflow.bench.workloads import (
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader
 
-KB, MB = 1 << 10, 1 << 20
 IDIOMS = ("dataloader", "pin_to", "to")
 PATHS = (*IDIOMS, "deviceloader", "deviceloader_fresh")
 

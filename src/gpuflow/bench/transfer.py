@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from gpuflow.bench.loaders import KB, MB, LoaderBenchConfig, cases, image_loop, sweep, text_loop
+from gpuflow.bench.loaders import LoaderBenchConfig, cases, image_loop, sweep, text_loop
 from gpuflow.bench.results import device_ms, gb_per_s, wall_ms
+from gpuflow.bench.transfer_tables import KB, MB, SECTIONS
 from gpuflow.bench.transfer_targets import targets
 from gpuflow.common.console import err_console
 from gpuflow.device.accelerator import Device
@@ -314,12 +315,6 @@ def _memory_sample(device: Device, loader: DeviceLoader) -> dict[str, int]:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-
-
-SECTIONS = (
-    "peak", "memory_kinds", "small_tensors", "payloads", "loader_sweep", "loader_cases",
-    "image_loop", "text_loop", "flat_memory",
-)  # fmt: skip
 
 
 def run_transfer_bench(

@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gpuflow.bench.loaders import KB, MB
+KB, MB = 1 << 10, 1 << 20
+
+# The bench's sections, in the order they run and print (here, where the command line reads
+# them without loading torch).
+SECTIONS = (
+    "peak", "memory_kinds", "small_tensors", "payloads", "loader_sweep", "loader_cases",
+    "image_loop", "text_loop", "flat_memory",
+)  # fmt: skip
 
 
 def print_transfer_tables(r: dict[str, Any]) -> None:

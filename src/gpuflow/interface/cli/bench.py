@@ -35,7 +35,7 @@ class Bench:
 
 
 def _transfer_arguments(p: argparse.ArgumentParser) -> None:
-    from gpuflow.bench.transfer import SECTIONS
+    from gpuflow.bench.transfer_tables import SECTIONS
 
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
     p.add_argument(
@@ -46,7 +46,7 @@ def _transfer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _transfer_sections(args: argparse.Namespace) -> tuple[str, ...]:
-    from gpuflow.bench.transfer import SECTIONS
+    from gpuflow.bench.transfer_tables import SECTIONS
 
     if not args.sections:
         return SECTIONS
@@ -62,7 +62,7 @@ def _transfer_sections(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _transfer_name(args: argparse.Namespace) -> str:
     """``full`` or ``quick``, then the sections when not all of them ran."""
-    from gpuflow.bench.transfer import SECTIONS
+    from gpuflow.bench.transfer_tables import SECTIONS
 
     name = "quick" if args.quick else "full"
     sections = _transfer_sections(args)

@@ -28,7 +28,7 @@ SOURCE = PACKAGE
 # Crossings allowed outside transfer/ and data/, and why: a path (relative to src/gpuflow),
 # or "path::crossing" for one kind of crossing in one module.
 CROSSING_ALLOWED = {
-    "baselines/": "the pipelines gpuflow replaces cross the bus the way they always did",
+    "bench/baselines/": "the pipelines gpuflow replaces cross the bus the way they always did",
     "device/linkprobe.py": "measures the link by copying across it",
     "bench/transfer.py": "times the PyTorch idioms it compares the transfer layer with",
     "bench/loaders.py": "times the loading idioms DeviceLoader replaces, and their .to()",
@@ -214,12 +214,19 @@ def _plant(root: Path, relative: str, text: str) -> None:
         ("model/gpt.py", "from gpuflow.train.config import TrainConfig\n"),
         ("data/shards.py", "import gpuflow.interface.cli\n"),
         ("accounting/tally.py", "from gpuflow import transfer\n"),
+        ("train/datapath.py", "def rows():\n    from gpuflow.bench.baselines import naive\n"),
     ],
 )
 def test_the_import_check_finds_a_planted_upward_import(tmp_path, relative, text):
     _plant(tmp_path, relative, text)
     _plant(tmp_path, "train/ok.py", "from gpuflow.model.gpt import GPT\n")
     assert len(upward_imports(tmp_path)) == 1
+
+
+def test_the_bench_sits_above_every_layer_a_training_run_loads():
+    """So the import check keeps the bench's code, its baselines included, out of them."""
+    product = ("common", "device", "accounting", "transfer", "data", "model", "train")
+    assert all(LAYERS.index(layer) < LAYERS.index("bench") for layer in product)
 
 
 @pytest.mark.parametrize(
@@ -237,6 +244,14 @@ def test_the_import_check_finds_a_planted_upward_import(tmp_path, relative, text
 def test_the_crossing_check_finds_a_planted_crossing(tmp_path, line):
     _plant(tmp_path, "train/step.py", f"def step(loss, batch, device, model_device):\n    {line}\n")
     assert len(crossings_outside_their_layers(tmp_path, {})) == 1
+
+
+def test_the_baselines_exception_covers_their_folder_and_no_other_bench(tmp_path):
+    crossing = "def f(loss):\n    return loss.item()\n"
+    _plant(tmp_path, "bench/baselines/naive.py", crossing)
+    _plant(tmp_path, "bench/results.py", crossing)
+    found = crossings_outside_their_layers(tmp_path, CROSSING_ALLOWED)
+    assert found == ["bench/results.py:2: .item()"]
 
 
 def test_the_crossing_check_leaves_casts_and_same_device_copies_alone(tmp_path):

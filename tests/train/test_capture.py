@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard paths)
 from gpuflow.device.accelerator import Device
 from gpuflow.train.capture import CapturedStep
 from gpuflow.train.config import TrainConfig, resolve_config

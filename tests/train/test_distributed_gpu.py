@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard paths)
 from gpuflow.accounting.budgets import budget
 from gpuflow.train import distributed
 from gpuflow.train.checkpoint import latest_checkpoint, read_record

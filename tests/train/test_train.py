@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard paths)
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import validation_windows
 from gpuflow.data.prepare import PrepareConfig, prepare

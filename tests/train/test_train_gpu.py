@@ -220,7 +220,7 @@ def test_a_compiled_captured_step_learns_like_the_eager_one(accel, prepared, wor
 
 def test_the_naive_path_downloads_the_tables_for_every_sequence(accel, prepared, workdir):
     from gpuflow.accounting.ledger import TransferLedger
-    from gpuflow.baselines.naive import NaiveBatches
+    from gpuflow.bench.baselines.naive import NaiveBatches  # (registering the naive path)
 
     config = resolve_config(
         "tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=4", "train.data_path=naive"]

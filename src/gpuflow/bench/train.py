@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard modes' rows)
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.common.console import err_console
 from gpuflow.data.sources import FixedBatch

@@ -2,7 +2,9 @@
 
 A module imports only from its own layer and those below it (``tests/project/test_architecture.py``
 checks this), and only the layers in ``CROSSING`` move bytes between host and device.
-``bench`` and ``interface`` sit on top: they measure and drive everything else.
+``bench`` and ``interface`` sit on top: they measure and drive everything else. The
+baselines the benches measure against (the naive and standard data paths) are bench code,
+registered with the trainer from there, so no layer below ``bench`` loads them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ LAYERS = (
     "transfer",  # the memory layer (pinned pools) lives here too
     "data",
     "model",
-    "baselines",  # the naive and standard data paths: below train, which runs them
     "train",
     "bench",
     "interface",

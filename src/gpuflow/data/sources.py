@@ -9,7 +9,7 @@ that the draw can sit inside a CUDA graph: ``prepare(s)`` does the host's part o
 (a chunk switch) before the graph runs, and ``draw()`` queues device work only and moves
 the counter on.
 
-The baselines' sources (``gpuflow.baselines``) follow the same interface.
+The baselines' sources (``gpuflow.bench.baselines``) follow the same interface.
 """
 
 from __future__ import annotations

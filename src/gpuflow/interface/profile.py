@@ -31,7 +31,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
 from gpuflow.train.config import RunConfig, apply_overrides
-from gpuflow.train.datapath import DataPath
+from gpuflow.train.datapath import DataPath, registered
 from gpuflow.train.runfolder import PROFILE_FILE
 from gpuflow.train.trainer import Trainer, run_steps
 
@@ -89,6 +89,8 @@ def profile_training(
     config = apply_overrides(config, {"train": {"steps": warmup + 2 * steps}}, "profile")
     out_dir = Path(out_dir)
     check_output_folder(out_dir)
+    if not registered(config.train.data_path):  # a baseline: the bench registers it
+        import gpuflow.bench.baselines  # noqa: F401
     trainer = Trainer(config, out_dir, device)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
     peak = probe_link(device).get("h2d_pinned")

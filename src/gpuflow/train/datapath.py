@@ -1,14 +1,17 @@
 """The data paths of ``train.data_path``: which ones there are, which one runs on this device,
 and what each is made of (its row in ``PATHS``).
 
-``naive`` (the pipeline this project replaces), ``standard`` (what most PyTorch code does),
-``streamed`` (``DeviceLoader`` with uint16 ids), ``resident`` (the corpus uploaded once,
-batches drawn on the device) and ``resident-graph`` (``resident`` with the whole step as one
-CUDA graph; the default on CUDA). A row says where a path's batches come from, which kind of
-step trains on them, whether several ranks wrap its model in DDP, whether its corpus lives on
-the device and whether its step trains bf16 weights over fp32 masters. Adding a path is a name
-in ``DataPath`` and a row in ``PATHS``. What each does, in detail: docs/architecture/training.md
-(The data paths).
+The trainer's own paths are ``streamed`` (``DeviceLoader`` with uint16 ids), ``resident``
+(the corpus uploaded once, batches drawn on the device) and ``resident-graph`` (``resident``
+with the whole step as one CUDA graph; the default on CUDA). ``naive`` (the pipeline this
+project replaces) and ``standard`` (what most PyTorch code does) are baselines, kept to
+measure against: their names are here, since configs name them, but their rows are the
+bench's, added with ``register_path`` when ``gpuflow.bench.baselines`` is imported, so that
+the trainer's layers never import the bench. A row says where a path's batches come from,
+which kind of step trains on them, whether several ranks wrap its model in DDP, whether its
+corpus lives on the device and whether its step trains bf16 weights over fp32 masters. Adding
+a path is a name in ``DataPath`` and a row in ``PATHS``. What each does, in detail:
+docs/architecture/training.md (The data paths).
 
 The run's config checks ``train.data_path`` against these names, and every step reads that
 config: so a row names its step's kind, and ``gpuflow.train.step`` builds the step. Importing
@@ -25,6 +28,7 @@ from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import WindowSampler
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.allocator import allocator_in
@@ -74,9 +78,9 @@ def resolve_data_path(
 
 
 class StepKind(StrEnum):
-    """The kinds of training step (``gpuflow.train.step``: ``STEPS`` holds their classes)."""
+    """The trainer's kinds of training step (``gpuflow.train.step``: ``STEPS`` holds their
+    classes, and those of kinds registered beside a path's row, as the naive baseline's)."""
 
-    NAIVE = "naive"  # the naive baseline's per-sequence gradients
     EAGER = "eager"  # forward, backward, clip, update, launched one by one
     GRAPH = "graph"  # the whole step, batch draw included, as one CUDA graph
 
@@ -111,18 +115,6 @@ class BatchPlan:
 OpenSource = Callable[[BatchPlan, "Device", int, int], "BatchSource"]
 
 
-def _naive(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
-    from gpuflow.baselines.naive import NaiveBatches
-
-    return NaiveBatches(plan.sampler)
-
-
-def _standard(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
-    from gpuflow.baselines.standard import StandardBatches
-
-    return StandardBatches(plan.sampler, device)
-
-
 def _streamed(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
     from gpuflow.data.sources import StreamedBatches
 
@@ -142,7 +134,7 @@ def _resident(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSo
 @dataclass(frozen=True)
 class PathRow:
     open_source: OpenSource
-    step: StepKind
+    step: str  # a StepKind, or a kind registered with the step's class (``register_step``)
     # On several ranks the model is wrapped in DistributedDataParallel (which overlaps the
     # all-reduce with the eager backward); otherwise the step's averager reduces gradients
     # (the naive baseline's per-sequence backward is not one DDP can wrap).
@@ -151,9 +143,8 @@ class PathRow:
     master_weights: bool = False  # bf16 weights over fp32 masters, where the kernel runs
 
 
-PATHS: Mapping[DataPath, PathRow] = {
-    DataPath.NAIVE: PathRow(_naive, StepKind.NAIVE, ddp=False, resident=False),
-    DataPath.STANDARD: PathRow(_standard, StepKind.EAGER, ddp=True, resident=False),
+# The trainer's own rows, then those registered (``register_path``).
+PATHS: dict[DataPath, PathRow] = {
     DataPath.STREAMED: PathRow(_streamed, StepKind.EAGER, ddp=True, resident=False),
     DataPath.RESIDENT: PathRow(_resident, StepKind.EAGER, ddp=True, resident=True),
     DataPath.RESIDENT_GRAPH: PathRow(
@@ -162,10 +153,34 @@ PATHS: Mapping[DataPath, PathRow] = {
 }
 
 
+OWN_PATHS = frozenset(PATHS)
+
+
+def register_path(path: DataPath, path_row: PathRow) -> None:
+    """Give ``path`` its row: how the bench's baselines join the table
+    (``gpuflow.bench.baselines``). The trainer's own rows cannot be replaced."""
+    if path is DataPath.AUTO or path in OWN_PATHS:
+        raise ValueError(f"{path} is the trainer's own; only a path without a row is registered")
+    PATHS[path] = path_row
+
+
+def registered(name: str) -> bool:
+    """Whether ``train.data_path`` ``name`` can be built in this process: ``auto`` (which
+    resolves to one of the trainer's own paths) or a path with a row."""
+    return name == DataPath.AUTO or DataPath(name) in PATHS
+
+
 def row(path: DataPath) -> PathRow:
-    """``path``'s row; ``auto`` has none (``resolve_data_path`` first)."""
-    if path not in PATHS:
+    """``path``'s row; ``auto`` has none (``resolve_data_path`` first), and a baseline has
+    one once the bench has registered it."""
+    if path is DataPath.AUTO:
         raise ValueError(f"{path} is not a runnable data path; resolve_data_path first")
+    if path not in PATHS:
+        raise GpuflowError(
+            f"train.data_path {path} is a baseline the bench registers: import "
+            f"gpuflow.bench.baselines before building the run, or measure it with "
+            f"gpuflow bench train --modes {path}"
+        )
     return PATHS[path]
 
 

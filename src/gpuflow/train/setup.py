@@ -105,11 +105,12 @@ def build_setup(
     if not ranks.is_main:
         say = _silent  # rank 0 speaks for the job
     path, path_note = resolve_data_path(cfg.train.data_path, device, cfg.train.allocator)
+    path_row = row(path)  # a baseline the bench has not registered is refused here
     if ranks.is_main:
         check_trackers(cfg)  # rank 0 alone tracks
     # Data-parallel: the eager paths leave the gradients to DDP, the others average them in
     # the step (the captured one inside its graph).
-    ddp = ranks.distributed and row(path).ddp
+    ddp = ranks.distributed and path_row.ddp
     averager: Averager | None = None
     if ranks.distributed:
         averager = GradientAverager(ranks.world_size, reduce_gradients=not ddp)

@@ -3,11 +3,13 @@
 A data path's row (``gpuflow.train.datapath``) names its step's kind; ``build_step`` builds
 it over a model, its optimizer and a batch source. Calling the step runs one optimizer step
 and adds its loss and grad norm to the step's ``AsyncScalars``; ``readback`` is what a
-logging step reads back. Three kinds:
+logging step reads back. The trainer's two kinds:
 
 - ``EagerStep``: forward, backward, clip, update, from the source's (inputs, targets);
-- ``NaiveStep``: the naive baseline's per-sequence gradients, then the same update;
 - ``GraphStep``: the whole step, batch draw and learning rate included, as one CUDA graph.
+
+A path registered from outside the trainer may bring a kind of its own (``register_step``):
+the bench's naive baseline does (``gpuflow.bench.baselines``).
 
 Nothing here reads from the device: the host's part is launching.
 """
@@ -22,7 +24,6 @@ from typing import Any
 import torch
 from torch._inductor import config as inductor_config
 
-from gpuflow.baselines.naive import NaiveBatches, naive_gradients, naive_update
 from gpuflow.data.sources import BatchSource, CapturableSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
@@ -198,21 +199,6 @@ class EagerStep(TrainStep):
         self.scalars.add(loss=loss, grad_norm=self.update(loss))
 
 
-class NaiveStep(TrainStep):
-    """The naive baseline: its gradients and its update both from ``baselines/naive.py``."""
-
-    batches: NaiveBatches
-
-    def make_update(self, parts: StepParts) -> None:
-        return None  # naive_update, below
-
-    def __call__(self, step: int) -> None:
-        self.set_lr(step)
-        self.last_loss = naive_gradients(self.model, self.device, self.batches.host_tokens(step))
-        grad_norm = naive_update(self.model, self.optimizer, self.config.grad_clip)
-        self.scalars.add(loss=self.last_loss, grad_norm=grad_norm)
-
-
 class GraphStep(TrainStep):
     """The step captured whole: the batch is drawn and the learning rate computed on the
     device from the source's step counter, so every replay trains the next step."""
@@ -266,11 +252,19 @@ class GraphStep(TrainStep):
         self.captured.release()
 
 
-STEPS: Mapping[StepKind, type[TrainStep]] = {
-    StepKind.NAIVE: NaiveStep,
+# The trainer's kinds, then those registered (``register_step``).
+STEPS: dict[str, type[TrainStep]] = {
     StepKind.EAGER: EagerStep,
     StepKind.GRAPH: GraphStep,
 }
+
+
+def register_step(kind: str, step: type[TrainStep]) -> None:
+    """Add the class of a kind of step that a registered path's row names (the bench's naive
+    step). The trainer's own kinds cannot be replaced."""
+    if kind in tuple(StepKind):
+        raise ValueError(f"{kind} is one of the trainer's own kinds of step")
+    STEPS[kind] = step
 
 
 def build_step(path: DataPath, parts: StepParts, batches: BatchSource) -> TrainStep:

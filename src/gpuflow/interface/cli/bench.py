@@ -476,6 +476,8 @@ def run(args: argparse.Namespace) -> int:
         use_allocator(_train_config(args), args.device, args.argv)
     device = Device.resolve(args.device)
     bench = BENCHES[args.bench]
+    if bench.overrides:  # --set may ask for a baseline data path, which the bench registers
+        import gpuflow.bench.baselines  # noqa: F401
     bench.check(args, device)
     out_console.print(f"bench {args.bench} on {device} ({device.name()})")
     results = bench.measure(args, device)

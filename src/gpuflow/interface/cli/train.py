@@ -85,8 +85,11 @@ def _run_config(args: argparse.Namespace) -> tuple[Path | None, RunConfig]:
 
 def run(args: argparse.Namespace) -> int:
     from gpuflow.train import distributed
+    from gpuflow.train.datapath import registered
 
     resolved = _run_config(args)
+    if not registered(resolved[1].train.data_path):  # a baseline: the bench registers it
+        import gpuflow.bench.baselines  # noqa: F401
     use_allocator(resolved[1], args.device, args.argv)
     # Under torchrun this process is one rank of a data-parallel job, on its own device.
     ranks = distributed.Ranks.from_env()

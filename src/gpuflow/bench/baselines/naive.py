@@ -7,6 +7,9 @@ looked up there, and the (T, C) result is uploaded with a blocking copy from pag
 memory; the loss is read back after every sequence, and the device's memory cache is
 emptied, so every sequence allocates afresh. The embedding's gradient is added back into
 the tables on the device, so the model still learns what the other paths learn.
+
+Its step (``NaiveStep``, of kind ``naive``) runs these gradients and a plain loop's update;
+``gpuflow.bench.baselines`` registers both with the trainer.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from gpuflow.data.batches import WindowSampler
 from gpuflow.data.sources import BatchSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
+from gpuflow.train.step import StepParts, TrainStep
 from gpuflow.transfer.mirror import host_copy_now, read_now
+
+STEP_KIND = "naive"  # the kind of step the naive path's row names
 
 
 class NaiveBatches(BatchSource):
@@ -73,3 +79,18 @@ def naive_update(model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+class NaiveStep(TrainStep):
+    """The naive baseline's step: its per-sequence gradients, then its plain update."""
+
+    batches: NaiveBatches
+
+    def make_update(self, parts: StepParts) -> None:
+        return None  # naive_update, below
+
+    def __call__(self, step: int) -> None:
+        self.set_lr(step)
+        self.last_loss = naive_gradients(self.model, self.device, self.batches.host_tokens(step))
+        grad_norm = naive_update(self.model, self.optimizer, self.config.grad_clip)
+        self.scalars.add(loss=self.last_loss, grad_norm=grad_norm)

@@ -1,17 +1,30 @@
 """The baseline data paths on the cpu: ``standard`` hands the step the batch the sampler drew,
 as int64 shifted by one; ``naive`` keeps it on the host and its per-sequence gradients are the
-model's own."""
+model's own. Importing them registers their rows and the naive step with the trainer, and a
+run asking for one that is not registered is refused in one line."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from gpuflow.baselines.naive import NaiveBatches, naive_gradients, naive_update
-from gpuflow.baselines.standard import StandardBatches
+from gpuflow.bench.baselines.naive import (
+    STEP_KIND,
+    NaiveBatches,
+    NaiveStep,
+    naive_gradients,
+    naive_update,
+)
+from gpuflow.bench.baselines.standard import StandardBatches
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.batches import WindowSampler
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT, ModelConfig
+from gpuflow.train.config import resolve_config
+from gpuflow.train.datapath import PATHS, DataPath, StepKind, register_path, registered, row
+from gpuflow.train.step import STEPS, register_step
+from gpuflow.train.trainer import Trainer
 from tests.helpers import random_shards
 
 CPU = Device("cpu")
@@ -71,3 +84,27 @@ def test_the_naive_update_clips_steps_and_clears_as_a_plain_loop_does():
         assert mine.grad is None
     (model(torch.ones(2, 4)).sum()).backward()
     assert float(naive_update(model, optimizer, grad_clip=0.0)) == 0.0  # no clip: no norm
+
+
+def test_importing_the_baselines_registers_their_rows_and_the_naive_step():
+    assert registered("naive") and registered("standard")
+    assert row(DataPath.NAIVE).step == STEP_KIND and STEPS[STEP_KIND] is NaiveStep
+    assert row(DataPath.STANDARD).step == StepKind.EAGER and row(DataPath.STANDARD).ddp
+    with pytest.raises(ValueError, match="the trainer's own"):
+        register_path(DataPath.RESIDENT, row(DataPath.NAIVE))
+    with pytest.raises(ValueError, match="the trainer's own kinds"):
+        register_step(StepKind.EAGER, NaiveStep)
+
+
+def test_a_run_asking_for_an_unregistered_baseline_is_refused_in_one_line(tmp_path, monkeypatch):
+    for baseline in (DataPath.NAIVE, DataPath.STANDARD):
+        monkeypatch.delitem(PATHS, baseline)  # as in a process that never imported the bench
+    assert not registered("naive") and registered("auto") and registered("resident")
+    config = resolve_config("tiny", None, ["train.data_path=naive"])
+    with pytest.raises(GpuflowError) as refused:
+        Trainer(config, tmp_path / "run", CPU).run()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "import gpuflow.bench.baselines" in message
+    assert "gpuflow bench train --modes naive" in message
+    assert not (tmp_path / "run").exists()  # refused before the run's folder was made

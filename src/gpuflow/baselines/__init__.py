@@ -1,1 +1,0 @@
-"""The pipelines gpuflow replaces, kept to measure against: the naive and standard data paths."""

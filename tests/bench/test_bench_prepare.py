@@ -1,8 +1,11 @@
-"""``gpuflow bench prepare``: the generated corpus, the timed child with its memory peak, and
-the hand-written tokenizers script against gpuflow prepare on the same megabyte."""
+"""``gpuflow bench prepare``: the generated corpus, the timed child with the memory peaks of
+its processes, and the hand-written tokenizers script against gpuflow prepare on the same
+megabyte, generated or the user's (any input prepare reads), with held-out documents that
+neither trains on."""
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 
@@ -10,8 +13,10 @@ import pytest
 
 from gpuflow.bench.prepare import (
     FILE_BYTES,
+    HOLD_OUT_EVERY,
     SEPARATOR,
     PrepareBenchConfig,
+    builtin_held_out,
     generate_corpus,
     print_prepare_table,
     run_prepare_bench,
@@ -36,13 +41,23 @@ def test_the_generated_corpus_has_the_size_asked_for_in_whole_characters(tmp_pat
     text = files[0].read_text(encoding="utf-8")  # whole characters: decodes
     assert text.count(SEPARATOR) > 10
     assert generate_corpus(tmp_path / "again", 1)[0].read_bytes() == files[0].read_bytes()
+    held = builtin_held_out()
+    assert held and not any(h in text for h in held[:20])  # held out of the corpus
 
 
 def test_a_timed_child_gives_its_seconds_memory_and_output_or_one_line(tmp_path):
-    grow = "x = bytearray(64 << 20); import time; time.sleep(0.3); print('done')"
+    """The child's peak, its own child's, and the peak of the two together."""
+    grandchild = "x = bytearray(96 << 20); import time; time.sleep(0.6)"
+    grow = (
+        "import subprocess, sys, time; x = bytearray(48 << 20); "
+        f"subprocess.run([sys.executable, '-c', {grandchild!r}]); print('done')"
+    )
     result = run_timed([sys.executable, "-c", grow], tmp_path)
-    assert result["stdout"] == "done\n" and result["seconds"] >= 0.3
-    assert result["peak_rss_bytes"] >= 64 << 20
+    assert result["stdout"] == "done\n" and result["seconds"] >= 0.6
+    assert result["peak_main_bytes"] >= 48 << 20
+    assert len(result["process_peaks_bytes"]) == 1 and result["process_peaks_bytes"][0] >= 96 << 20
+    assert result["peak_process_bytes"] == result["process_peaks_bytes"][0]
+    assert result["peak_rss_bytes"] >= (48 << 20) + (96 << 20)
     fail = "import sys; print('first', file=sys.stderr); sys.exit('the last line')"
     with pytest.raises(GpuflowError, match=r"^bench prepare: .* failed: the last line$"):
         run_timed([sys.executable, "-c", fail], tmp_path)
@@ -61,5 +76,37 @@ def test_the_script_and_gpuflow_prepare_read_the_same_documents(tmp_path, monkey
     assert script["documents"] == ours["documents"] > 100
     assert script["tokens"] > 0 and ours["tokens"] > 0
     assert result["speedup"] == pytest.approx(script["seconds"] / ours["seconds"], rel=1e-6)
+    assert 0 < script["tokens_per_byte"] < 1 and 0 < ours["tokens_per_byte"] < 1
     print_prepare_table(result)
     assert "gpuflow prepare" in capsys.readouterr().out
+
+
+def test_the_users_data_of_any_format_with_documents_held_out(
+    tmp_path, monkeypatch, capsys, stdlib_documents
+):
+    """JSON lines given with --data: both read the same documents less every
+    ``HOLD_OUT_EVERY``-th, and each tokenizer is measured on those it never saw."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
+    texts = [d.text for d in stdlib_documents[:200]]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    result = run_prepare_bench(PrepareBenchConfig(data=(str(data),), vocab_size=400, workers=1))
+    assert list((tmp_path / "scratch").iterdir()) == []
+    script, ours = result["rows"]
+    held = len(texts) // HOLD_OUT_EVERY
+    assert result["held_out_documents"] == held and result["corpus"] == [str(data)]
+    assert result["held_out_bytes"] == sum(
+        len(t.encode()) for t in texts[HOLD_OUT_EVERY - 1 :: HOLD_OUT_EVERY]
+    )
+    assert script["documents"] == ours["documents"] == len(texts) - held
+    for row in (script, ours):
+        assert 0 < row["tokens_per_byte"] < 1
+        assert 0 < row["peak_process_bytes"] <= row["peak_rss_bytes"]
+        assert row["peak_main_bytes"] <= row["peak_process_bytes"]
+    assert result["tokens_per_byte_ratio"] == pytest.approx(
+        ours["tokens_per_byte"] / script["tokens_per_byte"]
+    )
+    print_prepare_table(result)
+    assert "held-out" in capsys.readouterr().out

@@ -1,12 +1,19 @@
 """The BPE trainer's input: ordinary text goes to it as it is, and a run without spaces (a
 genome, a blob) goes in words of at most ``WORD_CHARS`` characters, so that no line can make
-training quadratic."""
+training quadratic. A large sample trains in a process of its own, on capped threads, from
+texts cut where no word changes: to the tokenizer the library learns from the texts whole."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import multiprocessing
+import os
 import random
 import re
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,8 +21,16 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import gpuflow.data.tokenizer as tokenizer_module
+from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.data.tokenizer import EOT, WORD_CHARS, bounded_words, long_runs, train_tokenizer
+from gpuflow.data.tokenizer import (
+    EOT,
+    WORD_CHARS,
+    bounded_words,
+    fed_texts,
+    long_runs,
+    train_tokenizer,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -42,9 +57,14 @@ def test_long_runs_are_those_a_pattern_finds(pieces, word_chars):
     assert all(len(run) <= word_chars for run in runs)
 
 
-def test_ordinary_text_trains_the_same_tokenizer_as_before(stdlib_documents):
+@pytest.mark.parametrize("where", ["here", "in a process of its own, fed short texts"])
+def test_ordinary_text_trains_the_same_tokenizer_as_before(stdlib_documents, monkeypatch, where):
     """The built-in corpus has no run near ``WORD_CHARS``: what the trainer learns from it is
-    what it learned from the texts as they were, byte for byte."""
+    what the library learns from the texts as they are, byte for byte, here or in a process
+    of its own fed the texts cut into hundreds of characters."""
+    if where != "here":
+        monkeypatch.setattr(tokenizer_module, "CHILD_MIN_CHARS", 0)
+        monkeypatch.setattr(tokenizer_module, "FEED_CHARS", 300)
     texts = [d.text for d in stdlib_documents[:300]]
     assert not any(list(long_runs(text)) for text in texts)
     tokenizer = Tokenizer(models.BPE())
@@ -54,6 +74,90 @@ def test_ordinary_text_trains_the_same_tokenizer_as_before(stdlib_documents):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator(texts, trainer)
     assert train_tokenizer(texts, 2000).to_str() == tokenizer.to_str()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["ab", "c", " ", "  ", "\n", "\t", "x.y", "\n\n "]), max_size=120),
+    st.sampled_from([4, 7, 16]),
+)
+def test_texts_are_cut_for_the_trainer_only_where_no_word_changes(pieces, feed_chars):
+    """Each cut is before a space or a newline that follows a character other than
+    whitespace (a word boundary of the byte-level pre-tokenizer); the pieces join to the
+    text, and a piece is longer than ``FEED_CHARS`` only where no such place was found."""
+    text = "".join(pieces)
+    old, tokenizer_module.FEED_CHARS = tokenizer_module.FEED_CHARS, feed_chars
+    try:
+        fed = list(fed_texts([text]))
+    finally:
+        tokenizer_module.FEED_CHARS = old
+    assert "".join(fed) == text
+    for before, after in itertools.pairwise(fed):
+        assert after[0] in " \n" and not before[-1].isspace()
+    for piece in fed[:-1]:
+        assert len(piece) <= feed_chars
+    if len(fed[-1]) > feed_chars:  # no place to cut within reach
+        assert not re.search(r"\S[ \n]", fed[-1][: feed_chars + 1])
+
+
+def _children_threads(most: dict[int, int], stop: threading.Event) -> None:
+    """The most threads seen in each spawned child of this process, until ``stop``."""
+    while not stop.is_set():
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+                if parent == os.getpid() and b"spawn_main" in (entry / "cmdline").read_bytes():
+                    threads = len(os.listdir(entry / "task"))
+                    most[int(entry.name)] = max(most.get(int(entry.name), 0), threads)
+            except (OSError, IndexError, ValueError):
+                continue
+        time.sleep(0.005)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
+def test_a_large_sample_trains_in_a_process_of_its_own_on_capped_threads(
+    stdlib_documents, monkeypatch
+):
+    """The trainer's threads are the cap's, not the cores' (a host of 64 here), in the process
+    that trains; a small sample trains here, starting no process."""
+    texts = [d.text for d in stdlib_documents[:300]]
+    monkeypatch.setattr(tokenizer_module, "usable_cores", lambda: 64)
+    seen = {}
+    for cap, child_min in ((5, None), (5, 0), (9, 0)):
+        monkeypatch.setattr(tokenizer_module, "TRAIN_THREADS", cap)
+        if child_min is not None:
+            monkeypatch.setattr(tokenizer_module, "CHILD_MIN_CHARS", child_min)
+        most: dict[int, int] = {}
+        stop = threading.Event()
+        watch = threading.Thread(target=_children_threads, args=(most, stop))
+        watch.start()
+        try:
+            train_tokenizer(texts, 1000)
+        finally:
+            stop.set()
+            watch.join()
+        seen[(cap, child_min)] = max(most.values(), default=0)
+    assert seen[(5, None)] == 0  # no child
+    # The cap's threads and the process's own (the machine has fewer cores than either).
+    assert seen[(5, 0)] == 6 and seen[(9, 0)] == 10, seen
+
+
+def test_a_trainer_that_dies_is_one_line(stdlib_documents, monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "CHILD_MIN_CHARS", 0)
+
+    def killing(texts):
+        for i, text in enumerate(texts):
+            if i == 20:  # the trainer has started: kill it as the kernel does when memory ends
+                for child in multiprocessing.active_children():
+                    if child.name == "gpuflow-bpe-trainer":
+                        child.kill()
+                        child.join()
+            yield text
+
+    texts = [d.text for d in stdlib_documents[:200]] * 5
+    with pytest.raises(GpuflowError, match=r"^the tokenizer's trainer stopped \(killed, as when"):
+        train_tokenizer(killing(texts), 1000)
+    assert not [c for c in multiprocessing.active_children() if c.name == "gpuflow-bpe-trainer"]
 
 
 def test_a_line_of_a_million_letters_reaches_the_trainer_in_bounded_words():

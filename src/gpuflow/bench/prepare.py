@@ -3,10 +3,12 @@ same ``tokenizers`` library, on the same corpus and machine, each in a child pro
 
     gpuflow bench prepare --mib 100          # a generated corpus of 100 MiB
     gpuflow bench prepare --data books/ --separator '<|endoftext|>'
+    gpuflow bench prepare --data corpus.jsonl.zst more/   # any input prepare reads
 
-Each row: wall time, MB/s of corpus, tokens/s and the peak resident memory of the child's
-process tree. The baseline script, how memory is sampled, and the generated corpus:
-docs/architecture/benches.md (gpuflow bench prepare).
+Each row: wall time, MB/s of corpus, tokens/s, the peak resident memory of the child's
+largest process and of its whole process tree, and its tokenizer's tokens per byte on
+documents held out of both trainings. The baseline script, how memory is sampled, the held-out
+documents and the generated corpus: docs/architecture/benches.md (gpuflow bench prepare).
 """
 
 from __future__ import annotations
@@ -17,29 +19,39 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.treememory import TreeMemory
 from gpuflow.data.encode import usable_cores
 
 SEPARATOR = "<|endoftext|>"
 FILE_BYTES = 16 << 20
+# Every HOLD_OUT_EVERY-th document, up to HELD_OUT_CHARS of text, is kept out of both trainings
+# to measure each tokenizer on text it has not seen.
+HOLD_OUT_EVERY = 20
+HELD_OUT_CHARS = 4 << 20
 
-# The hand-written pipeline: the baseline, run as a script of its own.
+# The hand-written pipeline: the baseline, run as a script of its own. It reads text files
+# (documents between separators) or JSON lines (a "text" field), as a user's script would.
 BASELINE = r"""
 import json, sys, time
 from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-files, separator, vocab, out = json.loads(sys.argv[1])
+files, kind, separator, vocab, out, saved = json.loads(sys.argv[1])
 started = time.perf_counter()
 docs = []
 for f in files:
+    if kind == "jsonl":
+        with open(f, encoding="utf-8") as lines:
+            docs += [d for d in (json.loads(line)["text"] for line in lines) if d.strip()]
+        continue
     text = Path(f).read_text(encoding="utf-8")
     docs += [d.strip() for d in (text.split(separator) if separator else [text]) if d.strip()]
 tok = Tokenizer(models.BPE())
@@ -58,6 +70,7 @@ with open(out, "wb") as f:
             f.write(ids.tobytes())
             tokens += ids.size
 done = time.perf_counter()
+tok.save(saved)
 print(json.dumps({"train_s": trained - started, "encode_s": done - trained, "tokens": tokens,
                   "documents": len(docs)}))
 """
@@ -69,7 +82,7 @@ class PrepareBenchConfig:
     data: tuple[str, ...] = ()  # empty: a generated corpus of ``mib``
     separator: str | None = None  # with --data: how its text files hold documents
     vocab_size: int = 16000
-    workers: int = 0  # gpuflow's; 0: every core
+    workers: int = 0  # gpuflow's; 0: prepare's default
 
     def __post_init__(self) -> None:
         if self.mib < 1:
@@ -77,10 +90,12 @@ class PrepareBenchConfig:
 
 
 def generate_corpus(folder: Path, mib: int) -> list[Path]:
-    """``mib`` MiB of text files of the built-in corpus's documents, reshuffled per copy."""
+    """``mib`` MiB of text files of the built-in corpus's documents, reshuffled per copy (the
+    held-out ones, ``builtin_held_out()``, left out)."""
     from gpuflow.data.corpus import default_corpus
 
-    texts = [d.text for d in default_corpus()]
+    held = HoldOut()
+    texts = [d.text for d in default_corpus() if not held(d.text)]
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
     files, written, target = [], 0, mib << 20
@@ -97,85 +112,135 @@ def generate_corpus(folder: Path, mib: int) -> list[Path]:
     return files
 
 
-class TreeMemory:
-    """The peak of the summed resident memory of a process and every process below it."""
+def builtin_held_out() -> list[str]:
+    """The built-in documents the generated corpus leaves out."""
+    from gpuflow.data.corpus import default_corpus
 
-    def __init__(self, pid: int, every: float = 0.05) -> None:
-        self.pid, self.every, self.peak = pid, every, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return self.peak
-
-    def _watch(self) -> None:
-        while not self._done.is_set():
-            self.peak = max(self.peak, _tree_rss(self.pid))
-            self._done.wait(self.every)
+    held = HoldOut()
+    for document in default_corpus():
+        held(document.text)
+    return held.texts
 
 
-def _tree_rss(root: int) -> int:
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        pid, parent = int(entry.name), int(fields.get("PPid", "0").strip() or 0)
-        children.setdefault(parent, []).append(pid)
-        rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
-    total, queue = 0, [root]
-    while queue:
-        pid = queue.pop()
-        total += rss.get(pid, 0)
-        queue += children.get(pid, [])
-    return total
+class HoldOut:
+    """``held(text)``: whether the next document is held out (then kept in ``held.texts``):
+    every ``HOLD_OUT_EVERY``-th, while those held are shorter than ``HELD_OUT_CHARS``."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.seen = self.chars = 0
+
+    def __call__(self, text: str) -> bool:
+        self.seen += 1
+        if self.seen % HOLD_OUT_EVERY or self.chars >= HELD_OUT_CHARS:
+            return False
+        self.texts.append(text)
+        self.chars += len(text)
+        return True
+
+
+def write_documents(
+    data: tuple[str, ...], separator: str | None, folder: Path
+) -> tuple[list[Path], list[str]]:
+    """The documents of ``data`` (any input ``prepare`` reads) as JSON lines in ``folder``,
+    files of about ``FILE_BYTES``, less the held-out ones, which are returned."""
+    from gpuflow.data.corpus import Corpus
+    from gpuflow.data.formats import ReadOptions
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    held = HoldOut()
+    written, out = FILE_BYTES, None
+    try:
+        for text in _documents(Corpus(data, ReadOptions(separator, "text"))):
+            if held(text):
+                continue
+            if written >= FILE_BYTES:
+                if out is not None:
+                    out.close()
+                files.append(folder / f"part_{len(files):04d}.jsonl")
+                out, written = open(files[-1], "w", encoding="utf-8"), 0  # noqa: SIM115
+            written += out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    finally:
+        if out is not None:
+            out.close()
+    if not files:
+        raise GpuflowError(f"bench prepare: {', '.join(data)} holds too few documents")
+    return files, held.texts
+
+
+def _documents(corpus: Any) -> Iterator[str]:
+    """Each whole document of ``corpus`` (its parts joined)."""
+    held: list[str] = []
+    for part in corpus.parts():
+        if part.starts_document and held:
+            yield "".join(held)
+            held = []
+        held.append(part.text)
+    if held:
+        yield "".join(held)
+
+
+def tokens_per_byte(tokenizer_json: Path, texts: list[str]) -> float | None:
+    """Tokens per UTF-8 byte of ``texts`` encoded by the tokenizer saved in ``tokenizer_json``
+    (fewer is better); None without texts."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    nbytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if not nbytes:
+        return None
+    tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+    return tokens / nbytes
 
 
 def run_timed(command: list[str], cwd: Path) -> dict[str, Any]:
     """Run ``command`` in ``cwd`` to its end: its seconds, the peak memory of its process
-    tree and its stdout; a failure is one line naming the command's last stderr line."""
+    tree (summed, of its largest process, of itself, of each other process) and its stdout;
+    a failure is one line naming the command's last stderr line."""
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     memory = TreeMemory(child.pid)
     out, err = child.communicate()
     seconds = time.perf_counter() - started
-    peak = memory.stop()
+    peaks = memory.stop()
     if child.returncode != 0:
         last = err.decode(errors="replace").strip().splitlines()[-1:] or ["(nothing on stderr)"]
         raise GpuflowError(f"bench prepare: {command[2]} failed: {last[0]}")
-    return {"seconds": seconds, "peak_rss_bytes": peak, "stdout": out.decode(errors="replace")}
+    return {
+        "seconds": seconds,
+        "peak_rss_bytes": peaks.total,
+        "peak_process_bytes": peaks.largest,
+        "peak_main_bytes": peaks.each.get(child.pid, 0),
+        "process_peaks_bytes": peaks.others,
+        "stdout": out.decode(errors="replace"),
+    }
 
 
 def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
     from gpuflow.common.console import err_console
-    from gpuflow.data.formats import resolve_inputs
+    from gpuflow.data.encode import default_workers
+    from gpuflow.data.prepare import POOL_MIN_BYTES
+    from gpuflow.data.tokenizer import load_tokenizer
 
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-prepare-"))
     try:
         if bench.data:
-            inputs = resolve_inputs(list(bench.data))
-            if any(i.kind != "text" or i.compression or i.path is None for i in inputs):
-                raise GpuflowError(
-                    "bench prepare's baseline reads plain text files: pass .txt/.md files or "
-                    "folders of them with --data"
-                )
-            files = [i.path for i in inputs]
-            separator = bench.separator
+            err_console.print(f"reading {', '.join(bench.data)}...")
+            files, held = write_documents(bench.data, bench.separator, scratch / "corpus")
+            kind, separator = "jsonl", None
         else:
             err_console.print(f"generating a {bench.mib} MiB corpus...")
-            files, separator = generate_corpus(scratch / "corpus", bench.mib), SEPARATOR
+            files, held = generate_corpus(scratch / "corpus", bench.mib), builtin_held_out()
+            kind, separator = "text", SEPARATOR
         corpus_bytes = sum(p.stat().st_size for p in files)
         err_console.print(f"baseline: the tokenizers script on {corpus_bytes / 2**20:,.0f} MiB...")
-        spec = json.dumps([[str(p.absolute()) for p in files], separator, bench.vocab_size,
-                           str(scratch / "baseline.bin")])  # fmt: skip
+        saved = [str(scratch / "baseline.bin"), str(scratch / "baseline.json")]
+        spec = json.dumps([[str(p.absolute()) for p in files], kind, separator, bench.vocab_size,
+                           *saved])  # fmt: skip
         base = run_timed([sys.executable, "-c", BASELINE, spec], scratch)
         base.update(json.loads(base.pop("stdout").strip().splitlines()[-1]))
+        base["tokens_per_byte"] = tokens_per_byte(scratch / "baseline.json", held)
         err_console.print("gpuflow prepare...")
         command = [sys.executable, "-m", "gpuflow", "prepare", "--out", str(scratch / "ours"),
                    "--vocab-size", str(bench.vocab_size), "--workers", str(bench.workers),
@@ -187,6 +252,11 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
         meta = json.loads((scratch / "ours" / "meta.json").read_text())
         ours.update(tokens=meta["train_tokens"] + meta["val_tokens"], documents=meta["documents"],
                     forced_cuts=meta.get("forced_cuts", 0))  # fmt: skip
+        ours["tokens_per_byte"] = tokens_per_byte(scratch / "ours" / "tokenizer.json", held)
+        workers = bench.workers or (
+            default_workers(load_tokenizer(scratch / "ours")) if corpus_bytes >= POOL_MIN_BYTES
+            else 1
+        )  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rows = []
@@ -198,17 +268,25 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
             "tokens_per_s": row["tokens"] / row["seconds"],
         })  # fmt: skip
     rows[0]["encode_tokens_per_s"] = base["tokens"] / base["encode_s"]
+    ratio = None
+    if base["tokens_per_byte"] and ours["tokens_per_byte"]:
+        ratio = ours["tokens_per_byte"] / base["tokens_per_byte"]
     return {
         "corpus": "generated" if not bench.data else list(bench.data),
         "corpus_bytes": corpus_bytes,
         "files": len(files),
-        "separator": separator,
+        "separator": bench.separator if bench.data else separator,
         "vocab_size": bench.vocab_size,
         "cores": usable_cores(),
-        "workers": bench.workers or usable_cores(),
+        "workers": workers,
+        "held_out_documents": len(held),
+        "held_out_bytes": sum(len(t.encode("utf-8", "surrogatepass")) for t in held),
         "rows": rows,
         "speedup": rows[0]["seconds"] / rows[1]["seconds"],
         "memory_ratio": rows[1]["peak_rss_bytes"] / max(rows[0]["peak_rss_bytes"], 1),
+        "process_memory_ratio": rows[1]["peak_process_bytes"]
+        / max(rows[0]["peak_process_bytes"], 1),
+        "tokens_per_byte_ratio": ratio,
     }
 
 
@@ -216,23 +294,32 @@ def print_prepare_table(result: dict[str, Any]) -> None:
     from gpuflow.common.console import out_console, table
 
     out = table(
-        "row", "wall s", "MB/s", "tokens/s", "peak RSS", "tokens", "documents",
+        "row", "wall s", "MB/s", "tokens/s", "peak process", "peak tree", "tokens/byte",
+        "tokens", "documents",
         title=(
             f"prepare: {result['corpus_bytes'] / 2**20:,.0f} MiB in {result['files']} files, "
-            f"vocab {result['vocab_size']:,}, {result['cores']} cores"
+            f"vocab {result['vocab_size']:,}, {result['cores']} cores; tokens/byte on "
+            f"{result['held_out_documents']:,} held-out documents"
         ),
     )  # fmt: skip
     for row in result["rows"]:
         wall = f"{row['seconds']:.1f}"
         if "train_s" in row:
             wall += f" (train {row['train_s']:.1f}, encode {row['encode_s']:.1f})"
+        per_byte = row["tokens_per_byte"]
         out.add_row(
             row["row"], wall, f"{row['mb_per_s']:.2f}", f"{row['tokens_per_s']:,.0f}",
-            f"{row['peak_rss_bytes'] / 2**30:.2f} GiB", f"{row['tokens']:,}",
+            f"{row['peak_process_bytes'] / 2**30:.2f} GiB",
+            f"{row['peak_rss_bytes'] / 2**30:.2f} GiB ({len(row['process_peaks_bytes']) + 1})",
+            "-" if per_byte is None else f"{per_byte:.4f}", f"{row['tokens']:,}",
             f"{row['documents']:,}",
         )  # fmt: skip
     out_console.print(out)
+    quality = ""
+    if result["tokens_per_byte_ratio"] is not None:
+        quality = f", {result['tokens_per_byte_ratio']:.3f}x the tokens per held-out byte"
     out_console.print(
         f"gpuflow vs the script: {result['speedup']:.2f}x the speed, "
-        f"{result['memory_ratio']:.2f}x the peak memory"
+        f"{result['process_memory_ratio']:.2f}x the peak of one process, "
+        f"{result['memory_ratio']:.2f}x the peak of the process tree{quality}"
     )

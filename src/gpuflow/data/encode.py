@@ -6,28 +6,47 @@ the ids into arrays is Python work, which one process would do on one core) and 
 come back in the order the pieces went in, at most ``2 x workers`` tasks at a time, so memory
 does not grow with the corpus. Each piece is encoded on its own, so the ids do not depend on
 how pieces were grouped or how many workers there are.
+
+A worker's memory does not grow with a piece either: it encodes ``BATCH_CHARS`` at a time,
+a longer piece in parts cut where its tokens cannot change. How many workers the memory
+allows, and why: docs/decisions/047.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from tokenizers import Tokenizer
 
-from gpuflow.data.pieces import Piece
+from gpuflow.data.pieces import Cutter, Piece
 
-# Characters of one task: a worker holds its text, ids and the tokenizer's own records of
-# each token (tens of bytes a token) at once.
-TASK_CHARS = 1 << 20
+# Main-process code imports numpy where it runs: the workers import this module, and numpy
+# would add its own memory to every one of them.
+if TYPE_CHECKING:
+    import numpy as np
+
+# Characters of one task: the main process holds two tasks a worker, in flight.
+TASK_CHARS = 1 << 18
 TASK_PIECES = 4096  # pieces of one task (many short documents)
+# Characters a worker encodes at once: it holds the tokenizer's records of each of their
+# tokens (tens of bytes a token) until their ids are copied out.
+BATCH_CHARS = 1 << 16
+# The memory every worker may take together, and what one takes besides its copy of the
+# tokenizer: an interpreter with ``tokenizers``, a task and a batch's records.
+WORKERS_MEMORY = 3 << 30
+WORKER_BYTES = 52 << 20
+# A loaded tokenizer takes about this many times the size of its JSON in memory.
+TOKENIZER_MEMORY_PER_JSON_BYTE = 10
 
-_worker_tokenizer: Tokenizer | None = None
-_worker_dtype: np.dtype | None = None
+_worker: IdEncoder | None = None
+_trim_heap: Any = None  # glibc's malloc_trim, where there is one
 
 
 def usable_cores() -> int:
@@ -38,35 +57,90 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _start_worker(tokenizer_json: str, dtype: str) -> None:
-    global _worker_tokenizer, _worker_dtype
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one core
-    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
-    _worker_dtype = np.dtype(dtype)
+def default_workers(tokenizer: Tokenizer, cores: int | None = None) -> int:
+    """A worker a core (``cores``, default: the usable ones), but no more than
+    ``WORKERS_MEMORY`` holds at ``WORKER_BYTES`` and a copy of ``tokenizer`` each."""
+    each = WORKER_BYTES + TOKENIZER_MEMORY_PER_JSON_BYTE * len(tokenizer.to_str())
+    return max(1, min(cores or usable_cores(), WORKERS_MEMORY // each))
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_tokenizer is not None and _worker_dtype is not None
-    return encode_texts(_worker_tokenizer, texts, _worker_dtype)
+class IdEncoder:
+    """``encoder(texts)``: the ids of every text, one after the other, in an ``array`` of
+    ``itemsize`` bytes each, and each text's count of them. Uses no numpy (see above)."""
+
+    def __init__(self, tokenizer: Tokenizer, itemsize: int, batch_chars: int = BATCH_CHARS) -> None:
+        self.tokenizer, self.batch_chars = tokenizer, batch_chars
+        self.typecode = next(code for code in "HI" if array(code).itemsize == itemsize)
+        # Cut only where the cut is proven harmless: anything else is encoded whole.
+        self.cutter = Cutter(tokenizer)
+        # The fast form leaves out the offsets, which nothing here reads (tokenizers >= 0.21).
+        self._encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
+    def __call__(self, texts: list[str]) -> tuple[array, list[int]]:
+        ids, counts = array(self.typecode), [0] * len(texts)
+        batch: list[str] = []
+        owners: list[int] = []  # the text each entry of ``batch`` is part of
+        chars = 0
+        for owner, text in enumerate(texts):
+            for part in self._parts(text):
+                batch.append(part)
+                owners.append(owner)
+                chars += len(part)
+                if chars >= self.batch_chars:
+                    self._flush(batch, owners, ids, counts)
+                    batch, owners, chars = [], [], 0
+        self._flush(batch, owners, ids, counts)
+        return ids, counts
+
+    def _parts(self, text: str) -> Iterator[str]:
+        start = 0
+        while self.cutter.proven and len(text) - start > self.batch_chars:
+            cut = self.cutter.cut(text[start : start + self.batch_chars + 1])
+            if cut is None:
+                break  # no harmless place: the rest goes whole
+            yield text[start : start + cut]
+            start += cut
+        yield text[start:] if start else text
+
+    def _flush(self, batch: list[str], owners: list[int], ids: array, counts: list[int]) -> None:
+        for owner, encoding in zip(owners, self._encode(batch, add_special_tokens=False),
+                                   strict=True):  # fmt: skip
+            these = encoding.ids  # a new list at each read
+            ids.extend(these)
+            counts[owner] += len(these)
 
 
-def encode_texts(
-    tokenizer: Tokenizer, texts: list[str], dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ids of every text, one after the other, and each text's count of them."""
-    # The fast form leaves out the offsets, which nothing here reads (tokenizers >= 0.21).
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-    encodings = encode(texts, add_special_tokens=False)
-    arrays = [np.array(e.ids, dtype=dtype) for e in encodings]
-    counts = np.array([a.size for a in arrays], dtype=np.int64)  # (len(texts),)
-    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)  # (sum of counts,)
-    return ids, counts
+def _start_worker(tokenizer_json: str, itemsize: int, batch_chars: int) -> None:
+    global _worker, _trim_heap
+    # One process, one core: no pool of threads in tokenizers (they would each hold memory).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _worker = IdEncoder(Tokenizer.from_str(tokenizer_json), itemsize, batch_chars)
+    _trim_heap = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[array, list[int]]:
+    assert _worker is not None
+    result = _worker(texts)
+    if _trim_heap is not None:
+        # The C heap keeps the pages a task's records freed, in every worker: give them back.
+        _trim_heap(0)
+    return result
+
+
+def _as_numpy(ids: array, counts: list[int], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    import numpy as np
+
+    native = np.frombuffer(ids, dtype=dtype.newbyteorder("="))  # (sum of counts,)
+    return native.astype(dtype, copy=False), np.array(counts, dtype=np.int64)
 
 
 class ParallelEncoder:
     """``encode(pieces)``: each piece with its ids, in order; a context manager (the pool)."""
 
     def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> None:
+        import numpy as np
+
         self.tokenizer, self.dtype, self.workers = tokenizer, np.dtype(dtype), max(1, workers)
         self._pool: ProcessPoolExecutor | None = None
 
@@ -77,7 +151,7 @@ class ParallelEncoder:
                 # Spawned, not forked: the parent may hold threads (tokenizers' own pool).
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(self.tokenizer.to_str(), self.dtype.str),
+                initargs=(self.tokenizer.to_str(), self.dtype.itemsize, BATCH_CHARS),
             )
         return self
 
@@ -90,19 +164,19 @@ class ParallelEncoder:
         """Each piece and its ids (without the end-of-text token), in the order given."""
         tasks = _tasks(pieces)
         if self._pool is None:
+            here = IdEncoder(self.tokenizer, self.dtype.itemsize, BATCH_CHARS)
             for task in tasks:
-                yield from _split(task, *encode_texts(self.tokenizer, [p.text for p in task],
-                                                      self.dtype))  # fmt: skip
+                yield from _split(task, *_as_numpy(*here([p.text for p in task]), self.dtype))
             return
         flight: deque[tuple[list[Piece], Future]] = deque()
         for task in tasks:
             flight.append((task, self._pool.submit(_encode_in_worker, [p.text for p in task])))
             if len(flight) >= 2 * self.workers:
                 done, future = flight.popleft()
-                yield from _split(done, *future.result())
+                yield from _split(done, *_as_numpy(*future.result(), self.dtype))
         while flight:
             done, future = flight.popleft()
-            yield from _split(done, *future.result())
+            yield from _split(done, *_as_numpy(*future.result(), self.dtype))
 
 
 def _tasks(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
@@ -121,6 +195,6 @@ def _tasks(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
 def _split(
     task: list[Piece], ids: np.ndarray, counts: np.ndarray
 ) -> Iterator[tuple[Piece, np.ndarray]]:
-    ends = np.cumsum(counts)
+    ends = counts.cumsum()
     for piece, start, end in zip(task, ends - counts, ends, strict=True):
         yield piece, ids[start:end]

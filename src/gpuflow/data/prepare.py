@@ -36,7 +36,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.corpus import Corpus
-from gpuflow.data.encode import ParallelEncoder, usable_cores
+from gpuflow.data.encode import ParallelEncoder, default_workers
 from gpuflow.data.formats import ReadOptions, resolve_inputs
 from gpuflow.data.outfolder import (
     META_FORMAT,
@@ -76,7 +76,7 @@ class PrepareConfig:
     separator: str | None = None  # text files: documents between these (None: one per file)
     text_field: str = "text"  # JSON lines, Parquet, datasets
     sample_mb: float = DEFAULT_SAMPLE_MB
-    workers: int = 0  # 0: every usable core
+    workers: int = 0  # 0: a core each, as many as memory allows (encode.default_workers)
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction <= 0.5:
@@ -324,7 +324,7 @@ def _encode(
     pieces = Pieces(Cutter(tokenizer), config.val_fraction)
     stream = pieces(corpus.parts())
     big = corpus.total_bytes is None or corpus.total_bytes >= POOL_MIN_BYTES
-    workers = config.workers or (usable_cores() if big else 1)
+    workers = config.workers or (default_workers(tokenizer) if big else 1)
     tokens = state.train_tokens + state.val_tokens
     speed = _Speed(tokens)
     progress = progress_bar(TransferSpeedColumn(), TextColumn("{task.fields[speed]}"),

@@ -2,18 +2,30 @@
 
 Every document is preceded by the end-of-text token, as llm.c and modded-nanogpt do, so
 shards are plain token streams and the model learns where documents start.
+
+The trainer's memory grows with its threads (each counts the words of the texts it takes in
+a table of its own) and with the length of the texts it is given, so a large sample is
+trained in a process of its own with at most ``TRAIN_THREADS`` threads, from texts of at most
+``FEED_CHARS``, and that process's memory is gone before encoding starts (docs/decisions/047).
 """
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
+import os
 import re
+import signal
 import socket
 from collections.abc import Iterable, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.encode import usable_cores
+from gpuflow.data.pieces import Cutter
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols and the end-of-text token
@@ -24,28 +36,142 @@ MIN_VOCAB = 257  # 256 byte symbols and the end-of-text token
 # cut into words of at most this many characters; ordinary text has none and trains as it is.
 WORD_CHARS = 1024
 _SPACE, _NON_SPACE = re.compile(r"\s"), re.compile(r"\S")
+# Threads of the trainer, at most: each holds its own word counts until they are summed, and
+# more threads than this have not trained faster where they were tried.
+TRAIN_THREADS = 16
+# Characters of one text given to the trainer. It keeps the words of the text each thread is
+# counting, and reads its input 256 texts at a time; texts are cut where their words cannot
+# change, so the words it counts, and the tokenizer, are the same as from the texts whole.
+FEED_CHARS = 1 << 16
+# Texts shorter than this together train in this process: starting another costs more.
+CHILD_MIN_CHARS = 8 << 20
+SEND_CHARS = 1 << 20  # characters sent to the trainer's process in one message
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Learn a byte-level BPE of at most ``vocab_size`` tokens; ``EOT`` gets id 0.
 
-    A small corpus may stop short of ``vocab_size`` when it runs out of pairs to merge.
+    A small corpus may stop short of ``vocab_size`` when it runs out of pairs to merge. The
+    tokenizer does not depend on the number of threads or on where it was trained.
     """
     if vocab_size < MIN_VOCAB:
         raise GpuflowError(
             f"vocab size {vocab_size} is too small: byte-level BPE needs at least {MIN_VOCAB}"
         )
+    fed = fed_texts(bounded_words(texts))
+    head: list[str] = []
+    chars = 0
+    for text in fed:
+        head.append(text)
+        chars += len(text)
+        if chars >= CHILD_MIN_CHARS:
+            threads = min(usable_cores(), TRAIN_THREADS)
+            return _train_in_child(itertools.chain(head, fed), vocab_size, threads)
+    return _train(head, vocab_size)
+
+
+def _untrained() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    tokenizer = _untrained()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(bounded_words(texts), trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Tokenizer:
+    """``_train`` in a spawned process with ``threads`` threads, fed ``texts`` through a pipe."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(
+        target=_trainer_process, args=(theirs, vocab_size, threads), name="gpuflow-bpe-trainer",
+        daemon=True,
+    )  # fmt: skip
+    child.start()
+    theirs.close()
+    replied = False
+    try:
+        try:
+            batch: list[str] = []
+            chars = 0
+            for text in texts:
+                batch.append(text)
+                chars += len(text)
+                if chars >= SEND_CHARS:
+                    ours.send(batch)
+                    batch, chars = [], 0
+            ours.send(batch)
+            ours.send(None)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it stopped reading: its reply (a line) or its end says why
+        try:
+            failure, result = ours.recv()
+            replied = True
+        except EOFError:
+            child.join()
+            raise GpuflowError(_trainer_died(child.exitcode)) from None
+    finally:
+        ours.close()
+        if not replied:
+            child.kill()  # an error or an interruption in this process: it is not needed
+        child.join()
+    if failure:
+        raise GpuflowError(f"the tokenizer could not be trained: {result}")
+    return Tokenizer.from_str(result)
+
+
+def _trainer_process(conn: Connection, vocab_size: int, threads: int) -> None:
+    """The trainer's process: texts in, until ``None``; (failed, tokenizer JSON or why) out."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it, and says why
+    # Read once, when tokenizers starts its pool of threads: in this process, in training.
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+    def received() -> Iterator[str]:
+        while (batch := conn.recv()) is not None:
+            yield from batch
+
+    try:
+        reply = (False, _train(received(), vocab_size).to_str())
+    except Exception as exc:  # tokenizers raises plain Exception
+        reply = (True, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    conn.send(reply)
+    conn.close()
+
+
+def _trainer_died(exitcode: int | None) -> str:
+    why = f"exit code {exitcode}"
+    if exitcode == -signal.SIGKILL:
+        why = "killed, as when the machine runs out of memory"
+    elif exitcode is not None and exitcode < 0:
+        why = f"signal {-exitcode}"
+    return f"the tokenizer's trainer stopped ({why}); nothing was written"
+
+
+def fed_texts(texts: Iterable[str]) -> Iterator[str]:
+    """``texts`` in pieces of at most ``FEED_CHARS`` characters where they can be cut without
+    changing a word the trainer counts (a text with no such place within ``FEED_CHARS`` goes
+    on whole from there)."""
+    cutter = Cutter(_untrained())
+    assert cutter.proven, "gpuflow's own tokenizer is one whose harmless cuts are proven"
+    for text in texts:
+        start = 0
+        while len(text) - start > FEED_CHARS:
+            cut = cutter.cut(text[start : start + FEED_CHARS + 1])
+            if cut is None:
+                break
+            yield text[start : start + cut]
+            start += cut
+        yield text[start:] if start else text
 
 
 def bounded_words(texts: Iterable[str]) -> Iterator[str]:

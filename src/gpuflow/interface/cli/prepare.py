@@ -60,8 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--workers",
         type=int,
         default=0,
-        help="processes that encode (default 0: every core; the output is the same bytes "
-        "whatever the number)",
+        help="processes that encode (default 0: one a core, as many as about 3 GiB holds; the "
+        "output is the same bytes whatever the number)",
     )
     p.add_argument(
         "--append",

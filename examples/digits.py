@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpuflow
-from gpuflow.data.augment import Compose, Normalize, Translate
+from gpuflow.data.resident.augment import Compose, Normalize, Translate
 
 TEST_SAMPLES = 360
 MEAN, STD, SCALE = 4.9, 6.0, 1.0  # the pixels' mean and spread (0-16 levels)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuflow.data.corpus import default_corpus
-from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.data.prepare.corpus import default_corpus
+from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 from gpuflow.device.accelerator import Device
 from tests.helpers import SMALL_VOCAB
 
@@ -90,7 +90,7 @@ def gpt2_shaped(stdlib_documents):
     end-of-text token is added after the merges, so that it has the last id."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from gpuflow.data.tokenizer import EOT
+    from gpuflow.data.tokenizer_file import EOT
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -23,9 +23,9 @@ _EXPORTS = {
     "HostMirror": "gpuflow.transfer.mirror",
     "PinnedPool": "gpuflow.transfer.pinned",
     "Ragged": "gpuflow.transfer.packing.spec",
-    "ResidentDataset": "gpuflow.data.resident_dataset",
-    "ResidentLoader": "gpuflow.data.resident_loader",
-    "ResidentTokens": "gpuflow.data.resident",
+    "ResidentDataset": "gpuflow.data.resident.dataset",
+    "ResidentLoader": "gpuflow.data.resident.loader",
+    "ResidentTokens": "gpuflow.data.resident.tokens",
     "StateSnapshot": "gpuflow.transfer.snapshot",
     "TransferLedger": "gpuflow.accounting.ledger",
     "budget": "gpuflow.accounting.budgets",
@@ -52,9 +52,9 @@ if TYPE_CHECKING:
         StepTotals as StepTotals,
     )
     from gpuflow.common.errors import GpuflowError as GpuflowError
-    from gpuflow.data.resident import ResidentTokens as ResidentTokens
-    from gpuflow.data.resident_dataset import ResidentDataset as ResidentDataset
-    from gpuflow.data.resident_loader import ResidentLoader as ResidentLoader
+    from gpuflow.data.resident.dataset import ResidentDataset as ResidentDataset
+    from gpuflow.data.resident.loader import ResidentLoader as ResidentLoader
+    from gpuflow.data.resident.tokens import ResidentTokens as ResidentTokens
     from gpuflow.device.accelerator import Device as Device
     from gpuflow.transfer.loader import DeviceLoader as DeviceLoader
     from gpuflow.transfer.loader import LoaderStats as LoaderStats

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpuflow.accounting.budgets import BudgetExceeded, budget
-from gpuflow.data.sources import StreamedBatches
+from gpuflow.data.resident.sources import StreamedBatches
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer
 from tests.helpers import FAST

@@ -23,7 +23,7 @@ from gpuflow.accounting.crosscheck import Interval, device_activity
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.accounting.ledger import threads as ledger_threads
 from gpuflow.accounting.metrics import from_activity, intersection, merged
-from gpuflow.data.sources import StreamedBatches
+from gpuflow.data.resident.sources import StreamedBatches
 from gpuflow.device.accelerator import Device, HostEvent
 from gpuflow.train.config import resolve_config
 from gpuflow.train.trainer import Trainer

@@ -18,7 +18,7 @@ from gpuflow.bench.baselines.naive import (
 )
 from gpuflow.bench.baselines.standard import StandardBatches
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import WindowSampler
+from gpuflow.data.resident.batches import WindowSampler
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train.config import resolve_config

@@ -29,9 +29,9 @@ from tests.helpers import child_env
 @pytest.fixture(autouse=True)
 def corpus_read_once(monkeypatch, stdlib_documents):
     """The built-in corpus the session read already (reading it takes seconds)."""
-    import gpuflow.data.corpus
+    import gpuflow.data.prepare.corpus
 
-    monkeypatch.setattr(gpuflow.data.corpus, "default_corpus", lambda: stdlib_documents)
+    monkeypatch.setattr(gpuflow.data.prepare.corpus, "default_corpus", lambda: stdlib_documents)
 
 
 def test_the_generated_corpus_has_the_size_asked_for_in_whole_characters(tmp_path):

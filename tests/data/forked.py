@@ -25,7 +25,7 @@ SERVER = r"""
 import builtins, io, json, os, signal, sys, time, traceback
 
 from gpuflow.interface.cli.main import build_parser, main
-import gpuflow.data.prepare  # imported before any fork, as every command's module
+import gpuflow.data.prepare.pipeline  # imported before any fork, as every command's module
 build_parser()
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import (
+from gpuflow.data.resident.augment import (
     Compose,
     Cutout,
     HorizontalFlip,
@@ -17,7 +17,7 @@ from gpuflow.data.augment import (
     RandomCrop,
     Translate,
 )
-from gpuflow.data.keyed import (
+from gpuflow.data.resident.keyed import (
     MASK32,
     STREAMS,
     below,

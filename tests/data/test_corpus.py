@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from gpuflow.data.corpus import default_corpus
+from gpuflow.data.prepare.corpus import default_corpus
 
 
 def test_builtin_corpus_is_real_deterministic_text(stdlib_documents):

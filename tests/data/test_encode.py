@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-import gpuflow.data.encode as encode_module
-from gpuflow.data.encode import IdEncoder, ParallelEncoder, default_workers
-from gpuflow.data.pieces import Piece
-from gpuflow.data.tokenizer import EOT, train_tokenizer
+import gpuflow.data.prepare.encode as encode_module
+from gpuflow.data.prepare.encode import IdEncoder, ParallelEncoder, default_workers
+from gpuflow.data.prepare.pieces import Piece
+from gpuflow.data.prepare.tokenizer import train_tokenizer
+from gpuflow.data.tokenizer_file import EOT
 
 
 @pytest.fixture(scope="module")

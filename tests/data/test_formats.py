@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpuflow.data.formats as formats
+import gpuflow.data.prepare.formats as formats
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.formats import ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.prepare.formats import ReadOptions, read_parts, resolve_inputs
 from tests.helpers import child_env
 
 
@@ -273,7 +273,7 @@ def test_a_valid_surrogate_pair_is_one_character(tmp_path):
 def test_standard_input_is_read_as_text(tmp_path):
     code = (
         "import sys\n"
-        "from gpuflow.data.formats import ReadOptions, read_parts, resolve_inputs\n"
+        "from gpuflow.data.prepare.formats import ReadOptions, read_parts, resolve_inputs\n"
         "(inp,) = resolve_inputs(['-'])\n"
         "parts = list(read_parts(inp, ReadOptions(separator='\\n\\n')))\n"
         "print([p.text for p in parts], sum(p.size for p in parts))\n"

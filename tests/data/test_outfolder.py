@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import gpuflow.data.outfolder as outfolder
+import gpuflow.data.prepare.outfolder as outfolder
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.outfolder import (
+from gpuflow.data.prepare.outfolder import (
     META_FORMAT,
     OutLock,
     check_out_place,
@@ -143,7 +143,7 @@ def test_an_output_is_never_the_current_folder_or_a_name_that_is_not_utf8(tmp_pa
 HOLDER = """
 import sys
 from pathlib import Path
-from gpuflow.data.outfolder import OutLock
+from gpuflow.data.prepare.outfolder import OutLock
 with OutLock(Path(sys.argv[1])):
     print("locked", flush=True)
     sys.stdin.read()  # until the test closes it

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from gpuflow.data.encode import ParallelEncoder
-from gpuflow.data.formats import Part
-from gpuflow.data.pieces import Cutter, Pieces, byte_level_gpt2, held_out
-from gpuflow.data.tokenizer import EOT, train_tokenizer
+from gpuflow.data.prepare.encode import ParallelEncoder
+from gpuflow.data.prepare.formats import Part
+from gpuflow.data.prepare.pieces import Cutter, Pieces, byte_level_gpt2, held_out
+from gpuflow.data.prepare.tokenizer import train_tokenizer
+from gpuflow.data.tokenizer_file import EOT
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

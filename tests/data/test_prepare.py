@@ -12,13 +12,14 @@ import sys
 import numpy as np
 import pytest
 
-import gpuflow.data.prepare as prepare_module
+import gpuflow.data.prepare.pipeline as prepare_module
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.formats import resolve_inputs
-from gpuflow.data.pieces import PIECE_CHARS, held_out
-from gpuflow.data.prepare import PrepareConfig, PrepareSummary, prepare
+from gpuflow.data.prepare.formats import resolve_inputs
+from gpuflow.data.prepare.pieces import PIECE_CHARS, held_out
+from gpuflow.data.prepare.pipeline import PrepareConfig, PrepareSummary, prepare
+from gpuflow.data.prepare.tokenizer import train_tokenizer
 from gpuflow.data.shards import Shard, write_shard
-from gpuflow.data.tokenizer import EOT, load_tokenizer, train_tokenizer
+from gpuflow.data.tokenizer_file import EOT, load_tokenizer
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.train.config import PRESETS
 from gpuflow.train.suggest import PRESET_VOCAB_SIZES, train_command

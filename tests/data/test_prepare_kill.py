@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflow.data.corpus import default_corpus
+from gpuflow.data.prepare.corpus import default_corpus
 from tests.data.forked import Ended, Forker
 
 SEED = 20261201

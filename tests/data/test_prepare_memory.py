@@ -10,13 +10,14 @@ import json
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import gpuflow.data.encode as encode_module
-import gpuflow.data.tokenizer as tokenizer_module
-from gpuflow.data.corpus import Corpus
-from gpuflow.data.formats import ReadOptions
-from gpuflow.data.pieces import held_out
-from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.data.tokenizer import EOT, long_runs
+import gpuflow.data.prepare.encode as encode_module
+import gpuflow.data.prepare.tokenizer as tokenizer_module
+from gpuflow.data.prepare.corpus import Corpus
+from gpuflow.data.prepare.formats import ReadOptions
+from gpuflow.data.prepare.pieces import held_out
+from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+from gpuflow.data.prepare.tokenizer import long_runs
+from gpuflow.data.tokenizer_file import EOT
 from gpuflow.data.tokens import TokenFolder
 
 

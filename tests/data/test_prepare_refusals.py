@@ -84,7 +84,7 @@ def _cut(name: str) -> Callable[[Path], None]:
 
 
 def _other_tokenizer(folder: Path) -> None:
-    from gpuflow.data.tokenizer import train_tokenizer
+    from gpuflow.data.prepare.tokenizer import train_tokenizer
 
     texts = ["a completely different vocabulary for a folder that was changed by hand " * 20]
     train_tokenizer(texts, 300).save(str(folder / "tokenizer.json"))

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gpuflow.data.prepare as prepare_module
+import gpuflow.data.prepare.pipeline as prepare_module
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.data.tokenizer import EOT, load_tokenizer
+from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+from gpuflow.data.tokenizer_file import EOT, load_tokenizer
 from gpuflow.data.tokens import TokenFolder
 from tests.helpers import FAST, child_env, gpuflow_cli
 
@@ -63,9 +63,9 @@ def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
     """One document of 1 MB and one of 4 MB: the same peak of Python memory, held to a few
     reads, pieces and tasks (made small here so that both documents span many), and the
     tokens of encoding the whole document at once."""
-    import gpuflow.data.encode as encode_module
-    import gpuflow.data.formats as formats_module
-    import gpuflow.data.pieces as pieces_module
+    import gpuflow.data.prepare.encode as encode_module
+    import gpuflow.data.prepare.formats as formats_module
+    import gpuflow.data.prepare.pieces as pieces_module
 
     monkeypatch.setattr(formats_module, "READ_BYTES", 64 << 10)
     monkeypatch.setattr(pieces_module, "PIECE_CHARS", 64 << 10)
@@ -209,7 +209,7 @@ def test_a_tokenizer_is_taken_from_a_folder_and_gpt2_needs_a_network(
     out = tmp_path / "o"
     prepare(PrepareConfig(data=(str(small_corpus),), out=str(out), tokenizer=str(prepared)))
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
-    import gpuflow.data.tokenizer as tokenizer_module
+    import gpuflow.data.tokenizer_file as tokenizer_module
 
     monkeypatch.setattr(tokenizer_module, "HUB_HOST", "hub.invalid")  # as offline
     with pytest.raises(GpuflowError, match="gpt2 is no file here and the Hugging Face hub"):

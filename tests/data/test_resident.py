@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import WindowSampler
-from gpuflow.data.resident import ResidentTokens, window_starts
+from gpuflow.data.resident.batches import WindowSampler
+from gpuflow.data.resident.sources import ResidentBatches
+from gpuflow.data.resident.tokens import ResidentTokens, window_starts
 from gpuflow.data.shards import Shard, write_shard
-from gpuflow.data.sources import ResidentBatches
 from gpuflow.device.accelerator import Device
 
 B, T = 4, 16

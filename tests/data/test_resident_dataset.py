@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.resident_dataset import ResidentDataset, narrowest
+from gpuflow.data.resident.dataset import ResidentDataset, narrowest
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -13,10 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Compose, HorizontalFlip, RandomCrop
-from gpuflow.data.keyed import sample_keys
-from gpuflow.data.resident_dataset import ResidentDataset
-from gpuflow.data.resident_loader import ResidentLoader
+from gpuflow.data.resident.augment import Compose, HorizontalFlip, RandomCrop
+from gpuflow.data.resident.dataset import ResidentDataset
+from gpuflow.data.resident.keyed import sample_keys
+from gpuflow.data.resident.loader import ResidentLoader
 
 N, B = 20, 8  # batches of 8, 8 and 4
 

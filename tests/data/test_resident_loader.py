@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Compose, Cutout, HorizontalFlip, Normalize, RandomCrop
-from gpuflow.data.keyed import order_keys, sample_keys
-from gpuflow.data.resident_dataset import ResidentDataset
-from gpuflow.data.resident_loader import ResidentLoader
+from gpuflow.data.resident.augment import Compose, Cutout, HorizontalFlip, Normalize, RandomCrop
+from gpuflow.data.resident.dataset import ResidentDataset
+from gpuflow.data.resident.keyed import order_keys, sample_keys
+from gpuflow.data.resident.loader import ResidentLoader
 
 N = 50  # samples of the small image dataset
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from gpuflow.accounting.ledger import TransferLedger
-from gpuflow.data.augment import Compose, Cutout, HorizontalFlip, Normalize, RandomCrop
-from gpuflow.data.resident_dataset import ResidentDataset
-from gpuflow.data.resident_loader import ResidentLoader
+from gpuflow.data.resident.augment import Compose, Cutout, HorizontalFlip, Normalize, RandomCrop
+from gpuflow.data.resident.dataset import ResidentDataset
+from gpuflow.data.resident.loader import ResidentLoader
 
 pytestmark = pytest.mark.gpu
 

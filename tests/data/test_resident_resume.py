@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Compose, HorizontalFlip, RandomCrop
-from gpuflow.data.keyed import STREAMS, hash32, sample_keys
-from gpuflow.data.resident_dataset import ResidentDataset
-from gpuflow.data.resident_loader import ResidentLoader
+from gpuflow.data.resident.augment import Compose, HorizontalFlip, RandomCrop
+from gpuflow.data.resident.dataset import ResidentDataset
+from gpuflow.data.resident.keyed import STREAMS, hash32, sample_keys
+from gpuflow.data.resident.loader import ResidentLoader
 
 N, B, EPOCHS = 30, 8, 3  # 4 batches an epoch, the last of 6 samples: 12 batches in all
 PER_EPOCH = 4

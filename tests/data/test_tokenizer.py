@@ -20,17 +20,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import gpuflow.data.tokenizer as tokenizer_module
+import gpuflow.data.prepare.tokenizer as tokenizer_module
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.data.tokenizer import (
-    EOT,
+from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+from gpuflow.data.prepare.tokenizer import (
     WORD_CHARS,
     bounded_words,
     fed_texts,
     long_runs,
     train_tokenizer,
 )
+from gpuflow.data.tokenizer_file import EOT
 
 
 @settings(max_examples=300, deadline=None)

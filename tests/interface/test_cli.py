@@ -123,7 +123,7 @@ def test_prepare_prints_a_summary(workdir, small_corpus):
     assert "tokens/s" in result.stdout
 
 
-def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared):
+def test_ctrl_c_saves_says_how_to_resume_and_the_resume_finishes_every_step(workdir, prepared):
     sets = [
         a
         for s in (
@@ -163,18 +163,10 @@ def test_ctrl_c_saves_and_resume_matches_an_uninterrupted_run(workdir, prepared)
     resumed = gpuflow_cli(*base[2:], "--name", "cut", "--resume", cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed runs/cut at step {stopped_at}" in resumed.stderr
-    straight = gpuflow_cli(*base[2:], "--name", "straight", cwd=workdir)
-    assert straight.returncode == 0, straight.stderr
-
-    def losses(name):
-        return [
-            (r["step"], r["loss"]) for r in read_metrics(workdir / "runs" / name) if "loss" in r
-        ]
-
-    cut, straight = losses("cut"), losses("straight")
-    assert [step for step, _ in cut] == list(range(1, 151))  # every step once, none lost
-    # Three processes with the same number of threads: the cpu kernels give the same bits.
-    assert [loss for _, loss in cut] == [loss for _, loss in straight]
+    steps = [r["step"] for r in read_metrics(workdir / "runs" / "cut") if "loss" in r]
+    assert steps == list(range(1, 151))  # every step once, none lost
+    # That the resumed curve is the uninterrupted one, bit for bit: tests/train/test_train.py
+    # (resume at a checkpoint) and tests/train/test_crash.py (after SIGINT, SIGTERM, kill -9).
 
 
 # ---- bad input: one line, exit status 2, nothing half-written -----------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.tokenizer import eot_id, load_tokenizer
+from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from gpuflow.interface.export import export_hf

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflow.data import outfolder
+from gpuflow.data.prepare import outfolder
 from gpuflow.interface.cli.main import main
 from gpuflow.train.runfolder import read_metrics
 from tests.helpers import FAST

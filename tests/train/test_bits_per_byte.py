@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gpuflow.data.batches import validation_windows
+from gpuflow.data.prepare.tokenizer import train_tokenizer
+from gpuflow.data.resident.batches import validation_windows
 from gpuflow.data.token_bytes import byte_level_alphabet, target_bytes, token_bytes
-from gpuflow.data.tokenizer import EOT, train_tokenizer
+from gpuflow.data.tokenizer_file import EOT
 from gpuflow.data.tokens import TOKENIZER_FILE, TokenFolder
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import resolve_config

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpuflow.data.prepare.tokenizer import train_tokenizer
 from gpuflow.data.shards import Shard, write_shard
-from gpuflow.data.tokenizer import train_tokenizer
 from gpuflow.interface.cli.main import main
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.runfolder import RunFolder

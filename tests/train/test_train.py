@@ -12,8 +12,8 @@ import torch
 
 import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard paths)
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import validation_windows
-from gpuflow.data.prepare import PrepareConfig, prepare
+from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+from gpuflow.data.resident.batches import validation_windows
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device

@@ -168,7 +168,7 @@ def test_resident_graph_steps_move_nothing_and_never_wait(accel, prepared, workd
 
 
 def test_a_small_budget_streams_chunks_across_boundaries(accel, prepared, workdir):
-    from gpuflow.data.resident import ResidentTokens
+    from gpuflow.data.resident.tokens import ResidentTokens
     from gpuflow.data.tokens import TokenFolder
 
     # 10,240 bytes: two buffers of at most 2,560 uint16 tokens (the corpus in equal chunks),

@@ -20,7 +20,7 @@ import torch
 
 import gpuflow
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.resident import ResidentTokens
+from gpuflow.data.resident.tokens import ResidentTokens
 from gpuflow.data.shards import HEADER_BYTES, write_shard
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import DataConfig

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gpuflow
-from gpuflow.data.resident import ResidentTokens
+from gpuflow.data.resident.tokens import ResidentTokens
 from gpuflow.interface.cli.main import main
 from gpuflow.transfer import diskread
 from tests.helpers import random_shards, tiny_runs

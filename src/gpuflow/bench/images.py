@@ -30,9 +30,9 @@ from torch import nn
 
 from gpuflow.bench.loop_timing import timed_steps
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Compose, HorizontalFlip, Normalize, RandomCrop
-from gpuflow.data.resident_dataset import ResidentDataset
-from gpuflow.data.resident_loader import ResidentLoader
+from gpuflow.data.resident.augment import Compose, HorizontalFlip, Normalize, RandomCrop
+from gpuflow.data.resident.dataset import ResidentDataset
+from gpuflow.data.resident.loader import ResidentLoader
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.upload import place
 

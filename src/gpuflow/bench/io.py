@@ -33,7 +33,7 @@ from gpuflow.bench.pagecache import cached_fraction, drop_cached
 from gpuflow.bench.results import RESULTS_DIR
 from gpuflow.common.console import err_console, out_console, table
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.resident import ResidentTokens
+from gpuflow.data.resident.tokens import ResidentTokens
 from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device

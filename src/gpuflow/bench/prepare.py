@@ -27,7 +27,7 @@ from typing import Any
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.treememory import TreeMemory
-from gpuflow.data.encode import usable_cores
+from gpuflow.data.prepare.encode import usable_cores
 
 SEPARATOR = "<|endoftext|>"
 FILE_BYTES = 16 << 20
@@ -92,7 +92,7 @@ class PrepareBenchConfig:
 def generate_corpus(folder: Path, mib: int) -> list[Path]:
     """``mib`` MiB of text files of the built-in corpus's documents, reshuffled per copy (the
     held-out ones, ``builtin_held_out()``, left out)."""
-    from gpuflow.data.corpus import default_corpus
+    from gpuflow.data.prepare.corpus import default_corpus
 
     held = HoldOut()
     texts = [d.text for d in default_corpus() if not held(d.text)]
@@ -114,7 +114,7 @@ def generate_corpus(folder: Path, mib: int) -> list[Path]:
 
 def builtin_held_out() -> list[str]:
     """The built-in documents the generated corpus leaves out."""
-    from gpuflow.data.corpus import default_corpus
+    from gpuflow.data.prepare.corpus import default_corpus
 
     held = HoldOut()
     for document in default_corpus():
@@ -144,8 +144,8 @@ def write_documents(
 ) -> tuple[list[Path], list[str]]:
     """The documents of ``data`` (any input ``prepare`` reads) as JSON lines in ``folder``,
     files of about ``FILE_BYTES``, less the held-out ones, which are returned."""
-    from gpuflow.data.corpus import Corpus
-    from gpuflow.data.formats import ReadOptions
+    from gpuflow.data.prepare.corpus import Corpus
+    from gpuflow.data.prepare.formats import ReadOptions
 
     folder.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
@@ -219,9 +219,9 @@ def run_timed(command: list[str], cwd: Path) -> dict[str, Any]:
 
 def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
     from gpuflow.common.console import err_console
-    from gpuflow.data.encode import default_workers
-    from gpuflow.data.prepare import POOL_MIN_BYTES
-    from gpuflow.data.tokenizer import load_tokenizer
+    from gpuflow.data.prepare.encode import default_workers
+    from gpuflow.data.prepare.pipeline import POOL_MIN_BYTES
+    from gpuflow.data.tokenizer_file import load_tokenizer
 
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-bench-prepare-"))
     try:

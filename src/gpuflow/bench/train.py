@@ -25,7 +25,7 @@ from typing import Any
 import gpuflow.bench.baselines  # noqa: F401  (registers the naive and standard modes' rows)
 from gpuflow.accounting.ledger import TransferLedger
 from gpuflow.common.console import err_console
-from gpuflow.data.sources import FixedBatch
+from gpuflow.data.resident.sources import FixedBatch
 from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import allocator_in
 from gpuflow.train.config import RunConfig, apply_overrides, resolve_config

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders
 
-from gpuflow.data.tokenizer import load_tokenizer
+from gpuflow.data.tokenizer_file import load_tokenizer
 
 
 @cache

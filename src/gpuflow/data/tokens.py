@@ -16,7 +16,7 @@ from pathlib import Path
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.data.shards import Shard
-from gpuflow.data.tokenizer import MIN_VOCAB, load_tokenizer
+from gpuflow.data.tokenizer_file import MIN_VOCAB, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"

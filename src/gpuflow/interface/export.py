@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from gpuflow.common.atomic import fsync_dir, open_new
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.tokenizer import EOT, eot_id, load_tokenizer
+from gpuflow.data.tokenizer_file import EOT, eot_id, load_tokenizer
 from gpuflow.interface.sample import open_trained
 from gpuflow.model.hf import gpt2_config, gpt2_weights
 from gpuflow.train.runfolder import TOKENIZER_FILE

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.tokenizer import eot_id, load_tokenizer
+from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
 from gpuflow.device.accelerator import Device
 from gpuflow.model.generate import generate_no_sync
 from gpuflow.model.gpt import GPT

@@ -137,7 +137,7 @@ class DataConfig:
             raise GpuflowError(f"data.io must be one of {', '.join(IO_PATHS)}, got {self.io!r}")
 
     def resolved_dir(self, vocab_size: int) -> Path:
-        from gpuflow.data.prepare import default_data_dir
+        from gpuflow.data.prepare.pipeline import default_data_dir
 
         return Path(self.dir) if self.dir else default_data_dir(vocab_size)
 

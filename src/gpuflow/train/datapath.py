@@ -29,12 +29,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import WindowSampler
+from gpuflow.data.resident.batches import WindowSampler
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.allocator import allocator_in
 
 if TYPE_CHECKING:
-    from gpuflow.data.sources import BatchSource
+    from gpuflow.data.resident.sources import BatchSource
     from gpuflow.device.accelerator import Device
 
 
@@ -116,13 +116,13 @@ OpenSource = Callable[[BatchPlan, "Device", int, int], "BatchSource"]
 
 
 def _streamed(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
-    from gpuflow.data.sources import StreamedBatches
+    from gpuflow.data.resident.sources import StreamedBatches
 
     return StreamedBatches(plan.sampler, device, start, stop)
 
 
 def _resident(plan: BatchPlan, device: Device, start: int, stop: int) -> BatchSource:
-    from gpuflow.data.sources import ResidentBatches
+    from gpuflow.data.resident.sources import ResidentBatches
 
     return ResidentBatches(
         plan.data.train, device, plan.batch_size, plan.seq_len, plan.seed, start,

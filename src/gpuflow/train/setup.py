@@ -1,8 +1,9 @@
 """What a run is built from, made once: ``build_setup`` chooses the data path, opens the
 corpus and the validation set, builds the model, its compiled forward and its optimizer,
 and restores the checkpoint when resuming; it returns a frozen ``RunSetup`` that the trainer,
-the benches and ``profile`` share. It reads, never writes: everything that can refuse a run
-does so here, before its folder changes."""
+the benches and ``profile`` share. Everything that can refuse a run does so here, before the
+run's folder changes; what it writes is the built-in corpus's token folder, prepared into
+``data/`` on first use (``open_training_data``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.batches import check_validation_batch, validation_windows, window_starts
-from gpuflow.data.prepare import PrepareConfig, prepare
-from gpuflow.data.resident import default_budget
+from gpuflow.data.prepare.for_training import prepared_for_training
+from gpuflow.data.resident.batches import check_validation_batch, validation_windows, window_starts
+from gpuflow.data.resident.tokens import default_budget
 from gpuflow.data.token_bytes import target_bytes, token_bytes
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device
@@ -84,12 +85,11 @@ class RunSetup:
 
 
 def open_training_data(config: RunConfig) -> TokenFolder:
-    """The run's token folder; the built-in corpus is prepared on first use."""
-    folder = config.data.resolved_dir(config.model.vocab_size)
-    if not config.data.dir and not folder.exists():
-        err_console.print(f"preparing the built-in corpus into {folder} (once)")
-        prepare(PrepareConfig(out=str(folder), vocab_size=config.model.vocab_size))
-    return TokenFolder.open(folder, config.model.vocab_size)
+    """The run's token folder: ``data.dir``, or the built-in corpus, which this prepares (writes)
+    on first use."""
+    vocab_size = config.model.vocab_size
+    folder = Path(config.data.dir) if config.data.dir else prepared_for_training(vocab_size)
+    return TokenFolder.open(folder, vocab_size)
 
 
 def _silent(message: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch._inductor import config as inductor_config
 
-from gpuflow.data.sources import BatchSource, CapturableSource
+from gpuflow.data.resident.sources import BatchSource, CapturableSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
 from gpuflow.train.accumulate import FP32Sum, accumulated_loss

@@ -29,7 +29,7 @@ import torch
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.signals import handling
-from gpuflow.data.sources import BatchSource
+from gpuflow.data.resident.sources import BatchSource
 from gpuflow.device.accelerator import Device, out_of_memory_figures
 from gpuflow.model.gpt import flops_per_token
 from gpuflow.train import checkpoint as ckpt

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from gpuflow.bench.baselines.naive import STEP_KIND, NaiveBatches, NaiveStep
 from gpuflow.bench.baselines.standard import StandardBatches
-from gpuflow.data.sources import BatchSource
+from gpuflow.data.resident.sources import BatchSource
 from gpuflow.device.accelerator import Device
 from gpuflow.train.datapath import BatchPlan, DataPath, PathRow, StepKind, register_path
 from gpuflow.train.step import register_step

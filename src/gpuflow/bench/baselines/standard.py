@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpuflow.data.batches import WindowSampler
-from gpuflow.data.sources import BatchSource
+from gpuflow.data.resident.batches import WindowSampler
+from gpuflow.data.resident.sources import BatchSource
 from gpuflow.device.accelerator import Device
 
 

@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import out_console
-    from gpuflow.data.prepare import PrepareConfig, prepare
+    from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
     config = PrepareConfig(
         data=tuple(args.data or ()),

@@ -168,7 +168,9 @@ def _train(
 
 
 def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Ranks) -> RunConfig:
-    from gpuflow.data.prepare import prepared_for_training
+    """``config`` training on ``--data``'s token folder, which ``prepared_for_training`` writes
+    into data/cache/ on first use."""
+    from gpuflow.data.prepare.for_training import prepared_for_training
     from gpuflow.train.config import apply_overrides
     from gpuflow.train.distributed import each_host_first
 
@@ -181,6 +183,6 @@ def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Rank
     separator = unescape(args.separator) if args.separator is not None else None
     with each_host_first(ranks):
         folder = prepared_for_training(
-            tuple(args.data), config.model.vocab_size, separator, args.text_field
+            config.model.vocab_size, tuple(args.data), separator, args.text_field
         )
     return apply_overrides(config, {"data": {"dir": str(folder)}}, "--data")

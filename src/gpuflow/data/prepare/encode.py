@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from gpuflow.data.pieces import Cutter, Piece
+from gpuflow.data.prepare.pieces import Cutter, Piece
 
 # Main-process code imports numpy where it runs: the workers import this module, and numpy
 # would add its own memory to every one of them.

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.streams import check_zstd_frames, opened
+from gpuflow.data.prepare.streams import check_zstd_frames, opened
 
 READ_BYTES = 1 << 20  # one read of a text file: what a part of a long document holds at most
 KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}

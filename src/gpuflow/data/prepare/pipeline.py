@@ -34,26 +34,26 @@ from gpuflow.common.atomic import write_text_atomic
 from gpuflow.common.console import err_console, progress_bar
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
-from gpuflow.data.appending import AppendTarget, check_target, commit, refuse_repeats
-from gpuflow.data.corpus import Corpus
-from gpuflow.data.encode import ParallelEncoder, default_workers
-from gpuflow.data.formats import ReadOptions, resolve_inputs
-from gpuflow.data.outfolder import (
+from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
+from gpuflow.data.prepare.corpus import Corpus
+from gpuflow.data.prepare.encode import ParallelEncoder, default_workers
+from gpuflow.data.prepare.formats import ReadOptions
+from gpuflow.data.prepare.outfolder import (
     META_FORMAT,
     OutLock,
     check_out_place,
     check_replaceable,
     clean_leftovers,
-    is_token_folder,
     note,
     pid_is_running,
     put_back,
     sibling,
     swap_into_place,
 )
-from gpuflow.data.pieces import PIECE_CHARS, Cutter, Pieces
+from gpuflow.data.prepare.pieces import PIECE_CHARS, Cutter, Pieces
+from gpuflow.data.prepare.tokenizer import train_tokenizer
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
-from gpuflow.data.tokenizer import eot_id, load_tokenizer, train_tokenizer
+from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
 
 DEFAULT_VOCAB = 16000
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
@@ -446,38 +446,6 @@ def _hold_out_a_tail(
             writers["train"].take_tail(max(1, int(tokens["train"] * config.val_fraction)))
         )
     return writers
-
-
-# ---- a raw corpus for training ------------------------------------------------------------
-
-CACHE_DIR = Path("data") / "cache"
-
-
-def prepared_for_training(
-    data: tuple[str, ...], vocab_size: int, separator: str | None, text_field: str
-) -> Path:
-    """The token folder of ``data`` with a ``vocab_size`` BPE: prepared into ``data/cache/``
-    on first use, named by what it depends on (the inputs' paths, sizes and modification
-    times, and the settings), so that the same files give the same folder and a changed file
-    another."""
-    if "-" in data:
-        raise GpuflowError(
-            "train --data cannot cache standard input: prepare it first (gpuflow prepare "
-            "--data - --out FOLDER) and train with --set data.dir=FOLDER"
-        )
-    config = PrepareConfig(data=data, vocab_size=vocab_size, separator=separator,
-                           text_field=text_field)  # fmt: skip
-    inputs = resolve_inputs(list(data))
-    settings = {k: v for k, v in asdict(config).items() if k not in ("force", "workers")}
-    record = {"inputs": [i.identity() for i in inputs], "piece_chars": PIECE_CHARS, **settings}
-    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
-    folder = CACHE_DIR / f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{vocab_size}-{key}"
-    if is_token_folder(folder):
-        note(f"training on {folder}, prepared from the same files before")
-        return folder
-    note(f"preparing {', '.join(data)} for training into {folder} (once)")
-    prepare(replace(config, out=str(folder)))
-    return folder
 
 
 # ---- resuming an interrupted run ----------------------------------------------------------

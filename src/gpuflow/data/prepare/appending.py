@@ -26,10 +26,10 @@ from tokenizers import Tokenizer
 
 from gpuflow.common.atomic import fsync_dir, write_text_atomic
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.formats import Input
-from gpuflow.data.outfolder import foreign_entries, is_token_folder, listed, swap_into_place
+from gpuflow.data.prepare.formats import Input
+from gpuflow.data.prepare.outfolder import foreign_entries, is_token_folder, listed, swap_into_place
 from gpuflow.data.shards import Shard, token_dtype_for
-from gpuflow.data.tokenizer import load_tokenizer
+from gpuflow.data.tokenizer_file import load_tokenizer
 
 SPLITS = ("train", "val")
 # The fields of meta.json that appending reads or updates, and what each must hold.

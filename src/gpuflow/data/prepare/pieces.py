@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:  # the encoding workers import this module and read no files
-    from gpuflow.data.formats import Part
+    from gpuflow.data.prepare.formats import Part
 
 PIECE_CHARS = 1 << 20  # a piece's most characters: bounds what one encoding holds
 # How far back from a piece's end a cut is looked for before it is forced.

@@ -28,9 +28,9 @@ import torch
 
 from gpuflow.accounting.tally import report_copy
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.augment import Transform, check_transformed
-from gpuflow.data.keyed import check_seed, order_keys, sample_keys
-from gpuflow.data.resident_dataset import ResidentDataset, gather_rows
+from gpuflow.data.resident.augment import Transform, check_transformed
+from gpuflow.data.resident.dataset import ResidentDataset, gather_rows
+from gpuflow.data.resident.keyed import check_seed, order_keys, sample_keys
 from gpuflow.transfer.pinned import PinnedPool
 
 Batch = tuple[torch.Tensor, ...]

@@ -9,7 +9,7 @@ uint8) and come back in the type they were given; floats and bools are kept as t
 The fields cross the bus once, in 64 MiB copies from two reused pinned buffers. A dataset
 larger than ``budget_bytes`` (default: half the device's free memory) stays on the host and
 ``ResidentLoader`` streams it through in chunks. Batches and augmentation:
-``data/resident_loader.py``.
+``data/resident/loader.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.resident import default_budget
+from gpuflow.data.resident.tokens import default_budget
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.pinned import PinnedPool, size_class
 

@@ -30,7 +30,7 @@ from rich.progress import DownloadColumn
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.keyed import MASK32, STREAMS, hash32
+from gpuflow.data.resident.keyed import MASK32, STREAMS, hash32
 from gpuflow.data.shards import HEADER_BYTES, Shard
 from gpuflow.data.tokens import check_ids
 from gpuflow.device.accelerator import Device

@@ -2,7 +2,7 @@
 
     augment = Compose(RandomCrop(32, padding=4), HorizontalFlip(), Cutout(8),
                       Normalize(CIFAR_MEAN, CIFAR_STD, dtype=torch.bfloat16, channels_last=True))
-    x = augment(images, keys)       # images (B, C, H, W), keys (B,) from ``data/keyed.py``
+    x = augment(images, keys)       # images (B, C, H, W), keys (B,) from ``data/resident/keyed.py``
 
 Each transform draws what it needs from the keys (``ResidentLoader`` derives them from
 (seed, epoch, position)), so a sample gets the same augmentation on every run and after a
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.keyed import below, stream_keys, uniform
+from gpuflow.data.resident.keyed import below, stream_keys, uniform
 
 
 class Transform(Protocol):
@@ -46,7 +46,7 @@ def check_transformed(images: Any, rows: int, transform: Any) -> None:
     raise GpuflowError(
         f"transform= is called as transform(images, keys) and must return the images, one "
         f"tensor with a row per sample ({rows} here); {name} returned {got}. A torchvision "
-        "transform takes images alone: use gpuflow.data.augment's transforms (a draw per "
+        "transform takes images alone: use gpuflow.data.resident.augment's transforms (a draw per "
         "sample), or pass transform=lambda images, keys: t(images) (one draw for the batch)"
     )
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from gpuflow.data.batches import WindowSampler
-from gpuflow.data.resident import ResidentTokens
+from gpuflow.data.resident.batches import WindowSampler
+from gpuflow.data.resident.tokens import ResidentTokens
 from gpuflow.data.shards import Shard
 from gpuflow.device.accelerator import Device
 from gpuflow.transfer.loader import DeviceLoader

@@ -4,7 +4,7 @@ Python itself.
 The built-in corpus needs no download and no file in this repository: it is built at run time
 from the standard library's documentation topics (``pydoc_data``) and the docstrings of its
 modules, read from source with ``ast`` so that no module is imported. (The user's corpora are
-read by ``gpuflow.data.formats``.)
+read by ``gpuflow.data.prepare.formats``.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.prepare.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
 
 # Parts of the standard library that are tests, demos or vendored trees rather than
 # documented modules.

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuflow.bench.treememory import TreeMemory
 from gpuflow.common.errors import GpuflowError
-from gpuflow.common.treememory import TreeMemory
 from gpuflow.data.prepare.encode import usable_cores
 
 SEPARATOR = "<|endoftext|>"

@@ -82,7 +82,7 @@ class IdEncoder:
         owners: list[int] = []  # the text each entry of ``batch`` is part of
         chars = 0
         for owner, text in enumerate(texts):
-            for part in self._parts(text):
+            for part in self.cutter.parts(text, self.batch_chars):
                 batch.append(part)
                 owners.append(owner)
                 chars += len(part)
@@ -91,16 +91,6 @@ class IdEncoder:
                     batch, owners, chars = [], [], 0
         self._flush(batch, owners, ids, counts)
         return ids, counts
-
-    def _parts(self, text: str) -> Iterator[str]:
-        start = 0
-        while self.cutter.proven and len(text) - start > self.batch_chars:
-            cut = self.cutter.cut(text[start : start + self.batch_chars + 1])
-            if cut is None:
-                break  # no harmless place: the rest goes whole
-            yield text[start : start + cut]
-            start += cut
-        yield text[start:] if start else text
 
     def _flush(self, batch: list[str], owners: list[int], ids: array, counts: list[int]) -> None:
         for owner, encoding in zip(owners, self._encode(batch, add_special_tokens=False),

@@ -67,6 +67,19 @@ class Cutter:
             end = i - 1
         return None
 
+    def parts(self, text: str, most: int) -> Iterator[str]:
+        """``text`` in parts of at most ``most`` characters, cut only where the cut is proven
+        harmless (``proven``); from where there is no such place (or with a tokenizer whose
+        cuts are not proven), the rest goes on whole."""
+        start = 0
+        while self.proven and len(text) - start > most:
+            cut = self.cut(text[start : start + most + 1])
+            if cut is None:
+                break
+            yield text[start : start + cut]
+            start += cut
+        yield text[start:] if start else text
+
     def _same_tokens(self, text: str, i: int) -> bool:
         left, right = text[max(0, i - CHECK_CHARS) : i], text[i : i + CHECK_CHARS]
         encode = self.tokenizer.encode_batch([left + right, left, right], add_special_tokens=False)

@@ -14,7 +14,6 @@ docs/architecture/data.md (Preparing a corpus).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -45,12 +44,12 @@ from gpuflow.data.prepare.outfolder import (
     check_replaceable,
     clean_leftovers,
     note,
-    pid_is_running,
     put_back,
     sibling,
     swap_into_place,
 )
 from gpuflow.data.prepare.pieces import PIECE_CHARS, Cutter, Pieces
+from gpuflow.data.prepare.resume import PROGRESS_FILE, State, fingerprint_of, take_over
 from gpuflow.data.prepare.tokenizer import train_tokenizer
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
@@ -60,7 +59,6 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
 DEFAULT_SAMPLE_MB = 200  # text a tokenizer is trained on, drawn evenly from the corpus
 # Below this many bytes a corpus is encoded in this process: starting workers would cost more.
 POOL_MIN_BYTES = 16 << 20
-PROGRESS_FILE = "progress.json"
 
 
 @dataclass(frozen=True)
@@ -157,31 +155,6 @@ class PrepareSummary:
 # ---- the run ----------------------------------------------------------------------------
 
 
-@dataclass
-class _State:
-    """Where the encoding stands: written to ``progress.json`` at every finished shard."""
-
-    fingerprint: str
-    pieces: int = 0
-    documents: int = 0
-    max_token: int = -1
-    forced_cuts: int = 0
-    train_shards: int = 0
-    train_tokens: int = 0
-    val_shards: int = 0
-    val_tokens: int = 0
-
-    def save(self, stage: Path) -> None:
-        write_text_atomic(stage / PROGRESS_FILE, json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, stage: Path) -> _State | None:
-        try:
-            return cls(**json.loads((stage / PROGRESS_FILE).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-
-
 def prepare(config: PrepareConfig) -> PrepareSummary:
     """Build the token folder ``config.out_dir`` (or add to it); see the module docstring."""
     started = time.perf_counter()
@@ -216,15 +189,15 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
     corpus = Corpus(config.data, config.read_options)  # every input checked before writing
     if target is not None:
         refuse_repeats(corpus.inputs, corpus.identity(), target)
-    fingerprint = _fingerprint(config, corpus, target)
+    fingerprint = fingerprint_of(asdict(config), corpus, target)
     stage = sibling(out_dir, "staging", os.getpid())
     try:  # the output's place, checked before any long work
-        state = _resume(out_dir, stage, fingerprint) if fingerprint else None
+        state = take_over(out_dir, stage, fingerprint) if fingerprint else None
         clean_leftovers(out_dir)
         if state is None:
             shutil.rmtree(stage, ignore_errors=True)
             stage.mkdir()
-            state = _State(fingerprint or "")
+            state = State(fingerprint or "")
     except OSError as exc:
         raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
     keep_stage = False
@@ -264,14 +237,14 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
     return summary
 
 
-def _resumable(stage: Path, state: _State, fingerprint: str | None) -> bool:
+def _resumable(stage: Path, state: State, fingerprint: str | None) -> bool:
     """Whether a rerun of the same command continues from ``stage``: it holds finished
     shards and the progress file that says how far they go."""
     finished = state.train_shards + state.val_shards > 0
     return fingerprint is not None and finished and (stage / PROGRESS_FILE).is_file()
 
 
-def _added(summary: PrepareSummary, state: _State, corpus: Corpus) -> dict[str, Any]:
+def _added(summary: PrepareSummary, state: State, corpus: Corpus) -> dict[str, Any]:
     """What an appending run adds to its folder's meta.json."""
     counts = ("documents", "train_tokens", "val_tokens", "train_shards", "val_shards")
     return {
@@ -307,7 +280,7 @@ def _tokenizer(
 
 
 def _encode(
-    config: PrepareConfig, corpus: Corpus, tokenizer: Tokenizer, stage: Path, state: _State,
+    config: PrepareConfig, corpus: Corpus, tokenizer: Tokenizer, stage: Path, state: State,
     target: AppendTarget | None, started: float,
 ) -> PrepareSummary:  # fmt: skip
     """Encode the corpus into shards in ``stage``, continuing from ``state`` (appending: the
@@ -379,7 +352,7 @@ def _encode(
 
 
 def _recorded_shards(
-    stage: Path, state: _State, target: AppendTarget | None
+    stage: Path, state: State, target: AppendTarget | None
 ) -> dict[str, tuple[int, list[Path]]]:
     """By split: the index of the next shard, and the shards ``state`` records as finished.
     A shard finished after the last record (the run was killed before it wrote one) is
@@ -410,9 +383,7 @@ class _Speed:
         return f"{(tokens - self.tokens) / elapsed / 1e6:.2f}M tok/s" if elapsed > 1 else ""
 
 
-def _checkpoint(
-    writers: dict[str, ShardWriter], state: _State, pieces: Pieces, stage: Path
-) -> None:
+def _checkpoint(writers: dict[str, ShardWriter], state: State, pieces: Pieces, stage: Path) -> None:
     """Finish both open shards (at a piece boundary) and record where the run stands."""
     for split, writer in writers.items():
         if writer.finish() is not None:
@@ -448,55 +419,11 @@ def _hold_out_a_tail(
     return writers
 
 
-# ---- resuming an interrupted run ----------------------------------------------------------
-
-
-def _fingerprint(config: PrepareConfig, corpus: Corpus, target: AppendTarget | None) -> str | None:
-    """What the output depends on; None where the corpus cannot be read again (stdin)."""
-    if not corpus.rereadable:
-        return None
-    given = config.tokenizer
-    if given and Path(given).exists():
-        path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
-        given = hashlib.sha256(path.read_bytes()).hexdigest()
-    record = {
-        "inputs": corpus.identity(),
-        "tokenizer": given,
-        "appending_to": target.meta if target else None,
-        "piece_chars": PIECE_CHARS,
-        **{k: v for k, v in asdict(config).items() if k not in ("force", "workers", "tokenizer")},
-    }
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-
-
-def _resume(out_dir: Path, stage: Path, fingerprint: str) -> _State | None:
-    """Take over the staging folder of an interrupted run of the same command, if any."""
-    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.staging-(\d+)")
-    if not out_dir.parent.is_dir():
-        return None
-    for entry in sorted(out_dir.parent.iterdir()):
-        match = pattern.fullmatch(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink() or pid_is_running(int(match[1])):
-            continue
-        state = _State.load(entry)
-        if state is None or state.fingerprint != fingerprint:
-            continue
-        os.replace(entry, stage)
-        for temporary in stage.glob(".*.tmp-*"):  # the shards that were open when it stopped
-            temporary.unlink()
-        note(
-            f"continuing the interrupted prepare of {out_dir} after its "
-            f"{state.train_shards + state.val_shards} finished shards"
-        )
-        return state
-    return None
-
-
 # ---- the new folder's record -------------------------------------------------------------
 
 
 def _write_meta(
-    stage: Path, summary: PrepareSummary, corpus: Corpus, config: PrepareConfig, state: _State,
+    stage: Path, summary: PrepareSummary, corpus: Corpus, config: PrepareConfig, state: State,
     tokenizer: Tokenizer,
 ) -> None:  # fmt: skip
     meta = {

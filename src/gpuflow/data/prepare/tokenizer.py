@@ -159,14 +159,7 @@ def fed_texts(texts: Iterable[str]) -> Iterator[str]:
     cutter = Cutter(_untrained())
     assert cutter.proven, "gpuflow's own tokenizer is one whose harmless cuts are proven"
     for text in texts:
-        start = 0
-        while len(text) - start > FEED_CHARS:
-            cut = cutter.cut(text[start : start + FEED_CHARS + 1])
-            if cut is None:
-                break
-            yield text[start : start + cut]
-            start += cut
-        yield text[start:] if start else text
+        yield from cutter.parts(text, FEED_CHARS)
 
 
 def bounded_words(texts: Iterable[str]) -> Iterator[str]:

@@ -227,10 +227,7 @@ def _io_name(args: argparse.Namespace) -> str:
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mib", type=int, default=100, help="MiB of generated corpus (default 100)")
-    p.add_argument(
-        "--data", nargs="+", metavar="PATH",
-        help="any input prepare reads, instead of the generated corpus",
-    )  # fmt: skip
+    p.add_argument("--data", nargs="+", metavar="PATH", help="any input prepare reads, instead")
     p.add_argument("--separator", metavar="TEXT", help="with --data: the documents' separator")
     p.add_argument("--vocab-size", type=int, default=16000, help="BPE vocabulary (default 16000)")
     p.add_argument("--workers", type=int, default=0, help="gpuflow's (default 0: as prepare)")

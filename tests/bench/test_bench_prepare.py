@@ -77,8 +77,34 @@ def test_the_script_and_gpuflow_prepare_read_the_same_documents(tmp_path, monkey
     assert script["tokens"] > 0 and ours["tokens"] > 0
     assert result["speedup"] == pytest.approx(script["seconds"] / ours["seconds"], rel=1e-6)
     assert 0 < script["tokens_per_byte"] < 1 and 0 < ours["tokens_per_byte"] < 1
+    # prepare's own training time, from its closing line; the rest is reading and encoding
+    assert 0 < ours["train_s"] < ours["seconds"]
+    assert ours["encode_s"] == pytest.approx(ours["seconds"] - ours["train_s"])
+    assert result["speedup_trained_on_all"] is None  # 1 MiB: the default sample is all of it
     print_prepare_table(result)
     assert "gpuflow prepare" in capsys.readouterr().out
+
+
+def test_a_corpus_past_the_sample_also_runs_prepare_trained_on_all_of_it(
+    tmp_path, monkeypatch, capsys
+):
+    """Where prepare's default sample is less than the corpus, a third row trains the
+    tokenizer on all of it, as the script does. Here the bench's threshold is lowered while
+    the child's default sample still holds the whole corpus: both rows train one tokenizer."""
+    import gpuflow.data.prepare.pipeline
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
+    monkeypatch.setattr(gpuflow.data.prepare.pipeline, "DEFAULT_SAMPLE_MB", 0.5)
+    result = run_prepare_bench(PrepareBenchConfig(mib=1, vocab_size=300, workers=1))
+    assert list(tmp_path.iterdir()) == []
+    script, ours, whole = result["rows"]
+    assert whole["row"] == "gpuflow prepare, tokenizer on all of it"
+    assert whole["documents"] == ours["documents"] == script["documents"]
+    assert (whole["tokens"], whole["tokens_per_byte"]) == (ours["tokens"], ours["tokens_per_byte"])
+    assert result["speedup_trained_on_all"] == pytest.approx(script["seconds"] / whole["seconds"])
+    print_prepare_table(result)
+    assert "with its tokenizer on all of the corpus" in capsys.readouterr().out
 
 
 def test_the_users_data_of_any_format_with_documents_held_out(

@@ -73,6 +73,9 @@ def test_single_document_corpus_holds_out_its_tail(tmp_path, stdlib_documents):
     total = summary.train_tokens + summary.val_tokens
     assert summary.documents == 1
     assert summary.val_tokens == int(total * 0.1)
+    # the tokenizer's training is timed apart, within the run, and the closing line says so
+    assert 0 < summary.tokenizer_seconds < summary.seconds
+    assert f"the tokenizer trained in {summary.tokenizer_seconds:.1f} s" in summary.describe()
 
 
 def test_small_shards_and_a_reused_tokenizer(tmp_path, prepared, small_corpus):
@@ -86,6 +89,7 @@ def test_small_shards_and_a_reused_tokenizer(tmp_path, prepared, small_corpus):
         )
     )
     assert summary.train_shards > 2
+    assert summary.tokenizer_seconds == 0 and "trained in" not in summary.describe()
     assert (out / "tokenizer.json").read_text() == (prepared / "tokenizer.json").read_text()
     original = TokenFolder.open(prepared)
     resharded = TokenFolder.open(out)

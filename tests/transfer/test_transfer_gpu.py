@@ -244,11 +244,12 @@ def test_host_mirror_partial_reads_and_async_refresh(accel):
     mirror = HostMirror(table)
     assert mirror[7, 5] == pytest.approx(table[7, 5].item())
     assert mirror.stats.bytes_fetched == 4
-    _busy(accel, 50.0)
+    _busy(accel, 500.0)
     table.mul_(2.0)  # queued behind the busy kernel
-    started = time.perf_counter()
     mirror.refresh_async()
-    assert time.perf_counter() - started < 0.02  # queued, not waited for
+    # Queued, not waited for: the stream is still busy when it returns (a clock-free check:
+    # a bound on the call's time failed on a host shared with other test processes).
+    assert not torch.cuda.current_stream(accel.torch).query()
     np.testing.assert_array_equal(mirror.numpy(), table.cpu().numpy())
 
 

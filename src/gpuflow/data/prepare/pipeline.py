@@ -125,6 +125,7 @@ class PrepareSummary:
     seconds: float
     forced_cuts: int = 0
     appended: bool = False
+    tokenizer_seconds: float = 0.0  # training the tokenizer (0: given, or the folder's own)
     encoded_tokens: int | None = None  # by this run (None: all), when it continued another
 
     @property
@@ -144,10 +145,15 @@ class PrepareSummary:
                 f"; {self.forced_cuts:,} cut{'s' if self.forced_cuts > 1 else ''} inside runs of "
                 f"{PIECE_CHARS:,} characters with no space or newline may have changed a token"
             )
+        trained = (
+            f" (the tokenizer trained in {self.tokenizer_seconds:.1f} s)"
+            if self.tokenizer_seconds
+            else ""
+        )
         return (
             f"{verb} {self.out_dir}: {self.documents:,} {documents}, {self.train_tokens:,} "
             f"train + {self.val_tokens:,} val tokens in {self.train_shards} + {self.val_shards} "
-            f"shards, vocab {self.vocab_size:,}, {self.seconds:.1f} s "
+            f"shards, vocab {self.vocab_size:,}, {self.seconds:.1f} s{trained} "
             f"({self.tokens_per_s:,.0f} tokens/s){cuts}"
         )
 
@@ -202,8 +208,9 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
         raise GpuflowError(f"cannot write beside {out_dir}: {describe_os_error(exc)}") from None
     keep_stage = False
     try:
-        tokenizer = _tokenizer(config, corpus, stage, target)
+        tokenizer, trained_s = _tokenizer(config, corpus, stage, target)
         summary = _encode(config, corpus, tokenizer, stage, state, target, started)
+        summary = replace(summary, tokenizer_seconds=trained_s)
         (stage / PROGRESS_FILE).unlink(missing_ok=True)  # from here on a rerun starts afresh
         if target is not None:
             commit(stage, target, _added(summary, state, corpus))
@@ -257,13 +264,14 @@ def _added(summary: PrepareSummary, state: State, corpus: Corpus) -> dict[str, A
 
 def _tokenizer(
     config: PrepareConfig, corpus: Corpus, stage: Path, target: AppendTarget | None
-) -> Tokenizer:
+) -> tuple[Tokenizer, float]:
     """The folder's own (appending: its file is linked in when the run commits), one kept by
     an interrupted run, the one given, or one trained on a sample of the corpus; saved in the
-    staging folder."""
+    staging folder. With the seconds spent training it (0 when none was trained)."""
     kept = stage / "tokenizer.json"
     if target is not None:
-        return target.tokenizer
+        return target.tokenizer, 0.0
+    trained_s = 0.0
     if kept.is_file():
         tokenizer = load_tokenizer(kept)
     elif config.tokenizer:
@@ -273,10 +281,12 @@ def _tokenizer(
         what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
             f"a {config.sample_mb:g} MB sample of the corpus"
         )  # fmt: skip
+        started = time.perf_counter()
         with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
             tokenizer = train_tokenizer(corpus.sample(chars), config.vocab_size)
+        trained_s = time.perf_counter() - started
     tokenizer.save(str(kept))
-    return tokenizer
+    return tokenizer, trained_s
 
 
 def _encode(

@@ -20,3 +20,27 @@ def test_builtin_corpus_is_real_deterministic_text(stdlib_documents):
 
 def test_builtin_documents_count_their_utf8_bytes(stdlib_documents):
     assert all(d.size == len(d.text.encode("utf-8")) for d in stdlib_documents)
+
+
+def test_standard_input_sampled_again_gives_what_it_holds_and_is_encoded_once(monkeypatch):
+    """A sample of standard input that is stopped part way (the trainer over its memory) and
+    taken again smaller reads the text it holds, not more of the stream; every document is
+    then given to the encoder once."""
+    import io
+    import itertools
+    import sys
+
+    from gpuflow.data.prepare.corpus import Corpus
+    from gpuflow.data.prepare.formats import ReadOptions
+
+    documents = [f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(60)) for i in range(300)]
+    stream = io.BytesIO("\n\n".join(documents).encode())
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(stream))
+    corpus = Corpus(("-",), ReadOptions("\n\n", "text"))
+    first = "".join(itertools.islice(corpus.sample(10**9), 40))  # stopped after 40 parts
+    read = stream.tell()
+    again = "".join(corpus.sample(len(first) // 2))
+    assert again == first[: len(again)] and len(first) // 2 <= len(again) < len(first)
+    assert stream.tell() == read  # nothing more read from the stream
+    encoded = [p.text for p in corpus.parts() if p.starts_document]
+    assert len(encoded) == len(documents) and encoded[0].startswith("document 0: ")

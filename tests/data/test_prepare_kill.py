@@ -24,13 +24,14 @@ TIME_KILLS = 5  # kills after a random delay, beside those before a chosen chang
 
 
 def tree(folder: Path) -> dict[str, bytes] | None:
-    """Every file of ``folder`` by name (meta.json without the seconds the run took); None
-    when there is no folder."""
+    """Every file of ``folder`` by name (meta.json without the seconds the run and its
+    tokenizer took); None when there is no folder."""
     if not folder.exists():
         return None
     files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
     meta = json.loads(files["meta.json"])
     meta.pop("seconds")
+    meta.pop("tokenizer_seconds")
     files["meta.json"] = json.dumps(meta, sort_keys=True).encode()
     return files
 

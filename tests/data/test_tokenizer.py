@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import gpuflow.data.prepare.pipeline as prepare_module
 import gpuflow.data.prepare.tokenizer as tokenizer_module
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
@@ -186,3 +187,59 @@ def test_a_long_line_without_a_space_prepares(tmp_path, line):
     assert meta["train_tokens"] + meta["val_tokens"] > 1
     vocab = json.loads((tmp_path / "o" / "tokenizer.json").read_text())["model"]["vocab"]
     assert max(len(token) for token in vocab) <= WORD_CHARS
+
+
+def _hash_lines(chars: int, seed: int = 0) -> list[str]:
+    """Texts of lock-file lines, each with a distinct sha512 (the words no two texts share)."""
+    import base64
+
+    rng = random.Random(seed)
+    texts, total = [], 0
+    while total < chars:
+        text = "\n".join(
+            f'"integrity": "sha512-{base64.b64encode(rng.randbytes(64)).decode()}",'
+            for _ in range(1000)
+        )
+        texts.append(text)
+        total += len(text)
+    return texts
+
+
+def test_a_trainer_past_its_memory_is_stopped_and_says_how_far_it_got(
+    stdlib_documents, monkeypatch
+):
+    """4.5 MB of hashes take the trainer's process far past 150 MiB, where the built-in
+    corpus's real text (2 MB here) stays below it: the first is stopped, the second trains."""
+    monkeypatch.setattr(tokenizer_module, "CHILD_MIN_CHARS", 0)
+    monkeypatch.setattr(tokenizer_module, "TRAINER_MEMORY", 150 << 20)
+    hashes = _hash_lines(4_500_000)
+    with pytest.raises(tokenizer_module.TrainerOverMemory) as over:
+        train_tokenizer(hashes, 2000)
+    assert 0 < over.value.fed <= sum(map(len, hashes))
+    assert not [c for c in multiprocessing.active_children() if c.name == "gpuflow-bpe-trainer"]
+    assert train_tokenizer([d.text for d in stdlib_documents], 2000).get_vocab_size() == 2000
+
+
+def test_prepare_trains_a_smaller_sample_where_the_words_pass_the_trainers_memory(
+    tmp_path, monkeypatch, capsys
+):
+    """Each try takes a quarter of what the last was given, until one fits; the tokenizer is
+    the one a sample of that size trains, and the line says what happened."""
+    monkeypatch.setattr(tokenizer_module, "CHILD_MIN_CHARS", 1_000_000)
+    monkeypatch.setattr(tokenizer_module, "TRAINER_MEMORY", 150 << 20)
+    data = tmp_path / "lock.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _hash_lines(4_500_000)))
+    sampled: list[int] = []
+    real_sample = prepare_module.Corpus.sample
+
+    def recording_sample(self, chars):
+        sampled.append(chars)
+        return real_sample(self, chars)
+
+    monkeypatch.setattr(prepare_module.Corpus, "sample", recording_sample)
+    summary = prepare(PrepareConfig(data=(str(data),), out=str(tmp_path / "out"), vocab_size=400))
+    assert summary.documents > 0
+    assert len(sampled) >= 2 and sampled[0] == 200_000_000
+    assert all(later <= earlier // 4 for earlier, later in itertools.pairwise(sampled))
+    err = capsys.readouterr().err
+    assert "took more than 0.146 GiB" in err and "holds unusually many distinct words" in err

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +35,6 @@ FILE_BYTES = 16 << 20
 # to measure each tokenizer on text it has not seen.
 HOLD_OUT_EVERY = 20
 HELD_OUT_CHARS = 4 << 20
-# How prepare's closing line gives the time its tokenizer took to train.
-_TRAINED = re.compile(r"the tokenizer trained in ([0-9.]+) s")
 
 # The hand-written pipeline: the baseline, run as a script of its own. It reads text files
 # (documents between separators) or JSON lines (a "text" field), as a user's script would.
@@ -239,11 +236,10 @@ def _run_ours(
     if sample_mb is not None:
         command += ["--tokenizer-sample-mb", f"{sample_mb:.0f}"]
     row = run_timed(command, scratch)
-    trained = _TRAINED.search(row.pop("stdout"))
-    if trained:
-        row["train_s"] = float(trained.group(1))
-        row["encode_s"] = row["seconds"] - row["train_s"]  # reading, encoding, writing
+    row.pop("stdout")
     meta = json.loads((scratch / name / "meta.json").read_text())
+    row["train_s"] = meta["tokenizer_seconds"]
+    row["encode_s"] = row["seconds"] - row["train_s"]  # reading, encoding, writing
     row.update(tokens=meta["train_tokens"] + meta["val_tokens"], documents=meta["documents"],
                forced_cuts=meta.get("forced_cuts", 0))  # fmt: skip
     row["tokens_per_byte"] = tokens_per_byte(scratch / name / "tokenizer.json", held)

@@ -153,11 +153,16 @@ class Corpus:
 
     def sample(self, chars: int) -> Iterator[str]:
         """About ``chars`` characters of text drawn evenly from the corpus (standard input:
-        its first ``chars``, held to be encoded later). Every input is read through, so a
-        bad file is found before anything is written."""
+        its first ``chars``, held to be encoded later and to be sampled again). Every input
+        is read through, so a bad file is found before anything is written."""
         if not self.rereadable:
             stdin = next(i for i in self.inputs if i.path is None)
             taken = 0
+            for part in self._stdin_head:  # what an earlier sample read and holds
+                taken += len(part.text)
+                yield part.text
+                if taken >= chars:
+                    return
             for part in self._stdin_parts(stdin):
                 self._stdin_head.append(part)
                 taken += len(part.text)

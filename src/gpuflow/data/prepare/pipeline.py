@@ -50,7 +50,7 @@ from gpuflow.data.prepare.outfolder import (
 )
 from gpuflow.data.prepare.pieces import PIECE_CHARS, Cutter, Pieces
 from gpuflow.data.prepare.resume import PROGRESS_FILE, State, fingerprint_of, take_over
-from gpuflow.data.prepare.tokenizer import train_tokenizer
+from gpuflow.data.prepare.tokenizer import TrainerOverMemory, train_tokenizer
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
 
@@ -277,16 +277,33 @@ def _tokenizer(
     elif config.tokenizer:
         tokenizer = load_tokenizer(config.tokenizer)
     else:
-        chars = int(config.sample_mb * 1e6)
-        what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
-            f"a {config.sample_mb:g} MB sample of the corpus"
-        )  # fmt: skip
         started = time.perf_counter()
-        with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
-            tokenizer = train_tokenizer(corpus.sample(chars), config.vocab_size)
+        tokenizer = _trained(config, corpus)
         trained_s = time.perf_counter() - started
     tokenizer.save(str(kept))
     return tokenizer, trained_s
+
+
+def _trained(config: PrepareConfig, corpus: Corpus) -> Tokenizer:
+    """A tokenizer trained on an even sample of ``corpus``: of ``config.sample_mb``, or, where
+    its words take the trainer past its memory, of a quarter of what it had been given, until
+    one fits (a sample small enough trains in this process, unwatched, and fits)."""
+    chars = int(config.sample_mb * 1e6)
+    while True:
+        what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
+            f"a {chars / 1e6:g} MB sample of the corpus"
+        )  # fmt: skip
+        with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
+            try:
+                return train_tokenizer(corpus.sample(chars), config.vocab_size)
+            except TrainerOverMemory as over:
+                smaller, limit = max(1, min(over.fed, chars) // 4), over.limit
+        err_console.print(
+            f"note: training the tokenizer on {what} took more than {limit / 2**30:.3g} GiB "
+            "(its text holds unusually many distinct words: hashes, numbers, encoded data); "
+            f"training it on a {smaller / 1e6:.3g} MB sample instead"
+        )
+        chars = smaller
 
 
 def _encode(

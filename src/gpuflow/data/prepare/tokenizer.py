@@ -14,7 +14,9 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from multiprocessing.connection import Connection
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,13 +43,30 @@ FEED_CHARS = 1 << 16
 # Texts shorter than this together train in this process: starting another costs more.
 CHILD_MIN_CHARS = 8 << 20
 SEND_CHARS = 1 << 20  # characters sent to the trainer's process in one message
+# The most memory the trainer's process may hold. Its tables grow with the distinct words of
+# its texts: a sample of real text keeps well below this, one of hashes or numbers can take
+# ten times as much a megabyte, and is then stopped and trained smaller (docs/decisions/047).
+TRAINER_MEMORY = 3 << 29
+WATCH_S = 0.05  # how often the trainer's memory is read
+
+
+class TrainerOverMemory(Exception):
+    """The trainer's process passed ``limit`` bytes (``TRAINER_MEMORY``) and was stopped,
+    ``fed`` characters into its texts (all of them, if it had them all)."""
+
+    def __init__(self, fed: int, limit: int) -> None:
+        super().__init__(f"the tokenizer's trainer passed {limit / 2**30:.3g} GiB")
+        self.fed, self.limit = fed, limit
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Learn a byte-level BPE of at most ``vocab_size`` tokens; ``EOT`` gets id 0.
 
     A small corpus may stop short of ``vocab_size`` when it runs out of pairs to merge. The
-    tokenizer does not depend on the number of threads or on where it was trained.
+    tokenizer does not depend on the number of threads or on where it was trained. Raises
+    ``TrainerOverMemory`` where texts of at least ``CHILD_MIN_CHARS`` hold so many distinct
+    words that training them passes ``TRAINER_MEMORY`` (smaller texts train in this process,
+    within a few hundred MB whatever they hold).
     """
     if vocab_size < MIN_VOCAB:
         raise GpuflowError(
@@ -94,7 +113,13 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
     )  # fmt: skip
     child.start()
     theirs.close()
+    over, done = threading.Event(), threading.Event()
+    watcher = threading.Thread(
+        target=_watch_memory, args=(child.pid, over, done), name="gpuflow-bpe-watch", daemon=True
+    )
+    watcher.start()
     replied = False
+    fed = 0  # characters sent
     try:
         try:
             batch: list[str] = []
@@ -104,8 +129,9 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
                 chars += len(text)
                 if chars >= SEND_CHARS:
                     ours.send(batch)
-                    batch, chars = [], 0
+                    fed, batch, chars = fed + chars, [], 0
             ours.send(batch)
+            fed += chars
             ours.send(None)
         except (BrokenPipeError, ConnectionResetError):
             pass  # it stopped reading: its reply (a line) or its end says why
@@ -113,9 +139,15 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
             failure, result = ours.recv()
             replied = True
         except EOFError:
+            done.set()
+            watcher.join()  # before the child is reaped: its pid is not another's while watched
             child.join()
+            if over.is_set():
+                raise TrainerOverMemory(fed, TRAINER_MEMORY) from None
             raise GpuflowError(_trainer_died(child.exitcode)) from None
     finally:
+        done.set()
+        watcher.join()
         ours.close()
         if not replied:
             child.kill()  # an error or an interruption in this process: it is not needed
@@ -123,6 +155,24 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
     if failure:
         raise GpuflowError(f"the tokenizer could not be trained: {result}")
     return Tokenizer.from_str(result)
+
+
+def _watch_memory(pid: int, over: threading.Event, done: threading.Event) -> None:
+    """Stop process ``pid`` (setting ``over``) once it holds more than ``TRAINER_MEMORY``;
+    until ``done``. Reads Linux's /proc: elsewhere the trainer is not watched."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    while not done.is_set():
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as statm:
+                resident = int(statm.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            return
+        if resident > TRAINER_MEMORY:
+            over.set()
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            return
+        done.wait(WATCH_S)
 
 
 def _trainer_process(conn: Connection, vocab_size: int, threads: int) -> None:

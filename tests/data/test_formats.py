@@ -336,3 +336,29 @@ def test_a_bom_is_dropped_and_every_byte_is_counted(tmp_path):
     bom_text.write_bytes(b"\xef\xbb\xbfcaf\xc3\xa9\n")
     assert documents([bom_text]) == ["café\n"]
     assert sizes(bom_text) == bom_text.stat().st_size
+
+
+def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_path, capsys):
+    """A documentation folder as a system holds it: what is read is read, and the rest
+    (no suffix, changelogs, sources) is counted by suffix in one line rather than dropped
+    without a word; hidden entries are neither."""
+    from gpuflow.data.prepare.formats import describe_left_out
+    from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+
+    docs = tmp_path / "doc"
+    for name in ("pkg/README.md", "pkg/notes.txt.gz", "pkg/copyright", "pkg/changelog.Debian.gz",
+                 "other/copyright", "other/setup.py", ".git/HEAD.txt"):  # fmt: skip
+        (docs / name).parent.mkdir(parents=True, exist_ok=True)
+        body = ("words of a real note " * 200).encode()
+        (docs / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+    left_out: list = []
+    inputs = resolve_inputs([docs], left_out)
+    assert [i.path.name for i in inputs] == ["README.md", "notes.txt.gz"]
+    assert sorted(p.relative_to(docs).as_posix() for p in left_out) == [
+        "other/copyright", "other/setup.py", "pkg/changelog.Debian.gz", "pkg/copyright"
+    ]  # fmt: skip
+    line = describe_left_out(left_out)
+    assert line.startswith("note: 4 files in the folders given are of no kind prepare reads")
+    assert "no suffix 2" in line and ".debian.gz 1" in line and ".py 1" in line
+    prepare(PrepareConfig(data=(str(docs),), out=str(tmp_path / "out"), vocab_size=300))
+    assert "note: 4 files in the folders given" in capsys.readouterr().err

@@ -111,8 +111,9 @@ class Corpus:
 
     def __init__(self, paths: tuple[str, ...], options: ReadOptions) -> None:
         self.options = options
+        self.left_out: list[Path] = []  # files of the folders given, of no kind read here
         # (resolve_inputs finds at least one input for any paths, or refuses them)
-        self.inputs: list[Input] = resolve_inputs(list(paths)) if paths else []
+        self.inputs: list[Input] = resolve_inputs(list(paths), self.left_out) if paths else []
         if paths:
             sizes = [i.size() for i in self.inputs]
             self.total_bytes = None if None in sizes else sum(s for s in sizes if s is not None)

@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +102,10 @@ def _supported() -> str:
     return f"{kinds} files (maybe {', '.join(COMPRESSIONS)}), dataset folders or -"
 
 
-def resolve_inputs(paths: Sequence[str | Path]) -> list[Input]:
+def resolve_inputs(paths: Sequence[str | Path], left_out: list[Path] | None = None) -> list[Input]:
     """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
-    exist and be readable as its kind before anything is read or written."""
+    exist and be readable as its kind before anything is read or written. Files inside the
+    folders named that are of no kind read here are added to ``left_out``."""
     if not paths:
         raise GpuflowError(
             "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
@@ -119,11 +121,11 @@ def resolve_inputs(paths: Sequence[str | Path]) -> list[Input]:
             if not matched:
                 raise GpuflowError(f"no file matches {raw}; check the --data pattern")
             # What it matches counts as if each were named: a folder is read whole.
-            inputs.extend(i for p in matched for i in _inputs_of(p, str(p)))
+            inputs.extend(i for p in matched for i in _inputs_of(p, str(p), left_out))
             continue
         if not path.exists():
             raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
-        inputs.extend(_inputs_of(path, str(raw)))
+        inputs.extend(_inputs_of(path, str(raw), left_out))
     if sum(i.path is None for i in inputs) > 1:
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
     for inp in inputs:
@@ -132,13 +134,13 @@ def resolve_inputs(paths: Sequence[str | Path]) -> list[Input]:
     return inputs
 
 
-def _inputs_of(path: Path, given: str) -> list[Input]:
+def _inputs_of(path: Path, given: str, left_out: list[Path] | None) -> list[Input]:
     if path.is_dir() and not is_dataset_folder(path):
-        return _folder_inputs(path)
+        return _folder_inputs(path, [] if left_out is None else left_out)
     return [_input_for(path, given)]
 
 
-def _folder_inputs(folder: Path) -> list[Input]:
+def _folder_inputs(folder: Path, left_out: list[Path]) -> list[Input]:
     found: list[Input] = []
     for entry in sorted(folder.rglob("*")):
         relative = entry.relative_to(folder).parts
@@ -146,11 +148,27 @@ def _folder_inputs(folder: Path) -> list[Input]:
             continue  # .git and the like
         if is_dataset_folder(entry):
             found.append(Input(entry, "dataset"))
-        elif entry.is_file() and kind_of(entry)[0] and not _inside_dataset(entry, folder):
+        elif not entry.is_file() or _inside_dataset(entry, folder):
+            continue
+        elif kind_of(entry)[0]:
             found.append(_input_for(entry, str(entry)))
+        else:
+            left_out.append(entry)
     if not found:
         raise GpuflowError(f"folder {folder} holds no {_supported()}; point --data at the text")
     return found
+
+
+def describe_left_out(files: Sequence[Path]) -> str:
+    """One line on the files of the folders given that are not read, by their suffixes."""
+    kinds = Counter("".join(p.suffixes[-2:]).lower() or "no suffix" for p in files)
+    common = ", ".join(f"{kind} {n:,}" for kind, n in kinds.most_common(4))
+    more = ", ..." if len(kinds) > 4 else ""
+    return (
+        f"note: {len(files):,} file{'s' if len(files) != 1 else ''} in the folders given "
+        f"{'are' if len(files) != 1 else 'is'} of no kind prepare reads and left out "
+        f"({common}{more}); copy or rename a plain-text file to .txt to include it"
+    )
 
 
 def _inside_dataset(entry: Path, root: Path) -> bool:

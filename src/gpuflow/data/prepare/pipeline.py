@@ -36,7 +36,7 @@ from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.prepare.corpus import Corpus
 from gpuflow.data.prepare.encode import ParallelEncoder, default_workers
-from gpuflow.data.prepare.formats import ReadOptions
+from gpuflow.data.prepare.formats import ReadOptions, describe_left_out
 from gpuflow.data.prepare.outfolder import (
     META_FORMAT,
     OutLock,
@@ -193,6 +193,8 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
     if target is None:
         check_replaceable(out_dir, config.force)
     corpus = Corpus(config.data, config.read_options)  # every input checked before writing
+    if corpus.left_out:
+        err_console.print(describe_left_out(corpus.left_out))
     if target is not None:
         refuse_repeats(corpus.inputs, corpus.identity(), target)
     fingerprint = fingerprint_of(asdict(config), corpus, target)

@@ -342,6 +342,8 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
     """A documentation folder as a system holds it: what is read is read, and the rest
     (no suffix, changelogs, sources) is counted by suffix in one line rather than dropped
     without a word; hidden entries are neither."""
+    from collections import Counter
+
     from gpuflow.data.prepare.formats import describe_left_out
     from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
@@ -351,12 +353,10 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
         (docs / name).parent.mkdir(parents=True, exist_ok=True)
         body = ("words of a real note " * 200).encode()
         (docs / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
-    left_out: list = []
+    left_out: Counter = Counter()
     inputs = resolve_inputs([docs], left_out)
     assert [i.path.name for i in inputs] == ["README.md", "notes.txt.gz"]
-    assert sorted(p.relative_to(docs).as_posix() for p in left_out) == [
-        "other/copyright", "other/setup.py", "pkg/changelog.Debian.gz", "pkg/copyright"
-    ]  # fmt: skip
+    assert left_out == {"no suffix": 2, ".debian.gz": 1, ".py": 1}
     line = describe_left_out(left_out)
     assert line.startswith("note: 4 files in the folders given are of no kind prepare reads")
     assert "no suffix 2" in line and ".debian.gz 1" in line and ".py 1" in line

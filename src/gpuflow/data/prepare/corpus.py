@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import sys
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,7 @@ class Corpus:
 
     def __init__(self, paths: tuple[str, ...], options: ReadOptions) -> None:
         self.options = options
-        self.left_out: list[Path] = []  # files of the folders given, of no kind read here
+        self.left_out: Counter[str] = Counter()  # files of the folders given not read, by suffix
         # (resolve_inputs finds at least one input for any paths, or refuses them)
         self.inputs: list[Input] = resolve_inputs(list(paths), self.left_out) if paths else []
         if paths:

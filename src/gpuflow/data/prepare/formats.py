@@ -102,10 +102,13 @@ def _supported() -> str:
     return f"{kinds} files (maybe {', '.join(COMPRESSIONS)}), dataset folders or -"
 
 
-def resolve_inputs(paths: Sequence[str | Path], left_out: list[Path] | None = None) -> list[Input]:
+def resolve_inputs(
+    paths: Sequence[str | Path], left_out: Counter[str] | None = None
+) -> list[Input]:
     """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
     exist and be readable as its kind before anything is read or written. Files inside the
-    folders named that are of no kind read here are added to ``left_out``."""
+    folders named that are of no kind read here are counted in ``left_out`` by their last two
+    suffixes (``left_suffix``)."""
     if not paths:
         raise GpuflowError(
             "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
@@ -134,13 +137,13 @@ def resolve_inputs(paths: Sequence[str | Path], left_out: list[Path] | None = No
     return inputs
 
 
-def _inputs_of(path: Path, given: str, left_out: list[Path] | None) -> list[Input]:
+def _inputs_of(path: Path, given: str, left_out: Counter[str] | None) -> list[Input]:
     if path.is_dir() and not is_dataset_folder(path):
-        return _folder_inputs(path, [] if left_out is None else left_out)
+        return _folder_inputs(path, Counter() if left_out is None else left_out)
     return [_input_for(path, given)]
 
 
-def _folder_inputs(folder: Path, left_out: list[Path]) -> list[Input]:
+def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
     found: list[Input] = []
     for entry in sorted(folder.rglob("*")):
         relative = entry.relative_to(folder).parts
@@ -153,20 +156,25 @@ def _folder_inputs(folder: Path, left_out: list[Path]) -> list[Input]:
         elif kind_of(entry)[0]:
             found.append(_input_for(entry, str(entry)))
         else:
-            left_out.append(entry)
+            left_out[left_suffix(entry)] += 1
     if not found:
         raise GpuflowError(f"folder {folder} holds no {_supported()}; point --data at the text")
     return found
 
 
-def describe_left_out(files: Sequence[Path]) -> str:
+def left_suffix(path: Path) -> str:
+    """How a file left out is counted: its last two suffixes, lower case."""
+    return "".join(path.suffixes[-2:]).lower() or "no suffix"
+
+
+def describe_left_out(left_out: Counter[str]) -> str:
     """One line on the files of the folders given that are not read, by their suffixes."""
-    kinds = Counter("".join(p.suffixes[-2:]).lower() or "no suffix" for p in files)
-    common = ", ".join(f"{kind} {n:,}" for kind, n in kinds.most_common(4))
-    more = ", ..." if len(kinds) > 4 else ""
+    files = sum(left_out.values())
+    common = ", ".join(f"{kind} {n:,}" for kind, n in left_out.most_common(4))
+    more = ", ..." if len(left_out) > 4 else ""
     return (
-        f"note: {len(files):,} file{'s' if len(files) != 1 else ''} in the folders given "
-        f"{'are' if len(files) != 1 else 'is'} of no kind prepare reads and left out "
+        f"note: {files:,} file{'s' if files != 1 else ''} in the folders given "
+        f"{'are' if files != 1 else 'is'} of no kind prepare reads and left out "
         f"({common}{more}); copy or rename a plain-text file to .txt to include it"
     )
 

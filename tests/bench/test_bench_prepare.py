@@ -103,6 +103,7 @@ def test_a_corpus_past_the_sample_also_runs_prepare_trained_on_all_of_it(
     assert whole["documents"] == ours["documents"] == script["documents"]
     assert (whole["tokens"], whole["tokens_per_byte"]) == (ours["tokens"], ours["tokens_per_byte"])
     assert result["speedup_trained_on_all"] == pytest.approx(script["seconds"] / whole["seconds"])
+    assert not ours["tokenizer_sample_reduced"] and not whole["tokenizer_sample_reduced"]
     print_prepare_table(result)
     assert "with its tokenizer on all of the corpus" in capsys.readouterr().out
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -342,8 +343,6 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
     """A documentation folder as a system holds it: what is read is read, and the rest
     (no suffix, changelogs, sources) is counted by suffix in one line rather than dropped
     without a word; hidden entries are neither."""
-    from collections import Counter
-
     from gpuflow.data.prepare.formats import describe_left_out
     from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
@@ -362,3 +361,14 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
     assert "no suffix 2" in line and ".debian.gz 1" in line and ".py 1" in line
     prepare(PrepareConfig(data=(str(docs),), out=str(tmp_path / "out"), vocab_size=300))
     assert "note: 4 files in the folders given" in capsys.readouterr().err
+
+
+def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):
+    mixed = tmp_path / "mixed"
+    for name in ("ds/dataset_info.json", "ds/train/data-00000.arrow", "notes.txt", "img.png"):
+        (mixed / name).parent.mkdir(parents=True, exist_ok=True)
+        (mixed / name).write_text("some text of a file")
+    left_out: Counter = Counter()
+    inputs = resolve_inputs([mixed], left_out)
+    assert [(i.path.name, i.kind) for i in inputs] == [("ds", "dataset"), ("notes.txt", "text")]
+    assert left_out == {".png": 1}

@@ -141,20 +141,22 @@ class HoldOut:
 
 def write_documents(
     data: tuple[str, ...], separator: str | None, folder: Path
-) -> tuple[list[Path], list[str]]:
+) -> tuple[list[Path], list[str], int]:
     """The documents of ``data`` (any input ``prepare`` reads) as JSON lines in ``folder``,
-    files of about ``FILE_BYTES``, less the held-out ones, which are returned."""
+    files of about ``FILE_BYTES``, less the held-out ones, which are returned, with the
+    characters of those written."""
     from gpuflow.data.prepare.corpus import Corpus
     from gpuflow.data.prepare.formats import ReadOptions
 
     folder.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     held = HoldOut()
-    written, out = FILE_BYTES, None
+    written, out, chars = FILE_BYTES, None, 0
     try:
         for text in _documents(Corpus(data, ReadOptions(separator, "text"))):
             if held(text):
                 continue
+            chars += len(text)
             if written >= FILE_BYTES:
                 if out is not None:
                     out.close()
@@ -166,7 +168,7 @@ def write_documents(
             out.close()
     if not files:
         raise GpuflowError(f"bench prepare: {', '.join(data)} holds too few documents")
-    return files, held.texts
+    return files, held.texts, chars
 
 
 def _documents(corpus: Any) -> Iterator[str]:
@@ -209,6 +211,7 @@ def run_timed(command: list[str], cwd: Path) -> dict[str, Any]:
         raise GpuflowError(f"bench prepare: {command[2]} failed: {last[0]}")
     return {
         "seconds": seconds,
+        "stderr": err.decode(errors="replace"),
         "peak_rss_bytes": peaks.total,
         "peak_process_bytes": peaks.largest,
         "peak_main_bytes": peaks.each.get(child.pid, 0),
@@ -237,9 +240,11 @@ def _run_ours(
         command += ["--tokenizer-sample-mb", f"{sample_mb:.0f}"]
     row = run_timed(command, scratch)
     row.pop("stdout")
+    # prepare's line where the trainer passed its memory and a smaller sample was trained
+    row["tokenizer_sample_reduced"] = "note: training the tokenizer on" in row.pop("stderr")
     meta = json.loads((scratch / name / "meta.json").read_text())
     row["train_s"] = meta["tokenizer_seconds"]
-    row["encode_s"] = row["seconds"] - row["train_s"]  # reading, encoding, writing
+    row["encode_s"] = row["seconds"] - row["train_s"]  # start-up, reading, encoding, writing
     row.update(tokens=meta["train_tokens"] + meta["val_tokens"], documents=meta["documents"],
                forced_cuts=meta.get("forced_cuts", 0))  # fmt: skip
     row["tokens_per_byte"] = tokens_per_byte(scratch / name / "tokenizer.json", held)
@@ -256,12 +261,13 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
     try:
         if bench.data:
             err_console.print(f"reading {', '.join(bench.data)}...")
-            files, held = write_documents(bench.data, bench.separator, scratch / "corpus")
+            files, held, chars = write_documents(bench.data, bench.separator, scratch / "corpus")
             kind, separator = "jsonl", None
         else:
             err_console.print(f"generating a {bench.mib} MiB corpus...")
             files, held = generate_corpus(scratch / "corpus", bench.mib), builtin_held_out()
             kind, separator = "text", SEPARATOR
+            chars = sum(len(p.read_text(encoding="utf-8")) for p in files)
         corpus_bytes = sum(p.stat().st_size for p in files)
         err_console.print(f"baseline: the tokenizers script on {corpus_bytes / 2**20:,.0f} MiB...")
         saved = [str(scratch / "baseline.bin"), str(scratch / "baseline.json")]
@@ -269,12 +275,13 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
                            *saved])  # fmt: skip
         base = run_timed([sys.executable, "-c", BASELINE, spec], scratch)
         base.update(json.loads(base.pop("stdout").strip().splitlines()[-1]))
+        base.pop("stderr")
         base["tokens_per_byte"] = tokens_per_byte(scratch / "baseline.json", held)
         ours = _run_ours(bench, files, separator, scratch, "ours", held, sample_mb=None)
         # The script trains on all of the corpus; prepare on a sample of it by default. Where
         # the two differ, prepare also runs as the script does, so both choices are measured.
         whole = None
-        if corpus_bytes > DEFAULT_SAMPLE_MB * 1e6:
+        if chars > DEFAULT_SAMPLE_MB * 1e6:  # (prepare's sample counts characters)
             whole = _run_ours(bench, files, separator, scratch, "whole", held,
                               sample_mb=corpus_bytes / 1e6 * 2)  # fmt: skip
         workers = bench.workers or (
@@ -344,6 +351,12 @@ def print_prepare_table(result: dict[str, Any]) -> None:
             f"{row['documents']:,}",
         )  # fmt: skip
     out_console.print(out)
+    for row in result["rows"]:
+        if row.get("tokenizer_sample_reduced"):
+            out_console.print(
+                f"note: {row['row']}: the tokenizer's trainer passed its memory limit, so it "
+                "was trained on a smaller sample than the row says"
+            )
     quality = ""
     if result["tokens_per_byte_ratio"] is not None:
         quality = f", {result['tokens_per_byte_ratio']:.3f}x the tokens per held-out byte"

@@ -145,13 +145,21 @@ def _inputs_of(path: Path, given: str, left_out: Counter[str] | None) -> list[In
 
 def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
     found: list[Input] = []
+    in_dataset: dict[Path, bool] = {folder: False}  # by folder: it or one above is a dataset
+
+    def inside_dataset(entry: Path) -> bool:
+        parent = entry.parent
+        if parent not in in_dataset:
+            in_dataset[parent] = is_dataset_folder(parent) or inside_dataset(parent)
+        return in_dataset[parent]
+
     for entry in sorted(folder.rglob("*")):
         relative = entry.relative_to(folder).parts
         if any(part.startswith(".") for part in relative):
             continue  # .git and the like
         if is_dataset_folder(entry):
             found.append(Input(entry, "dataset"))
-        elif not entry.is_file() or _inside_dataset(entry, folder):
+        elif not entry.is_file() or inside_dataset(entry):
             continue
         elif kind_of(entry)[0]:
             found.append(_input_for(entry, str(entry)))
@@ -175,12 +183,9 @@ def describe_left_out(left_out: Counter[str]) -> str:
     return (
         f"note: {files:,} file{'s' if files != 1 else ''} in the folders given "
         f"{'are' if files != 1 else 'is'} of no kind prepare reads and left out "
-        f"({common}{more}); copy or rename a plain-text file to .txt to include it"
+        f"({common}{more}); to include a plain-text file, copy or rename it to .txt (.txt.gz "
+        "and the like if compressed)"
     )
-
-
-def _inside_dataset(entry: Path, root: Path) -> bool:
-    return any(is_dataset_folder(parent) for parent in entry.parents if parent.is_relative_to(root))
 
 
 def _input_for(path: Path, given: str) -> Input:

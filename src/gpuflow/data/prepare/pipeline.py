@@ -293,13 +293,14 @@ def _trained(config: PrepareConfig, corpus: Corpus) -> Tokenizer:
     chars = int(config.sample_mb * 1e6)
     while True:
         what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
-            f"a {chars / 1e6:g} MB sample of the corpus"
+            f"a {chars / 1e6:.3g} MB sample of the corpus"
         )  # fmt: skip
         with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
             try:
                 return train_tokenizer(corpus.sample(chars), config.vocab_size)
             except TrainerOverMemory as over:
-                smaller, limit = max(1, min(over.fed, chars) // 4), over.limit
+                given = min(over.fed, chars) or chars  # (0: stopped before any was sent)
+                smaller, limit = max(1, given // 4), over.limit
         err_console.print(
             f"note: training the tokenizer on {what} took more than {limit / 2**30:.3g} GiB "
             "(its text holds unusually many distinct words: hashes, numbers, encoded data); "

@@ -138,7 +138,7 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
         try:
             failure, result = ours.recv()
             replied = True
-        except EOFError:
+        except (EOFError, OSError):  # OSError: it ended part way through its reply
             done.set()
             watcher.join()  # before the child is reaped: its pid is not another's while watched
             child.join()

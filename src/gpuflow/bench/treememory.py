@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+from gpuflow.common.procmem import resident_bytes
 
 
 @dataclass
@@ -78,10 +78,9 @@ def tree_rss(root: int) -> dict[int, int]:
     queue = [root]
     while queue:
         pid = queue.pop()
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                rss[pid] = int(f.read().split()[1]) * PAGE_BYTES
-        except (OSError, IndexError, ValueError):
-            continue
+        resident = resident_bytes(pid)
+        if resident is None:
+            continue  # it ended meanwhile
+        rss[pid] = resident
         queue += children.get(pid, [])
     return rss

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.procmem import resident_bytes
 from gpuflow.device.allocator import allocator_in
 
 ACCELERATOR_TYPES = ("cuda", "xpu", "mps")
@@ -322,7 +323,7 @@ class Device:
         caching allocator has handed out and reserved, and its cudaMalloc calls so far.
         None where this platform or device does not say."""
         sample: dict[str, int | None] = {
-            "rss_bytes": _resident_bytes(),
+            "rss_bytes": resident_bytes(),
             "pinned_bytes": None,
             "device_allocated_bytes": None,
             "device_reserved_bytes": None,
@@ -386,15 +387,6 @@ def available_devices() -> list[Device]:
         for index in range(_backend_count(device_type))
     ]
     return [*found, Device("cpu")]
-
-
-def _resident_bytes() -> int | None:
-    """This process's resident set size (Linux: /proc; elsewhere unknown)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 _OOM_FIGURES = re.compile(

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.procmem import resident_bytes
 from gpuflow.data.prepare.encode import usable_cores
 from gpuflow.data.prepare.pieces import Cutter
 from gpuflow.data.tokenizer_file import EOT, MIN_VOCAB
@@ -160,12 +161,9 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
 def _watch_memory(pid: int, over: threading.Event, done: threading.Event) -> None:
     """Stop process ``pid`` (setting ``over``) once it holds more than ``TRAINER_MEMORY``;
     until ``done``. Reads Linux's /proc: elsewhere the trainer is not watched."""
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     while not done.is_set():
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as statm:
-                resident = int(statm.read().split()[1]) * page
-        except (OSError, ValueError, IndexError):
+        resident = resident_bytes(pid)
+        if resident is None:
             return
         if resident > TRAINER_MEMORY:
             over.set()

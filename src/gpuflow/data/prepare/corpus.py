@@ -10,6 +10,7 @@ read by ``gpuflow.data.prepare.formats``.)
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
 import sysconfig
 from collections import Counter
@@ -159,14 +160,14 @@ class Corpus:
         is read through, so a bad file is found before anything is written."""
         if not self.rereadable:
             stdin = next(i for i in self.inputs if i.path is None)
+
+            def read_on() -> Iterator[Part]:
+                for part in self._stdin_parts(stdin):
+                    self._stdin_head.append(part)  # held to be encoded, or sampled again
+                    yield part
+
             taken = 0
-            for part in self._stdin_head:  # what an earlier sample read and holds
-                taken += len(part.text)
-                yield part.text
-                if taken >= chars:
-                    return
-            for part in self._stdin_parts(stdin):
-                self._stdin_head.append(part)
+            for part in itertools.chain(list(self._stdin_head), read_on()):
                 taken += len(part.text)
                 yield part.text
                 if taken >= chars:

@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=200,
         metavar="MB",
         help="MB of text, drawn evenly from the corpus, that the tokenizer is trained on "
-        "(default: 200; from standard input: the first that many MB)",
+        "(default: 200; from standard input: the first that many MB; less, and said, where "
+        "its words would take the trainer past 1.5 GiB)",
     )
     p.add_argument(
         "--val-fraction",

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gpuflow.bench.row_progress import progress_line
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.signals import handling
@@ -44,6 +45,7 @@ MIN_INTERVALS = 4
 # After SIGTERM, how long a child gets to stop: torchrun itself gives its workers 30 s
 # before it kills them, and it must outlive them to do so.
 STOP_GRACE_S = 40.0
+PROGRESS_S = 1.0  # how often a running row's progress is read
 # torchrun's own log folder, in the children's cwd: by default it leaves one in the system's
 # temporary folder per job.
 TORCHRUN_LOGS = "torchrun-logs"
@@ -188,10 +190,14 @@ class ChildOutcome:
     stderr: str
 
 
-def run_child(command: list[str], cwd: Path, env: dict[str, str], log: Path) -> ChildOutcome:
+def run_child(
+    command: list[str], cwd: Path, env: dict[str, str], log: Path,
+    while_running: Callable[[], None] | None = None,
+) -> ChildOutcome:  # fmt: skip
     """Run ``command`` to its end, its output into ``log``.out/.err (a pipe nobody reads
-    while it runs would fill and stall it). It gets a process group of its own, so that
-    Ctrl-C reaches this process alone, which then stops the child and all below it."""
+    while it runs would fill and stall it), calling ``while_running`` every
+    ``PROGRESS_S`` until then. The child gets a process group of its own, so that Ctrl-C
+    reaches this process alone, which then stops the child and all below it."""
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
     started = time.perf_counter()
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
@@ -199,7 +205,13 @@ def run_child(command: list[str], cwd: Path, env: dict[str, str], log: Path) -> 
             command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True
         )
         try:
-            returncode = child.wait()
+            while True:
+                try:
+                    returncode = child.wait(timeout=PROGRESS_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if while_running is not None:
+                        while_running()
         finally:
             stop_child(child)  # after Ctrl-C or SIGTERM; a no-op when the child has ended
     seconds = time.perf_counter() - started
@@ -345,11 +357,15 @@ def _run_row(
     command = row.command(train_args(bench, device, data_dir, row.name))
     what = f"{row.processes} process{'es' if row.processes > 1 else ''}"
     err_console.print(f"{tag} {row.label}: training {bench.steps} steps, {what}...")
-    with err_console.status(f"{tag} {row.label} running"):
-        outcome = run_child(command, scratch, env, scratch / row.name)
+    run_dir = scratch / RUNS_DIR / row.name
+    with err_console.status(f"{tag} {row.label}: starting") as status:
+        outcome = run_child(
+            command, scratch, env, scratch / row.name,
+            lambda: status.update(f"{tag} {row.label}: {progress_line(run_dir, bench.steps)}"),
+        )  # fmt: skip
     if outcome.returncode != 0:
         raise GpuflowError(failure_line(row, outcome))
-    report_path = scratch / RUNS_DIR / row.name / REPORT_FILE
+    report_path = run_dir / REPORT_FILE
     if not report_path.is_file():
         raise GpuflowError(f"bench scale: row {row.label!r} ended without writing {REPORT_FILE}")
     report = json.loads(report_path.read_text())

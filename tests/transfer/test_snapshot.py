@@ -153,3 +153,24 @@ def test_snapshot_copies_every_tensor_and_waits_for_its_release():
     snap.release()
     taker.join(timeout=5)
     assert second and torch.equal(second[0].tensors("model")["w"], state["model"]["w"])
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"w": torch.ones(2)}, "group 'w' is a Tensor: pass a state dict in a group"),
+        ({"model": {"w": [1.0, 2.0]}}, "'model'/'w' is a list, not a tensor"),
+        ([torch.ones(2)], "got list"),
+    ],
+)
+def test_anything_but_groups_of_named_tensors_is_one_line_and_frees_the_buffer(given, words):
+    from gpuflow.common.errors import GpuflowError
+
+    snapshots = StateSnapshot("cpu")
+    with pytest.raises(GpuflowError, match="capture takes") as error:
+        snapshots.capture(given)
+    assert words in str(error.value) and "\n" not in str(error.value)
+    snap = snapshots.capture(_state())  # the failed capture held nothing
+    snap.wait()
+    assert torch.equal(snap.tensors("model")["w"], torch.arange(6.0))
+    snap.release()

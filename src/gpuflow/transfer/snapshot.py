@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 
 _GROUP_ALIGN = 64  # bytes: each group's region starts on a cache line
@@ -50,6 +51,7 @@ class Layout:
         slots: dict[str, tuple[Slot, ...]] = {}
         offsets, sizes = {}, {}
         position = 0
+        _check_groups(groups)
         for group, tensors in groups.items():
             ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
             start, placed = 0, []
@@ -65,6 +67,28 @@ class Layout:
     @property
     def nbytes(self) -> int:
         return max((self.offsets[g] + self.sizes[g] for g in self.groups), default=0)
+
+
+def _check_groups(groups: Any) -> None:
+    """Refuse, in one line, anything but {group: {name: tensor}}: a plain state dict, the
+    usual slip, would otherwise fail deep inside with an AttributeError."""
+    if not isinstance(groups, Mapping):
+        raise GpuflowError(
+            f"capture takes {{group: {{name: tensor}}}}, got {type(groups).__name__}"
+        )
+    for group, tensors in groups.items():
+        if not isinstance(tensors, Mapping):
+            raise GpuflowError(
+                f"capture takes {{group: {{name: tensor}}}}; group {group!r} is a "
+                f"{type(tensors).__name__}: pass a state dict in a group, as in "
+                "capture({'model': model.state_dict()})"
+            )
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise GpuflowError(
+                    f"capture takes {{group: {{name: tensor}}}}; {group!r}/{name!r} is a "
+                    f"{type(tensor).__name__}, not a tensor"
+                )
 
 
 class Snapshot:

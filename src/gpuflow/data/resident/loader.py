@@ -94,9 +94,11 @@ class ResidentLoader:
         self.samples = len(dataset) // self.world_size if self.world_size > 1 else len(dataset)
         if self.samples == 0 or (drop_last and self.samples < batch_size):
             short = f"{self.samples}, no full batch of {batch_size}" if self.samples else "none"
+            ways = ["a smaller batch", "drop_last=False"] if self.samples else []
+            ways += ["fewer ranks"] if self.world_size > 1 else []
             raise GpuflowError(
                 f"{len(dataset)} samples over {self.world_size} ranks give rank {self.rank} "
-                f"{short}; use fewer ranks or a smaller batch"
+                f"{short}; use {' or '.join(ways)}"
             )
         self.chunk_steps = max(1, chunk_bytes // (batch_size * dataset.sample_bytes))
         self._rows = torch.arange(batch_size, device=self.device.torch)  # (B,)

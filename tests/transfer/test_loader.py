@@ -244,7 +244,7 @@ def test_breaking_out_then_iterating_again_starts_a_fresh_epoch():
 def test_an_iterator_source_gives_one_epoch_and_says_so():
     loader = DeviceLoader(iter([np.zeros(3)] * 2), "cpu")
     assert len(list(loader)) == 2
-    with pytest.raises(GpuflowError, match="used up by its first epoch"):
+    with pytest.raises(GpuflowError, match="an iterator, which serves one epoch"):
         iter(loader)
     with pytest.raises(TypeError, match="has no len"):
         len(loader)

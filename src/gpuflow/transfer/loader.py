@@ -180,8 +180,9 @@ class DeviceLoader:
         batches = self._iterate_source()
         if batches is self._source and self._epochs > 0:
             raise GpuflowError(
-                "this DeviceLoader's source is an iterator, used up by its first epoch; pass "
-                "something that can be iterated again (a list, a DataLoader) for more epochs"
+                "this DeviceLoader's source is an iterator, which serves one epoch (a second "
+                "iter() would go on where the first stopped, not start again); pass something "
+                "that can be iterated again (a list, a DataLoader) for more epochs"
             )
         pinned = _pinned_from_workers(self._source, batches)
         owned = self.fresh_batches or _makes_fresh_batches(self._source) or pinned

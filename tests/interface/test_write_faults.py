@@ -14,6 +14,7 @@ import builtins
 import errno
 import io
 import os
+import re
 import shutil
 import sys
 import threading
@@ -186,6 +187,10 @@ def test_a_fault_at_any_write_of_prepare_is_one_line_and_leaves_no_half_folder(
     before = _snapshot(workdir / "tokens")  # as rebuilt (meta.json records the time taken)
     sites = list(dict.fromkeys(met["other"] + met["tokens"]))
     assert len(sites) >= 4, sites  # shards, the tokenizer, the manifest, the swap at the least
+    # tokenizer.json and meta.json, each written then renamed into place by gpuflow's own
+    # writer (the tokenizer library's save failed on a full disk with no OSError)
+    atomic = [s for s in sites if re.search(r"common/atomic\.py:\d+ < data/prepare/pipeline", s)]
+    assert len(atomic) >= 4, sites
     shutil.rmtree(workdir / "other")
     capsys.readouterr()
 

@@ -282,7 +282,8 @@ def _tokenizer(
         started = time.perf_counter()
         tokenizer = _trained(config, corpus)
         trained_s = time.perf_counter() - started
-    tokenizer.save(str(kept))
+    # Written here, not by tokenizers' own save, whose failures (a full disk) are no OSError.
+    write_text_atomic(kept, tokenizer.to_str(pretty=True))
     return tokenizer, trained_s
 
 

@@ -313,6 +313,33 @@ def test_missing_empty_unsupported_and_empty_folder_are_refused(tmp_path):
             resolve_inputs([locked])
 
 
+def test_a_folder_it_may_not_look_into_is_a_read_error_naming_it(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    (corpus / "locked").mkdir(parents=True)
+    (corpus / "a.txt").write_text("text")
+    (corpus / "locked" / "b.txt").write_text("more")
+    if os.geteuid() == 0:  # root looks into anything: the kernel's refusal, as it comes
+        real_stat = formats.Path.stat
+
+        def stat(path, *args, **kwargs):
+            if path.parent.name == "locked":
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(formats.Path, "stat", stat)
+    else:
+        (corpus / "locked").chmod(0o600)  # listed, but nothing in it can be looked up
+    try:
+        for named in (corpus, corpus / "locked", corpus / "locked" / "b.txt"):
+            with pytest.raises(GpuflowError) as error:
+                resolve_inputs([named])
+            line = str(error.value)
+            assert line.startswith(f"cannot read {corpus / 'locked'}/"), line
+            assert f"(permission denied), from --data {named}; check its permissions" in line
+    finally:
+        (corpus / "locked").chmod(0o700)
+
+
 def test_binary_text_and_whitespace_are_refused_with_where(tmp_path):
     path = tmp_path / "image.txt"
     path.write_bytes(b"hello \xff\xfe\x00\x01 world")

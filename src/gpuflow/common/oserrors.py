@@ -15,7 +15,7 @@ _ADVICE = {
     errno.EBUSY: "something else holds it: close that, then try again",
     errno.ETXTBSY: "something else holds it: close that, then try again",
     errno.ENOTDIR: "a file stands where a folder should be: move it away",
-    errno.EEXIST: "something of that name is already there: move it away, or choose another",
+    errno.EEXIST: "something of that name is already there: move it away, or choose another name",
     errno.EISDIR: "a folder stands where a file should be: move it away",
     errno.EMFILE: "too many files are open: raise the limit (ulimit -n)",
     errno.EIO: "the disk reported an input/output error: check it",

@@ -114,26 +114,36 @@ def resolve_inputs(
         )
     inputs: list[Input] = []
     for raw in paths:
-        if str(raw) == "-":
-            inputs.append(Input(None, "text"))
-            continue
-        path = Path(raw)
-        if not path.exists() and any(ch in str(raw) for ch in "*?["):
-            matched = sorted(Path(p) for p in glob.glob(str(raw), recursive=True))
-            if not matched:
-                raise GpuflowError(f"no file matches {raw}; check the --data pattern")
-            # What it matches counts as if each were named: a folder is read whole.
-            inputs.extend(i for p in matched for i in _inputs_of(p, str(p), left_out))
-            continue
-        if not path.exists():
-            raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
-        inputs.extend(_inputs_of(path, str(raw), left_out))
+        try:
+            inputs.extend(_inputs_named(str(raw), left_out))
+        except PermissionError as exc:  # a folder it may not look into, on the way or inside
+            raise GpuflowError(
+                f"cannot read {exc.filename or raw} (permission denied), from --data {raw}; "
+                "check its permissions, or leave it out"
+            ) from None
     if sum(i.path is None for i in inputs) > 1:
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
     for inp in inputs:
         if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
             raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
     return inputs
+
+
+def _inputs_named(raw: str, left_out: Counter[str] | None) -> list[Input]:
+    """The inputs one --data argument names: standard input, a glob's matches, a file or a
+    folder."""
+    if raw == "-":
+        return [Input(None, "text")]
+    path = Path(raw)
+    if not path.exists() and any(ch in raw for ch in "*?["):
+        matched = sorted(Path(p) for p in glob.glob(raw, recursive=True))
+        if not matched:
+            raise GpuflowError(f"no file matches {raw}; check the --data pattern")
+        # What it matches counts as if each were named: a folder is read whole.
+        return [i for p in matched for i in _inputs_of(p, str(p), left_out)]
+    if not path.exists():
+        raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
+    return _inputs_of(path, raw, left_out)
 
 
 def _inputs_of(path: Path, given: str, left_out: Counter[str] | None) -> list[Input]:

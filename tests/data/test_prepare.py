@@ -22,7 +22,7 @@ from gpuflow.data.shards import Shard, write_shard
 from gpuflow.data.tokenizer_file import EOT, load_tokenizer
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.train.config import PRESETS
-from gpuflow.train.suggest import PRESET_VOCAB_SIZES, train_command
+from gpuflow.train.suggest import PRESET_MAX_LENS, PRESET_VOCAB_SIZES, train_command
 from tests.helpers import child_env
 
 
@@ -349,6 +349,7 @@ def test_foreign_shards_are_scanned_for_their_largest_id(data_copy):
 
 def test_the_suggestion_knows_every_presets_vocabulary_without_loading_torch(tmp_path):
     assert {name: p.model.vocab_size for name, p in PRESETS.items()} == PRESET_VOCAB_SIZES
+    assert {name: p.model.max_len for name, p in PRESETS.items()} == PRESET_MAX_LENS
     code = "import sys, gpuflow.train.suggest; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -80,9 +80,28 @@ def test_prepare_suggests_a_preset_that_suits_the_machine(
     monkeypatch.setattr("gpuflow.train.suggest.gpu_present", lambda: gpu)
     args = ("prepare", "--data", str(small_corpus / "notes"), "--vocab-size", "4096")
     assert prepare.run(parse(*args, "--workers", "1", "--out", "t")) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "train on it: gpuflow train --preset tiny" in out
     assert ("no GPU here" in out and TINY_ON_CPU in out) is not gpu
+    assert "note:" not in err  # both splits hold a window of tiny
+
+
+def test_prepare_says_when_a_split_is_too_short_for_the_command_it_suggests(workdir, capsys):
+    two = workdir / "two.jsonl"
+    two.write_text('{"text": "one short row of text"}\n{"text": "another short row"}\n')
+    args = ("prepare", "--data", str(two), "--vocab-size", "300", "--out", "t")
+    assert prepare.run(parse(*args)) == 0
+    meta = json.loads((workdir / "t" / "meta.json").read_text())
+    out, err = capsys.readouterr()
+    assert (
+        f"note: the train split holds {meta['train_tokens']} tokens and the val split holds "
+        f"{meta['val_tokens']} token"
+    ) in err and "fewer than one window of tiny (129 tokens)" in err
+    # and the command it names does stop, as the note says
+    suggested = next(x for x in out.splitlines() if x.startswith("train on it: "))
+    argv = suggested.removeprefix("train on it: gpuflow ").split()
+    with pytest.raises(GpuflowError, match="split has no run of 129 tokens"):
+        train.run(parse(*argv, "--device", "cpu", "--steps", "1"))
 
 
 def test_prepare_turns_its_arguments_into_a_token_folder(workdir, small_corpus, capsys):

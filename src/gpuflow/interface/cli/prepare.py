@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.common.console import out_console
+    from gpuflow.common.console import err_console, out_console
     from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
     config = PrepareConfig(
@@ -100,10 +100,19 @@ def run(args: argparse.Namespace) -> int:
     summary = prepare(config)
     out_console.print(summary.describe())
     # (train/config.py would load torch)
-    from gpuflow.train.suggest import TINY_ON_CPU, gpu_present, train_command
+    from gpuflow.train.suggest import (
+        TINY_ON_CPU,
+        gpu_present,
+        short_split_note,
+        suggested_preset,
+        train_command,
+    )
 
     gpu = gpu_present()
     out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir, gpu)}")
+    preset = suggested_preset(summary.vocab_size, gpu)
+    if note := short_split_note(preset, summary.train_tokens, summary.val_tokens):
+        err_console.print(note)
     if not gpu:
         out_console.print(f"(no GPU here: the preset suits a CPU; {TINY_ON_CPU})")
     return 0

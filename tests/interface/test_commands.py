@@ -86,7 +86,9 @@ def test_prepare_suggests_a_preset_that_suits_the_machine(
     assert "note:" not in err  # both splits hold a window of tiny
 
 
-def test_prepare_says_when_a_split_is_too_short_for_the_command_it_suggests(workdir, capsys):
+def test_prepare_says_when_a_split_is_too_short_for_the_command_it_suggests(
+    workdir, small_corpus, capsys
+):  # fmt: skip
     two = workdir / "two.jsonl"
     two.write_text('{"text": "one short row of text"}\n{"text": "another short row"}\n')
     args = ("prepare", "--data", str(two), "--vocab-size", "300", "--out", "t")
@@ -102,6 +104,12 @@ def test_prepare_says_when_a_split_is_too_short_for_the_command_it_suggests(work
     argv = suggested.removeprefix("train on it: gpuflow ").split()
     with pytest.raises(GpuflowError, match="split has no run of 129 tokens"):
         train.run(parse(*argv, "--device", "cpu", "--steps", "1"))
+    # an appending run counts only what it adds: two short lines added to a folder that
+    # holds windows enough are no reason for a note
+    notes = ("prepare", "--data", str(small_corpus / "notes"), "--vocab-size", "300")
+    assert prepare.run(parse(*notes, "--workers", "1", "--out", "big")) == 0
+    assert prepare.run(parse("prepare", "--data", str(two), "--out", "big", "--append")) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_prepare_turns_its_arguments_into_a_token_folder(workdir, small_corpus, capsys):

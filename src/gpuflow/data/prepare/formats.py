@@ -113,6 +113,7 @@ def resolve_inputs(
             "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
         )
     inputs: list[Input] = []
+    left_out = Counter() if left_out is None else left_out
     for raw in paths:
         try:
             inputs.extend(_inputs_named(str(raw), left_out))
@@ -129,7 +130,7 @@ def resolve_inputs(
     return inputs
 
 
-def _inputs_named(raw: str, left_out: Counter[str] | None) -> list[Input]:
+def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
     """The inputs one --data argument names: standard input, a glob's matches, a file or a
     folder."""
     if raw == "-":
@@ -146,9 +147,9 @@ def _inputs_named(raw: str, left_out: Counter[str] | None) -> list[Input]:
     return _inputs_of(path, raw, left_out)
 
 
-def _inputs_of(path: Path, given: str, left_out: Counter[str] | None) -> list[Input]:
+def _inputs_of(path: Path, given: str, left_out: Counter[str]) -> list[Input]:
     if path.is_dir() and not is_dataset_folder(path):
-        return _folder_inputs(path, Counter() if left_out is None else left_out)
+        return _folder_inputs(path, left_out)
     return [_input_for(path, given)]
 
 

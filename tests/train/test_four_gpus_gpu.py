@@ -1,4 +1,5 @@
-"""Jobs on four GPUs of one host: the split update's state, held in parts, checkpointed whole
+"""Jobs on four GPUs of one host: the split update's exchange over peer memory against
+NCCL's all-reduce; the split update's state, held in parts, checkpointed whole
 and resumed on any number of GPUs; two torchrun "nodes" of two GPUs each, which exchange
 through NCCL alone, train, exit and resume."""
 
@@ -9,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +54,30 @@ def _logged_steps(run) -> list[int]:
 
 def _final_val(run) -> float:
     return [r["val_loss"] for r in read_metrics(run) if "val_loss" in r][-1]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_peer_exchange_averages_as_nccls_all_reduce(accel, tmp_path, nproc):
+    """Each rank's part of the gradients, pushed by every rank into its buffer and averaged
+    there, is NCCL's mean of them bit for bit (bf16 sums of so few terms are exact in
+    fp32); the clip's norm and the loss are the whole mean's; a second step's gradients
+    replace the first's."""
+    if accel.type != "cuda" or torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs")
+    worker = Path(__file__).with_name("sharded_exchange_gpu_worker.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", str(worker), str(tmp_path)],
+        env=child_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(nproc):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found["exchange"] == "gradients by peer writes, weights by peer writes", found
+        for step in found["steps"]:
+            assert step["part_equal"], (rank, step)
+            assert step["norm"] == pytest.approx(step["want_norm"], rel=1e-5), (rank, step)
+            assert step["loss"] == step["want_loss"], (rank, step)
 
 
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 1), (4, 2), (2, 4)])
@@ -133,4 +159,4 @@ def test_two_nodes_of_two_gpus_exchange_through_nccl_train_exit_and_resume(
     shutil.rmtree(run)
     _job(workdir, 4, *_args(prepared, "nodes", 6))
     report = json.loads((run / "report.json").read_text())
-    assert report["exchange"] == "gradients by peer reads, weights by peer writes", report
+    assert report["exchange"] == "gradients by peer writes, weights by peer writes", report

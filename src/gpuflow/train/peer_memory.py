@@ -2,14 +2,14 @@
 copies over the GPUs' link: torch's symmetric memory, on CUDA peer access between the GPUs of
 one host.
 
-The split update (``train/sharded.py``) uses two: the gradients, which each rank averages
-over its own part by reading the other ranks' copies (in place of a reduce-scatter), and the
-weights, which each rank's update kernel writes into every copy (in place of an all-gather).
-Each exchange is then one kernel on the step's stream. Where one rank needs what another
-wrote, the ranks meet at a collective of NCCL's (the small all-reduces the step makes anyway,
-and one of a single number after the update): NCCL waits as long as a rank takes, and a
-rank that is gone ends the wait when the job aborts NCCL, which a spinning barrier kernel of
-the buffers' own would not (``docs/decisions/035``).
+The split update (``train/sharded.py``) uses two: the gradients, whose parts each rank writes
+into the parts' owners' buffers, one row a rank, for the owner to average (in place of a
+reduce-scatter), and the weights, which each rank's update kernel writes into every copy (in
+place of an all-gather), all on the step's stream. Where one rank needs what another wrote,
+the ranks meet at a collective of NCCL's (the small all-reduces the step makes anyway, and
+one of a single number after the update): NCCL waits as long as a rank takes, and a rank
+that is gone ends the wait when the job aborts NCCL, which a spinning barrier kernel of the
+buffers' own would not (``docs/decisions/035``).
 """
 
 from __future__ import annotations
@@ -27,31 +27,27 @@ try:  # Triton ships with CUDA builds of torch only
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
-BLOCK = 4096  # elements per program of the averaging kernel
+ROWS_BLOCK = 2048  # elements per program of the averaging kernel
 
 if triton is not None:
 
     @triton.jit
-    def peer_average_kernel(
-        local,  # (N,) bf16: this rank's copy; its part is overwritten with the mean
-        peer_addrs,  # (N_PEERS,) int64: where the other ranks' copies lie
+    def rows_average_kernel(
+        rows,  # (W * part,) bf16: row j holds rank j's gradients for this rank's part
         partial_sq,  # (n_programs,) fp32: each program's sum of squares of the mean
-        start,  # this rank's part: [start, start + numel)
-        numel,
-        world_size,
+        start,  # this rank's row, where the mean is written: [start, start + part)
+        part,
+        W: tl.constexpr,
         BLOCK: tl.constexpr,
-        N_PEERS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        idx = start + offs
-        total = tl.load(local + idx, mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(N_PEERS):
-            peer = tl.load(peer_addrs + j).to(tl.pointer_type(tl.bfloat16))
-            total += tl.load(peer + idx, mask=mask, other=0.0).to(tl.float32)
-        mean = (total / world_size).to(tl.bfloat16)
-        tl.store(local + idx, mean, mask=mask)
+        mask = offs < part
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(W):
+            total += tl.load(rows + j * part + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = (total / W).to(tl.bfloat16)
+        tl.store(rows + start + offs, mean, mask=mask)
         m = mean.to(tl.float32)
         tl.store(partial_sq + pid, tl.sum(m * m, axis=0))
 
@@ -93,28 +89,31 @@ class SharedBuffer:
         return cls(local, handle)
 
 
-class PeerAverage:
-    """Averages part [start, end) of a shared bf16 buffer over the ranks' copies, in place in
-    this rank's copy, and sums its squares (for the clip's norm). The other ranks' copies must
-    be complete when it runs, and stay until every rank's has run: the caller makes the ranks
-    meet before and after it."""
+class RowsAverage:
+    """Averages this rank's part of the gradients from the rows the ranks pushed into its
+    shared buffer (``buffer.local`` viewed as (world_size, part): row j from rank j, row
+    ``rank`` this rank's own, which is where the flat layout keeps the part), in place in
+    that row, and sums its squares (for the clip's norm). Every rank must have pushed when
+    it runs, and none may push again until it has: the caller makes the ranks meet before
+    and after it."""
 
-    def __init__(self, buffer: SharedBuffer, start: int, end: int, world_size: int) -> None:
-        self.buffer, self.start, self.numel = buffer, start, end - start
-        self.world_size = world_size
-        self._programs = triton.cdiv(self.numel, BLOCK)
+    def __init__(self, buffer: SharedBuffer, rank: int, world_size: int) -> None:
+        self.buffer, self.world_size = buffer, world_size
+        self.part = buffer.local.numel() // world_size
+        if self.part * world_size != buffer.local.numel():
+            raise ValueError("the gradient buffer must split into equal rows")
+        self.start = rank * self.part
+        self._programs = triton.cdiv(self.part, ROWS_BLOCK)
         self._partial_sq = torch.zeros(self._programs, device=buffer.local.device)
 
     def __call__(self) -> torch.Tensor:
         """The part averaged; returns the sum of squares of the average, () fp32."""
-        peer_average_kernel[(self._programs,)](
+        rows_average_kernel[(self._programs,)](
             self.buffer.local,
-            self.buffer.peer_table.tensor,
             self._partial_sq,
             self.start,
-            self.numel,
-            float(self.world_size),
-            BLOCK=BLOCK,
-            N_PEERS=len(self.buffer.peers),
+            self.part,
+            W=self.world_size,
+            BLOCK=ROWS_BLOCK,
         )
         return self._partial_sq.sum()

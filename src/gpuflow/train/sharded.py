@@ -5,10 +5,10 @@
               --all-gather--> every rank's weights
 
 Where the GPUs map each other's memory (``train/peer_memory.py``) neither collective is
-NCCL's: each rank averages its part by reading the others' gradients, and its update kernel
-writes the new weights into every rank's copy. Each rank holds the fp32 masters and moments
-of its own part only (``MasterAdamW.gather_state`` assembles them on rank 0 for a
-checkpoint). How and why: docs/architecture/distributed.md (The split update).
+NCCL's: each rank writes each part of its gradients into that part's owner's memory, the
+owner averages what the ranks wrote, and its update kernel writes the new weights into every
+rank's copy. Each rank holds the fp32 masters and moments of its own part only
+(``MasterAdamW.gather_state`` assembles them on rank 0 for a checkpoint). How and why: docs/architecture/distributed.md (The split update).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflow.train.optim.master_adamw import MasterAdamW
-from gpuflow.train.peer_memory import PeerAverage, SharedBuffer
+from gpuflow.train.peer_memory import RowsAverage, SharedBuffer
 
 
 class ShardedAverager:
@@ -33,17 +33,24 @@ class ShardedAverager:
         self.world_size = optimizer.world_size
         device = optimizer.weights.device
         n = optimizer.weights.numel()
+        lo, hi = optimizer.shard_range
+        rank = lo // (hi - lo)
         # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
         self._gradients = peer_buffer(n, device) if peer_memory else None
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
         )
-        lo, hi = optimizer.shard_range
         self._part = self._flat[lo:hi]  # (N / world_size,) this rank's averaged gradients
         self._average = (
             None if self._gradients is None
-            else PeerAverage(self._gradients, lo, hi, self.world_size)
+            else RowsAverage(self._gradients, rank, self.world_size)
+        )  # fmt: skip
+        # Where each piece of each gradient goes: its part's owner's buffer, in the row of
+        # this rank (empty without peer memory: then the gradients are copied here whole).
+        self._pieces, self._destinations = (
+            ([], []) if self._gradients is None
+            else push_plan(self._flat, self._views, self._gradients, rank, self.world_size)
         )  # fmt: skip
         self._weights = peer_buffer(n, device) if peer_memory else None
         if self._weights is not None:
@@ -54,7 +61,7 @@ class ShardedAverager:
         part_bytes = self._part.numel() * self._part.element_size()
         peers = self.world_size - 1
         # What this rank hands the others per step: the gradients (all of them to NCCL's
-        # reduce-scatter, or the others' copies of its part read from them), its part of the
+        # reduce-scatter, or each other rank's part written into its memory), its part of the
         # weights (to the all-gather, or written into their copies), the norm and the loss
         # (and the number all-reduced to meet after the writes).
         gradient_bytes = (
@@ -73,14 +80,20 @@ class ShardedAverager:
         opt_params = self.optimizer.params
         if len(params) != len(opt_params):
             raise RuntimeError("a sharded update needs a gradient for every parameter")
-        torch._foreach_copy_(self._views, [p.grad for p in opt_params])
+        grads = [p.grad for p in opt_params]
+        if self._average is None:
+            torch._foreach_copy_(self._views, grads)
+        else:
+            flats = [g.reshape(-1) for g in grads]
+            pieces = [flats[i][first:end] for i, first, end in self._pieces]
+            torch._foreach_copy_(self._destinations, pieces)
         for p, view in zip(opt_params, self._views, strict=True):
             p.grad = view  # the gradient autograd made is freed
         loss_sum = loss.float() if loss is not None else self._norm.new_zeros(())
         if self._average is not None:
-            # Each all-reduce also makes the ranks meet: the first after every rank's copy of
-            # the gradients is whole (the average reads them), the second after every rank has
-            # read them (the next step's copy overwrites them).
+            # Each all-reduce also makes the ranks meet: the first after every rank has pushed
+            # its gradients (the average reads them), the second after every rank has read
+            # its rows (the next step's push overwrites them).
             dist.all_reduce(loss_sum)
             sum_sq = self._average()
             dist.all_reduce(sum_sq)
@@ -104,7 +117,7 @@ class ShardedAverager:
     @property
     def exchange(self) -> str:
         """How the ranks exchange gradients and weights."""
-        gradients = "NCCL reduce-scatter" if self._average is None else "peer reads"
+        gradients = "NCCL reduce-scatter" if self._average is None else "peer writes"
         weights = "NCCL all-gather" if self._weights is None else "peer writes"
         return f"gradients by {gradients}, weights by {weights}"
 
@@ -121,6 +134,34 @@ class ShardedAverager:
         else:  # gloo sums
             dist.reduce_scatter_tensor(self._part, self._flat)
             self._part.mul_(1.0 / self.world_size)
+
+
+def push_plan(
+    flat: torch.Tensor,
+    views: Sequence[torch.Tensor],
+    buffer: SharedBuffer,
+    rank: int,
+    world_size: int,
+) -> tuple[list[tuple[int, int, int]], list[torch.Tensor]]:
+    """Each gradient cut at the parts' edges: ``(parameter index, first, end)`` elements of
+    it, and where that piece goes, the row ``rank`` of its part's owner's ``buffer``
+    ((world_size, part) each). ``views`` are the parameters' views of ``flat`` (N,), the
+    weights' layout. The owners are taken from the next rank on, so that while the ranks
+    write each writes into a different GPU's memory, not all into one."""
+    part = flat.numel() // world_size
+    copies = list(buffer.peers)
+    copies.insert(rank, buffer.local)  # (N,) bf16 each, indexed by rank
+    planned = []
+    for index, view in enumerate(views):
+        first = view.storage_offset() - flat.storage_offset()
+        end = first + view.numel()
+        for owner in range(first // part, (end - 1) // part + 1):
+            lo, hi = max(first, owner * part), min(end, (owner + 1) * part)
+            at = rank * part + lo - owner * part  # its place in the owner's row for this rank
+            destination = copies[owner][at : at + hi - lo]
+            planned.append((owner, (index, lo - first, hi - first), destination))
+    planned.sort(key=lambda p: (p[0] - rank - 1) % world_size)
+    return [piece for _, piece, _ in planned], [dest for _, _, dest in planned]
 
 
 def peer_buffer(numel: int, device: torch.device) -> SharedBuffer | None:

@@ -31,7 +31,6 @@ from torch.distributed.distributed_c10d import _abort_process_group
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.train.optim.adamw import global_grad_norm
-from gpuflow.train.peer_meet import end_waits
 
 # How long a collective may wait for the other ranks before the process group gives up with
 # an error naming it (a rank that died, or one that stopped calling collectives).
@@ -174,7 +173,6 @@ def abort() -> None:
     """Leave the process group without waiting for anything in flight: a collective still
     waiting for a rank that is gone ends (with garbage, which nothing reads). For a rank that
     failed, or found another gone."""
-    end_waits()  # a meet on the GPU waiting for a rank that is gone, which NCCL's abort misses
     _release_graphs()
     if dist.is_initialized():
         with suppress(RuntimeError):  # a backend already broken: there is nothing to free

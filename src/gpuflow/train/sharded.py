@@ -7,9 +7,9 @@
 Where the GPUs map each other's memory (``train/peer_memory.py``) neither collective is
 NCCL's: each rank writes each part of its gradients into that part's owner's memory, the
 owner averages what the ranks wrote, and its update kernel writes the new weights into every
-rank's copy. Each rank holds the fp32 masters and moments
-of its own part only (``MasterAdamW.gather_state`` assembles them on rank 0 for a
-checkpoint). How and why: docs/architecture/distributed.md (The split update).
+rank's copy. Each rank holds the fp32 masters and moments of its own part only
+(``MasterAdamW.gather_state`` assembles them on rank 0 for a checkpoint). How and why:
+docs/architecture/distributed.md (The split update).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from gpuflow.train.optim.master_adamw import MasterAdamW
-from gpuflow.train.peer_meet import PeerMeet
 from gpuflow.train.peer_memory import RowsAverage, SharedBuffer
 
 
@@ -38,11 +37,7 @@ class ShardedAverager:
         lo, hi = optimizer.shard_range
         rank = lo // (hi - lo)
         # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
-        self._meet = (
-            PeerMeet.make(rank, self.world_size, device)
-            if peer_memory and MasterAdamW.runs_on(device) else None
-        )  # fmt: skip
-        self._gradients = None if self._meet is None else peer_buffer(n, device)
+        self._gradients = peer_buffer(n, device) if peer_memory else None
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
@@ -58,24 +53,24 @@ class ShardedAverager:
             ([], []) if self._gradients is None
             else push_plan(self._flat, self._views, self._gradients, rank, self.world_size)
         )  # fmt: skip
-        self._weights = None if self._meet is None else peer_buffer(n, device)
+        self._weights = peer_buffer(n, device) if peer_memory else None
         if self._weights is not None:
             optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]
+        self._met = torch.zeros(1, device=device)  # all-reduced only to make the ranks meet
         self._norm = torch.zeros((), device=self._flat.device)
         part_bytes = self._part.numel() * self._part.element_size()
         peers = self.world_size - 1
         # What this rank hands the others per step: the gradients (all of them to NCCL's
         # reduce-scatter, or each other rank's part written into its memory), its part of the
         # weights (to the all-gather, or written into their copies), the norm and the loss
-        # (and the flags of the two meets).
+        # (and the number all-reduced to meet after the writes).
         gradient_bytes = (
             self._flat.numel() * self._flat.element_size() if self._average is None
             else peers * part_bytes
         )  # fmt: skip
         weight_bytes = part_bytes if self._weights is None else peers * part_bytes
-        meets = 0 if self._meet is None else 2 * self._meet.bytes_per_meet
-        self.bytes_per_step = gradient_bytes + weight_bytes + 8 + meets
+        self.bytes_per_step = gradient_bytes + weight_bytes + 8 + (self._weights is not None) * 4
 
     def __call__(
         self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
@@ -97,18 +92,21 @@ class ShardedAverager:
             p.grad = view  # the gradient autograd made is freed
         loss_sum = loss.float() if loss is not None else self._norm.new_zeros(())
         if self._average is not None:
-            self._meet(0)  # every rank has pushed: the average reads what they wrote
+            # Each all-reduce also makes the ranks meet: the first after every rank has pushed
+            # its gradients (the average reads them), the second after every rank has read
+            # its rows (the next step's push overwrites them).
+            dist.all_reduce(loss_sum)
             sum_sq = self._average()
+            dist.all_reduce(sum_sq)
+            self._norm.copy_(sum_sq.sqrt())
         else:
             self._reduce_scatter()
             # fp32 accumulation: a bf16 sum of squares keeps three digits
             sum_sq = torch.linalg.vector_norm(self._part, dtype=torch.float32).square()
-        stats = torch.stack([sum_sq, loss_sum])
-        # (2,) sums over ranks: squared norm, loss. Where the gradients were pushed, it is
-        # also where the ranks meet after each has read its rows (the next push overwrites).
-        dist.all_reduce(stats)
-        self._norm.copy_(stats[0].sqrt())
-        loss_sum = stats[1]
+            stats = torch.stack([sum_sq, loss_sum])
+            dist.all_reduce(stats)  # (2,) sums over ranks: squared norm, loss
+            self._norm.copy_(stats[0].sqrt())
+            loss_sum = stats[1]
         if loss is not None:
             loss.copy_(loss_sum / self.world_size)
         return [self._part]
@@ -129,7 +127,7 @@ class ShardedAverager:
         if self._weights is None:
             dist.all_gather_into_tensor(self.optimizer.weights, self._weights_part)
         else:  # written by every rank's update: meet once all of them have finished
-            self._meet(1)
+            dist.all_reduce(self._met)
 
     def _reduce_scatter(self) -> None:
         if self._part.is_cuda:  # NCCL divides as it reduces

@@ -22,6 +22,8 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 from gpuflow.data.tokenizer_file import EOT, load_tokenizer
 from gpuflow.data.tokens import TokenFolder
+from gpuflow.interface.cli.common import EXIT_INTERRUPTED
+from gpuflow.interface.cli.main import main
 from tests.helpers import FAST, child_env, gpuflow_cli
 
 
@@ -92,6 +94,35 @@ def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
     tokens = np.concatenate([train, val] if train[0] == eot else [val, train])
     assert tokens[0] == eot
     np.testing.assert_array_equal(tokens[1:], whole)
+
+
+def test_ctrl_c_with_shards_kept_is_said_once(tmp_path, stdlib_documents, monkeypatch, capfd):
+    """Interrupted after finished shards, ``gpuflow prepare`` says what it kept and how to go
+    on, and exits 130 without a second, bare "interrupted" line under it."""
+    books = corpus_of_books(tmp_path / "books", stdlib_documents)
+    saved = prepare_module._checkpoint
+    calls = {"n": 0}
+
+    def interrupt_after_two(*args):
+        saved(*args)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "_checkpoint", interrupt_after_two)
+    argv = ["prepare", "--data", str(books), "--out", str(tmp_path / "out"),
+            "--vocab-size", "600", "--shard-tokens", "20000"]  # fmt: skip
+    assert main(argv) == EXIT_INTERRUPTED
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and "finished shards are kept" in lines[0], err
+    # interrupted before any shard was finished: nothing kept, and the CLI's own line
+    calls["n"] = 1
+    monkeypatch.setattr(prepare_module, "_checkpoint", lambda *a: (_ for _ in ()).throw(
+        KeyboardInterrupt))  # fmt: skip
+    assert main([*argv[:4], str(tmp_path / "other"), *argv[5:]]) == EXIT_INTERRUPTED
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if "interrupted" in line] == ["interrupted"], err
 
 
 def test_an_interrupted_run_continues_from_its_finished_shards(tmp_path, stdlib_documents,

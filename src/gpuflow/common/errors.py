@@ -7,3 +7,8 @@ class GpuflowError(Exception):
     The message is a single sentence that names the offending thing and says what to do;
     the CLI prints it as ``error: <message>`` and exits with status 2, without a traceback.
     """
+
+
+class InterruptedAndSaid(KeyboardInterrupt):
+    """Ctrl-C, after the command has said what it kept and how to go on: the CLI exits as
+    for any interrupt but prints nothing more."""

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from gpuflow.common.atomic import write_text_atomic
 from gpuflow.common.console import err_console, progress_bar
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, InterruptedAndSaid
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.prepare.corpus import Corpus
@@ -228,6 +228,7 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
                 f"interrupted: {state.train_shards + state.val_shards} finished shards are kept "
                 f"in {stage}; run the same command again to continue from them"
             )
+            raise InterruptedAndSaid from None
         raise
     except OSError as exc:  # a fault of the machine: a full disk, a file gone read-only
         keep_stage = _resumable(stage, state, fingerprint)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, InterruptedAndSaid
 from gpuflow.interface.cli import bench, export, info, prepare, profile, sample, train
 from gpuflow.interface.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, InterruptedAndSaid):
+            print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -35,12 +35,13 @@ def corpus_read_once(monkeypatch, stdlib_documents):
 
 
 def test_the_generated_corpus_has_the_size_asked_for_in_whole_characters(tmp_path):
-    files = generate_corpus(tmp_path / "gen", 1)
+    files, chars = generate_corpus(tmp_path / "gen", 1)
     assert sum(f.stat().st_size for f in files) == 1 << 20
+    assert chars == sum(len(f.read_text(encoding="utf-8")) for f in files)
     assert all(f.stat().st_size <= FILE_BYTES for f in files)
     text = files[0].read_text(encoding="utf-8")  # whole characters: decodes
     assert text.count(SEPARATOR) > 10
-    assert generate_corpus(tmp_path / "again", 1)[0].read_bytes() == files[0].read_bytes()
+    assert generate_corpus(tmp_path / "again", 1)[0][0].read_bytes() == files[0].read_bytes()
     held = builtin_held_out()
     assert held and not any(h in text for h in held[:20])  # held out of the corpus
 

@@ -89,27 +89,29 @@ class PrepareBenchConfig:
             raise GpuflowError(f"--mib must be >= 1, got {self.mib}")
 
 
-def generate_corpus(folder: Path, mib: int) -> list[Path]:
+def generate_corpus(folder: Path, mib: int) -> tuple[list[Path], int]:
     """``mib`` MiB of text files of the built-in corpus's documents, reshuffled per copy (the
-    held-out ones, ``builtin_held_out()``, left out)."""
+    held-out ones, ``builtin_held_out()``, left out), and the characters they hold."""
     from gpuflow.data.prepare.corpus import default_corpus
 
     held = HoldOut()
     texts = [d.text for d in default_corpus() if not held(d.text)]
     rng = random.Random(0)
     folder.mkdir(parents=True, exist_ok=True)
-    files, written, target = [], 0, mib << 20
+    files, written, chars, target = [], 0, 0, mib << 20
     while written < target:
         order = texts[:]
         rng.shuffle(order)
         body = f"\n{SEPARATOR}\n".join(order).encode("utf-8")
         body = body[: min(len(body), FILE_BYTES, target - written)]
-        body = body[: len(body.decode("utf-8", "ignore").encode("utf-8"))]  # whole characters
+        text = body.decode("utf-8", "ignore")  # whole characters
+        body = text.encode("utf-8")
+        chars += len(text)
         path = folder / f"part_{len(files):04d}.txt"
         path.write_bytes(body)
         files.append(path)
         written += len(body)
-    return files
+    return files, chars
 
 
 def builtin_held_out() -> list[str]:
@@ -265,9 +267,8 @@ def run_prepare_bench(bench: PrepareBenchConfig) -> dict[str, Any]:
             kind, separator = "jsonl", None
         else:
             err_console.print(f"generating a {bench.mib} MiB corpus...")
-            files, held = generate_corpus(scratch / "corpus", bench.mib), builtin_held_out()
-            kind, separator = "text", SEPARATOR
-            chars = sum(len(p.read_text(encoding="utf-8")) for p in files)
+            files, chars = generate_corpus(scratch / "corpus", bench.mib)
+            held, kind, separator = builtin_held_out(), "text", SEPARATOR
         corpus_bytes = sum(p.stat().st_size for p in files)
         err_console.print(f"baseline: the tokenizers script on {corpus_bytes / 2**20:,.0f} MiB...")
         saved = [str(scratch / "baseline.bin"), str(scratch / "baseline.json")]

@@ -96,20 +96,28 @@ def test_a_long_document_prepares_in_bounded_memory_to_its_whole_encoding(
     np.testing.assert_array_equal(tokens[1:], whole)
 
 
+def _interrupt_at_checkpoint(monkeypatch, n: int, save: bool = True) -> dict[str, int]:
+    """Ctrl-C at prepare's ``n``-th checkpoint, once it is saved (``save``) or before; set
+    the returned ``["n"]`` far below 0 for no more."""
+    saved = prepare_module._checkpoint
+    calls = {"n": 0}
+
+    def interrupting(*args):
+        calls["n"] += 1
+        if save or calls["n"] != n:
+            saved(*args)
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "_checkpoint", interrupting)
+    return calls
+
+
 def test_ctrl_c_with_shards_kept_is_said_once(tmp_path, stdlib_documents, monkeypatch, capfd):
     """Interrupted after finished shards, ``gpuflow prepare`` says what it kept and how to go
     on, and exits 130 without a second, bare "interrupted" line under it."""
     books = corpus_of_books(tmp_path / "books", stdlib_documents)
-    saved = prepare_module._checkpoint
-    calls = {"n": 0}
-
-    def interrupt_after_two(*args):
-        saved(*args)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare_module, "_checkpoint", interrupt_after_two)
+    _interrupt_at_checkpoint(monkeypatch, 2)
     argv = ["prepare", "--data", str(books), "--out", str(tmp_path / "out"),
             "--vocab-size", "600", "--shard-tokens", "20000"]  # fmt: skip
     assert main(argv) == EXIT_INTERRUPTED
@@ -117,9 +125,7 @@ def test_ctrl_c_with_shards_kept_is_said_once(tmp_path, stdlib_documents, monkey
     lines = [line for line in err.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and "finished shards are kept" in lines[0], err
     # interrupted before any shard was finished: nothing kept, and the CLI's own line
-    calls["n"] = 1
-    monkeypatch.setattr(prepare_module, "_checkpoint", lambda *a: (_ for _ in ()).throw(
-        KeyboardInterrupt))  # fmt: skip
+    _interrupt_at_checkpoint(monkeypatch, 1, save=False)
     assert main([*argv[:4], str(tmp_path / "other"), *argv[5:]]) == EXIT_INTERRUPTED
     err = capfd.readouterr().err
     assert [line for line in err.splitlines() if "interrupted" in line] == ["interrupted"], err
@@ -131,16 +137,7 @@ def test_an_interrupted_run_continues_from_its_finished_shards(tmp_path, stdlib_
     config = PrepareConfig(data=(str(books),), out=str(tmp_path / "out"), vocab_size=600,
                            separator="<|endoftext|>", shard_tokens=20000)  # fmt: skip
     prepare(PrepareConfig(**{**config.__dict__, "out": str(tmp_path / "whole")}))
-    saved = prepare_module._checkpoint
-    calls = {"n": 0}
-
-    def interrupt_after_three(*args):
-        saved(*args)
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare_module, "_checkpoint", interrupt_after_three)
+    calls = _interrupt_at_checkpoint(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         prepare(config)
     kept = [p for p in tmp_path.iterdir() if p.name.startswith(".out.staging-")]

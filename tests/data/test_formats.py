@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 
 import gpuflow.data.prepare.formats as formats
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.formats import ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.prepare.formats import ReadOptions, read_parts
+from gpuflow.data.prepare.inputs import resolve_inputs
 from tests.helpers import child_env
 
 
@@ -274,7 +276,8 @@ def test_a_valid_surrogate_pair_is_one_character(tmp_path):
 def test_standard_input_is_read_as_text(tmp_path):
     code = (
         "import sys\n"
-        "from gpuflow.data.prepare.formats import ReadOptions, read_parts, resolve_inputs\n"
+        "from gpuflow.data.prepare.formats import ReadOptions, read_parts\n"
+        "from gpuflow.data.prepare.inputs import resolve_inputs\n"
         "(inp,) = resolve_inputs(['-'])\n"
         "parts = list(read_parts(inp, ReadOptions(separator='\\n\\n')))\n"
         "print([p.text for p in parts], sum(p.size for p in parts))\n"
@@ -300,7 +303,7 @@ def test_missing_empty_unsupported_and_empty_folder_are_refused(tmp_path):
     with pytest.raises(GpuflowError, match="empty"):
         resolve_inputs([tmp_path / "empty.txt"])
     (tmp_path / "data.csv").write_text("x")
-    with pytest.raises(GpuflowError, match=r"unsupported type \.csv"):
+    with pytest.raises(GpuflowError, match=r"data\.csv is CSV, whose syntax would be trained"):
         resolve_inputs([tmp_path / "data.csv"])
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(GpuflowError, match="holds no"):
@@ -319,14 +322,14 @@ def test_a_folder_it_may_not_look_into_is_a_read_error_naming_it(tmp_path, monke
     (corpus / "a.txt").write_text("text")
     (corpus / "locked" / "b.txt").write_text("more")
     if os.geteuid() == 0:  # root looks into anything: the kernel's refusal, as it comes
-        real_stat = formats.Path.stat
+        real_stat = Path.stat
 
         def stat(path, *args, **kwargs):
             if path.parent.name == "locked":
                 raise PermissionError(13, "Permission denied", str(path))
             return real_stat(path, *args, **kwargs)
 
-        monkeypatch.setattr(formats.Path, "stat", stat)
+        monkeypatch.setattr(Path, "stat", stat)
     else:
         (corpus / "locked").chmod(0o600)  # listed, but nothing in it can be looked up
     try:
@@ -370,7 +373,7 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
     """A documentation folder as a system holds it: what is read is read, and the rest
     (no suffix, changelogs, sources) is counted by suffix in one line rather than dropped
     without a word; hidden entries are neither."""
-    from gpuflow.data.prepare.formats import describe_left_out
+    from gpuflow.data.prepare.inputs import describe_left_out
     from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
     docs = tmp_path / "doc"
@@ -384,10 +387,71 @@ def test_files_a_folder_holds_of_no_kind_read_are_listed_and_told_by_suffix(tmp_
     assert [i.path.name for i in inputs] == ["README.md", "notes.txt.gz"]
     assert left_out == {"no suffix": 2, ".debian.gz": 1, ".py": 1}
     line = describe_left_out(left_out)
-    assert line.startswith("note: 4 files in the folders given are of no kind prepare reads")
+    assert line.startswith("note: 4 files in the folders and globs given are left out, of no ")
     assert "no suffix 2" in line and ".debian.gz 1" in line and ".py 1" in line
+    assert line.endswith("--data 'FOLDER/**/*.py'")  # a glob of the one simple suffix
     prepare(PrepareConfig(data=(str(docs),), out=str(tmp_path / "out"), vocab_size=300))
-    assert "note: 4 files in the folders given" in capsys.readouterr().err
+    assert "note: 4 files in the folders and globs given" in capsys.readouterr().err
+
+
+def test_files_named_or_globbed_of_no_kind_are_read_as_text(tmp_path):
+    """Source code and other text named outright, or matched by a glob, is read as plain
+    text (compressed too), one document a file; JSON, CSV and TSV are refused with what to
+    do instead, and a binary file with its own line."""
+    src = Path(formats.__file__).parent  # gpuflow's own sources: real code, as a user's
+    code = tmp_path / "code"
+    code.mkdir()
+    for source in sorted(src.glob("*.py"))[:3]:
+        (code / source.name).write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    (code / "notes.rst.gz").write_bytes(gzip.compress(b"A *note* in reStructuredText.\n"))
+    (code / "Makefile").write_text("all:\n\techo made\n")
+    inputs = resolve_inputs([f"{code}/*.py", code / "notes.rst.gz", code / "Makefile"])
+    assert [(i.kind, i.compression) for i in inputs] == [("text", None)] * 3 + [
+        ("text", "gzip"), ("text", None)]  # fmt: skip
+    texts = documents([f"{code}/*.py", code / "notes.rst.gz", code / "Makefile"])
+    want = [p.read_text(encoding="utf-8") for p in sorted(code.glob("*.py"))]
+    assert texts[:3] == want and "reStructuredText" in texts[3] and "echo made" in texts[4]
+    for name, what in (("rows.json", "JSON"), ("t.csv.gz", "CSV"), ("t.TSV", "TSV")):
+        (tmp_path / name).write_bytes(b"x")
+        with pytest.raises(GpuflowError, match=rf"{name} is {what}, .* rename it to \.txt"):
+            resolve_inputs([tmp_path / name])
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(GpuflowError, match=r"logo\.png is not UTF-8 text"):
+        documents([tmp_path / "logo.png"])
+
+
+def test_empty_files_of_folders_and_globs_are_left_out_and_counted(tmp_path):
+    """A tree of sources holds empty files (a package's __init__.py): a glob or a folder
+    leaves them out and counts them; one named outright is refused, as is a glob or a folder
+    with nothing else; a folder of no kind read says what it holds and the glob to use."""
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "core.py").write_text("def f():\n    return 1\n")
+    (pkg / "notes.txt").write_text("")
+    left_out: Counter = Counter()
+    inputs = resolve_inputs([f"{pkg}/**/*.py"], left_out)
+    assert [i.path.name for i in inputs] == ["core.py"] and left_out == {"empty": 2}
+    assert describe_left_out(left_out) == (
+        "note: 2 files in the folders and globs given are empty and left out"
+    )
+    with pytest.raises(GpuflowError, match=r"__init__\.py is empty"):
+        resolve_inputs([pkg / "__init__.py"])
+    with pytest.raises(GpuflowError, match=r"every file that .*__init__\.py matches is empty"):
+        resolve_inputs([f"{pkg}/**/__init__.py"])
+    with pytest.raises(GpuflowError, match=(
+            r"folder .*pkg holds no \.txt.* \(\.py 3, empty 1\); to read its files as plain "
+            r"text, name them with a glob: --data '.*pkg/\*\*/\*\.py'")):  # fmt: skip
+        resolve_inputs([pkg])
+    (pkg / "README.md").write_text("# pkg\n")
+    left_out = Counter()
+    assert [i.path.name for i in resolve_inputs([pkg], left_out)] == ["README.md"]
+    assert left_out == {".py": 3, "empty": 1}
+    assert "left out, empty or of no kind prepare reads (.py 3, empty 1)" in describe_left_out(
+        left_out)  # fmt: skip
 
 
 def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):

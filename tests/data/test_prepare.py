@@ -14,7 +14,7 @@ import pytest
 
 import gpuflow.data.prepare.pipeline as prepare_module
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.formats import resolve_inputs
+from gpuflow.data.prepare.inputs import resolve_inputs
 from gpuflow.data.prepare.pieces import PIECE_CHARS, held_out
 from gpuflow.data.prepare.pipeline import PrepareConfig, PrepareSummary, prepare
 from gpuflow.data.prepare.tokenizer import train_tokenizer

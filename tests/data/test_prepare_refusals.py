@@ -167,7 +167,7 @@ def test_append_refuses_a_folder_changed_by_hand_and_changes_nothing(tokens, cap
         (["--tokenizer", "tokens"], "--append encodes with the folder's own tokenizer: leave"),
         (["--out", "nowhere"], "nowhere is not a token folder that gpuflow prepare wrote"),
         (["--out", "link"], "link is a link; --append writes only into the folder itself"),
-        (["--data", "tokens/meta.json"], "has an unsupported type .json; use .txt"),
+        (["--data", "tokens/meta.json"], "meta.json is JSON, whose syntax would be trained on"),
     ],
 )
 def test_append_refuses_what_it_cannot_add_to_and_changes_nothing(tokens, capsys, args, expected):

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from gpuflow.common.atomic import fsync_dir, write_text_atomic
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.formats import Input
+from gpuflow.data.prepare.inputs import Input
 from gpuflow.data.prepare.outfolder import foreign_entries, is_token_folder, listed, swap_into_place
 from gpuflow.data.shards import Shard, token_dtype_for
 from gpuflow.data.tokenizer_file import load_tokenizer

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.formats import Input, Part, ReadOptions, read_parts, resolve_inputs
+from gpuflow.data.prepare.formats import Part, ReadOptions, read_parts
+from gpuflow.data.prepare.inputs import Input, resolve_inputs
 
 # Parts of the standard library that are tests, demos or vendored trees rather than
 # documented modules.

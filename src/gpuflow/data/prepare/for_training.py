@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.formats import resolve_inputs
+from gpuflow.data.prepare.inputs import resolve_inputs
 from gpuflow.data.prepare.outfolder import is_token_folder, note
 from gpuflow.data.prepare.pieces import PIECE_CHARS
 from gpuflow.data.prepare.pipeline import PrepareConfig, default_data_dir, prepare

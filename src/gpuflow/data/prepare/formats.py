@@ -1,7 +1,7 @@
 """Corpora as a stream of text parts, read in bounded blocks whatever their format.
 
-``resolve_inputs`` finds the inputs among files, folders, globs and ``-`` (standard input):
-text, JSON lines, Parquet, any of them compressed, and folders saved by ``datasets``.
+``inputs.resolve_inputs`` finds the inputs among files, folders, globs and ``-`` (standard
+input): text, JSON lines, Parquet, any of them compressed, and folders saved by ``datasets``.
 ``read_parts`` yields ``Part`` s: the text of one document comes in one or more consecutive
 parts, the first marked ``starts_document``. Bad input is a ``GpuflowError`` naming the file
 and, where it helps, the byte offset, line or row.
@@ -13,23 +13,16 @@ docs/architecture/data.md (Reading a corpus).
 from __future__ import annotations
 
 import codecs
-import glob
 import json
-import os
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.streams import check_zstd_frames, opened
+from gpuflow.data.prepare.inputs import Input, require_extra
+from gpuflow.data.prepare.streams import opened
 
 READ_BYTES = 1 << 20  # one read of a text file: what a part of a long document holds at most
-KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
-COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
-# What a dataset folder written by ``datasets``' save_to_disk holds.
-DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
 
 
 @dataclass(frozen=True)
@@ -49,179 +42,6 @@ class ReadOptions:
             raise GpuflowError("--separator must not be empty; leave it out for one per file")
         if not self.text_field:
             raise GpuflowError("--text-field must name a field")
-
-
-@dataclass(frozen=True)
-class Input:
-    """One corpus input: a file, a dataset folder, or standard input (``path`` None)."""
-
-    path: Path | None
-    kind: str  # text, jsonl, parquet, dataset
-    compression: str | None = None
-
-    @property
-    def name(self) -> str:
-        return "-" if self.path is None else str(self.path)
-
-    def size(self) -> int | None:
-        """Bytes on disk (a dataset: its files'); None for standard input."""
-        if self.path is None:
-            return None
-        if self.kind == "dataset":
-            return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-        return self.path.stat().st_size
-
-    def identity(self) -> dict[str, Any] | None:
-        """What says the input has not changed (path, size, modification time); None for
-        standard input, which cannot be read again."""
-        if self.path is None:
-            return None
-        stat = self.path.stat()
-        return {"path": str(self.path.resolve()), "size": self.size(), "mtime_ns": stat.st_mtime_ns}
-
-
-# ---- finding the inputs -------------------------------------------------------------------
-
-
-def kind_of(path: Path) -> tuple[str | None, str | None]:
-    """(format, compression) from a file's suffixes; format None: not a corpus file."""
-    suffixes = [s.lower() for s in path.suffixes]
-    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
-    if compression:
-        suffixes = suffixes[:-1]
-    return (KINDS.get(suffixes[-1]) if suffixes else None), compression
-
-
-def is_dataset_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / marker).is_file() for marker in DATASET_MARKERS)
-
-
-def _supported() -> str:
-    kinds = ", ".join(KINDS)
-    return f"{kinds} files (maybe {', '.join(COMPRESSIONS)}), dataset folders or -"
-
-
-def resolve_inputs(
-    paths: Sequence[str | Path], left_out: Counter[str] | None = None
-) -> list[Input]:
-    """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
-    exist and be readable as its kind before anything is read or written. Files inside the
-    folders named that are of no kind read here are counted in ``left_out`` by their last two
-    suffixes (``left_suffix``)."""
-    if not paths:
-        raise GpuflowError(
-            "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
-        )
-    inputs: list[Input] = []
-    left_out = Counter() if left_out is None else left_out
-    for raw in paths:
-        try:
-            inputs.extend(_inputs_named(str(raw), left_out))
-        except PermissionError as exc:  # a folder it may not look into, on the way or inside
-            raise GpuflowError(
-                f"cannot read {exc.filename or raw} (permission denied), from --data {raw}; "
-                "check its permissions, or leave it out"
-            ) from None
-    if sum(i.path is None for i in inputs) > 1:
-        raise GpuflowError("- (standard input) can be read once: name it once in --data")
-    for inp in inputs:
-        if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
-            raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
-    return inputs
-
-
-def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
-    """The inputs one --data argument names: standard input, a glob's matches, a file or a
-    folder."""
-    if raw == "-":
-        return [Input(None, "text")]
-    path = Path(raw)
-    if not path.exists() and any(ch in raw for ch in "*?["):
-        matched = sorted(Path(p) for p in glob.glob(raw, recursive=True))
-        if not matched:
-            raise GpuflowError(f"no file matches {raw}; check the --data pattern")
-        # What it matches counts as if each were named: a folder is read whole.
-        return [i for p in matched for i in _inputs_of(p, str(p), left_out)]
-    if not path.exists():
-        raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
-    return _inputs_of(path, raw, left_out)
-
-
-def _inputs_of(path: Path, given: str, left_out: Counter[str]) -> list[Input]:
-    if path.is_dir() and not is_dataset_folder(path):
-        return _folder_inputs(path, left_out)
-    return [_input_for(path, given)]
-
-
-def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
-    found: list[Input] = []
-    in_dataset: dict[Path, bool] = {folder: False}  # by folder: it or one above is a dataset
-
-    def inside_dataset(entry: Path) -> bool:
-        parent = entry.parent
-        if parent not in in_dataset:
-            in_dataset[parent] = is_dataset_folder(parent) or inside_dataset(parent)
-        return in_dataset[parent]
-
-    for entry in sorted(folder.rglob("*")):
-        relative = entry.relative_to(folder).parts
-        if any(part.startswith(".") for part in relative):
-            continue  # .git and the like
-        if is_dataset_folder(entry):
-            found.append(Input(entry, "dataset"))
-        elif not entry.is_file() or inside_dataset(entry):
-            continue
-        elif kind_of(entry)[0]:
-            found.append(_input_for(entry, str(entry)))
-        else:
-            left_out[left_suffix(entry)] += 1
-    if not found:
-        raise GpuflowError(f"folder {folder} holds no {_supported()}; point --data at the text")
-    return found
-
-
-def left_suffix(path: Path) -> str:
-    """How a file left out is counted: its last two suffixes, lower case."""
-    return "".join(path.suffixes[-2:]).lower() or "no suffix"
-
-
-def describe_left_out(left_out: Counter[str]) -> str:
-    """One line on the files of the folders given that are not read, by their suffixes."""
-    files = sum(left_out.values())
-    common = ", ".join(f"{kind} {n:,}" for kind, n in left_out.most_common(4))
-    more = ", ..." if len(left_out) > 4 else ""
-    return (
-        f"note: {files:,} file{'s' if files != 1 else ''} in the folders given "
-        f"{'are' if files != 1 else 'is'} of no kind prepare reads and left out "
-        f"({common}{more}); to include a plain-text file, copy or rename it to .txt (.txt.gz "
-        "and the like if compressed)"
-    )
-
-
-def _input_for(path: Path, given: str) -> Input:
-    if is_dataset_folder(path):
-        return Input(path, "dataset")
-    kind, compression = kind_of(path)
-    if kind is None:
-        raise GpuflowError(
-            f"corpus file {given} has an unsupported type {''.join(path.suffixes) or '(none)'}; "
-            f"use {_supported()}"
-        )
-    if compression == "zstd":
-        _require("zstandard", "zstd", f"{given} is zstd-compressed")
-        check_zstd_frames(path, given)
-    if kind == "parquet":
-        _require("pyarrow", "parquet", f"{given} is a Parquet file")
-    if not os.access(path, os.R_OK):
-        raise GpuflowError(f"corpus file {given} is not readable; check its permissions")
-    return Input(path, kind, compression)
-
-
-def _require(module: str, extra: str, why: str) -> Any:
-    try:
-        return __import__(module)
-    except ImportError:
-        raise GpuflowError(f"{why}, which needs {module}: pip install 'gpuflow[{extra}]'") from None
 
 
 # ---- reading ----------------------------------------------------------------------------
@@ -451,7 +271,7 @@ def _parquet_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
 
 
 def _dataset_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
-    datasets = _require("datasets", "datasets", f"{inp.name} is a dataset folder")
+    datasets = require_extra("datasets", "datasets", f"{inp.name} is a dataset folder")
     field = options.text_field
     try:
         loaded = datasets.load_from_disk(str(inp.path))

@@ -36,7 +36,8 @@ from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.prepare.corpus import Corpus
 from gpuflow.data.prepare.encode import ParallelEncoder, default_workers
-from gpuflow.data.prepare.formats import ReadOptions, describe_left_out
+from gpuflow.data.prepare.formats import ReadOptions
+from gpuflow.data.prepare.inputs import describe_left_out
 from gpuflow.data.prepare.outfolder import (
     META_FORMAT,
     OutLock,

@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_corpus_arguments(p, data_help=(
         ".txt/.md/.jsonl/.parquet files (maybe .gz/.bz2/.xz/.zst), folders, globs, datasets "
         "saved with save_to_disk, or - for standard input (default: the built-in corpus of "
-        "Python's own documentation)"
+        "Python's own documentation); other files named or globbed ('src/**/*.py') are read "
+        "as text, except .json, .csv and .tsv"
     ))  # fmt: skip
     p.add_argument("--out", help="output folder (default: data/<corpus>-v<vocab>)")
     p.add_argument(

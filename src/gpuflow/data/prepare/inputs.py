@@ -1,0 +1,241 @@
+"""Which inputs a corpus's ``--data`` names: files, folders, globs and ``-`` (standard
+input), each of a kind ``formats.read_parts`` reads (text, JSON lines, Parquet, any of them
+compressed, folders saved by ``datasets``), checked before anything is read or written.
+
+What each kind is, and which files are left out: docs/architecture/data.md (Reading a
+corpus).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuflow.common.errors import GpuflowError
+from gpuflow.data.prepare.streams import check_zstd_frames
+
+KINDS = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+# A file named outright (or matched by a glob) whose suffix is none of KINDS is read as plain
+# text (source code, .rst, a README), except these: their syntax would be trained on as prose.
+STRUCTURED = {".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
+EMPTY = "empty"  # how empty files of the folders and globs given are counted as left out
+# What a dataset folder written by ``datasets``' save_to_disk holds.
+DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One corpus input: a file, a dataset folder, or standard input (``path`` None)."""
+
+    path: Path | None
+    kind: str  # text, jsonl, parquet, dataset
+    compression: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "-" if self.path is None else str(self.path)
+
+    def size(self) -> int | None:
+        """Bytes on disk (a dataset: its files'); None for standard input."""
+        if self.path is None:
+            return None
+        if self.kind == "dataset":
+            return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return self.path.stat().st_size
+
+    def identity(self) -> dict[str, Any] | None:
+        """What says the input has not changed (path, size, modification time); None for
+        standard input, which cannot be read again."""
+        if self.path is None:
+            return None
+        stat = self.path.stat()
+        return {"path": str(self.path.resolve()), "size": self.size(), "mtime_ns": stat.st_mtime_ns}
+
+
+def kind_of(path: Path) -> tuple[str | None, str | None]:
+    """(format, compression) from a file's suffixes; format None: not a corpus file."""
+    suffix, compression = _suffix_and_compression(path)
+    return KINDS.get(suffix), compression
+
+
+def _suffix_and_compression(path: Path) -> tuple[str, str | None]:
+    """A file's last suffix less a compression's, lower case ('' for none), and the
+    compression."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    if compression:
+        suffixes = suffixes[:-1]
+    return (suffixes[-1] if suffixes else ""), compression
+
+
+def is_dataset_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / marker).is_file() for marker in DATASET_MARKERS)
+
+
+def _supported() -> str:
+    kinds = ", ".join(KINDS)
+    return f"{kinds} files (maybe {', '.join(COMPRESSIONS)}), dataset folders or -"
+
+
+def resolve_inputs(
+    paths: Sequence[str | Path], left_out: Counter[str] | None = None
+) -> list[Input]:
+    """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
+    exist and be readable as its kind before anything is read or written. Files inside the
+    folders named that are of no kind read here are counted in ``left_out`` by their last two
+    suffixes (``left_suffix``), and empty files of the folders and globs as ``EMPTY`` (a file
+    named outright that is empty is refused); a file named, or matched by a glob, of no kind
+    here is read as plain text, unless its syntax is ``STRUCTURED``."""
+    if not paths:
+        raise GpuflowError(
+            "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
+        )
+    inputs: list[Input] = []
+    left_out = Counter() if left_out is None else left_out
+    for raw in paths:
+        try:
+            inputs.extend(_inputs_named(str(raw), left_out))
+        except PermissionError as exc:  # a folder it may not look into, on the way or inside
+            raise GpuflowError(
+                f"cannot read {exc.filename or raw} (permission denied), from --data {raw}; "
+                "check its permissions, or leave it out"
+            ) from None
+    if sum(i.path is None for i in inputs) > 1:
+        raise GpuflowError("- (standard input) can be read once: name it once in --data")
+    for inp in inputs:
+        if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
+            raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
+    return inputs
+
+
+def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
+    """The inputs one --data argument names: standard input, a glob's matches, a file or a
+    folder."""
+    if raw == "-":
+        return [Input(None, "text")]
+    path = Path(raw)
+    if not path.exists() and any(ch in raw for ch in "*?["):
+        matched = sorted(Path(p) for p in glob.glob(raw, recursive=True))
+        if not matched:
+            raise GpuflowError(f"no file matches {raw}; check the --data pattern")
+        # What it matches counts as if each were named (a folder is read whole), less empty
+        # files, which a tree of sources holds many of (a package's __init__.py).
+        empty = [p for p in matched if p.is_file() and p.stat().st_size == 0]
+        if empty:
+            left_out[EMPTY] += len(empty)
+        if len(empty) == len(matched):
+            raise GpuflowError(f"every file that {raw} matches is empty; check the pattern")
+        return [i for p in matched if p not in empty for i in _inputs_of(p, str(p), left_out)]
+    if not path.exists():
+        raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
+    return _inputs_of(path, raw, left_out)
+
+
+def _inputs_of(path: Path, given: str, left_out: Counter[str]) -> list[Input]:
+    if path.is_dir() and not is_dataset_folder(path):
+        return _folder_inputs(path, left_out)
+    return [_input_for(path, given)]
+
+
+def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
+    found: list[Input] = []
+    here: Counter[str] = Counter()  # what this folder leaves out
+    in_dataset: dict[Path, bool] = {folder: False}  # by folder: it or one above is a dataset
+
+    def inside_dataset(entry: Path) -> bool:
+        parent = entry.parent
+        if parent not in in_dataset:
+            in_dataset[parent] = is_dataset_folder(parent) or inside_dataset(parent)
+        return in_dataset[parent]
+
+    for entry in sorted(folder.rglob("*")):
+        relative = entry.relative_to(folder).parts
+        if any(part.startswith(".") for part in relative):
+            continue  # .git and the like
+        if is_dataset_folder(entry):
+            found.append(Input(entry, "dataset"))
+        elif not entry.is_file() or inside_dataset(entry):
+            continue
+        elif not kind_of(entry)[0]:
+            here[left_suffix(entry)] += 1
+        elif entry.stat().st_size == 0:
+            here[EMPTY] += 1
+        else:
+            found.append(_input_for(entry, str(entry)))
+    if not found:
+        held = ", ".join(f"{kind} {n:,}" for kind, n in here.most_common(4)) or "nothing"
+        advice = "point --data at the text"
+        if any(kind != EMPTY for kind in here):
+            advice = (f"to read its files as plain text, name them with a glob: --data "
+                      f"'{folder}/**/*{_example_suffix(here)}'")  # fmt: skip
+        raise GpuflowError(f"folder {folder} holds no {_supported()} ({held}); {advice}")
+    left_out.update(here)
+    return found
+
+
+def left_suffix(path: Path) -> str:
+    """How a file left out is counted: its last two suffixes, lower case."""
+    return "".join(path.suffixes[-2:]).lower() or "no suffix"
+
+
+def describe_left_out(left_out: Counter[str]) -> str:
+    """One line on the files of the folders and globs given that are not read: empty, or of
+    no kind read here, by their suffixes."""
+    files = sum(left_out.values())
+    common = ", ".join(f"{kind} {n:,}" for kind, n in left_out.most_common(4))
+    more = ", ..." if len(left_out) > 4 else ""
+    many = f"{files:,} file{'s' if files != 1 else ''} in the folders and globs given " + (
+        "are" if files != 1 else "is"
+    )
+    if not any(kind != EMPTY for kind in left_out):
+        return f"note: {many} empty and left out"
+    why = "empty or of no kind prepare reads" if EMPTY in left_out else "of no kind prepare reads"
+    return (
+        f"note: {many} left out, {why} ({common}{more}); to read such files as plain text, "
+        f"name them, as a glob does: --data 'FOLDER/**/*{_example_suffix(left_out)}'"
+    )
+
+
+def _example_suffix(left_out: Counter[str]) -> str:
+    """The most common suffix left out that a glob can name (".py"), else ".EXT"."""
+    for kind, _ in left_out.most_common():
+        if kind.startswith(".") and kind.count(".") == 1:
+            return kind
+    return ".EXT"
+
+
+def _input_for(path: Path, given: str) -> Input:
+    if is_dataset_folder(path):
+        return Input(path, "dataset")
+    kind, compression = kind_of(path)
+    if kind is None:
+        suffix = _suffix_and_compression(path)[0]
+        if suffix in STRUCTURED:
+            raise GpuflowError(
+                f"corpus file {given} is {STRUCTURED[suffix]}, whose syntax would be trained on "
+                f"as text; give its documents as .jsonl or .parquet (the text in --text-field), "
+                f"or rename it to .txt to train on it as it is"
+            )
+        kind = "text"  # source code, .rst, a README: read as the text it is
+    if compression == "zstd":
+        require_extra("zstandard", "zstd", f"{given} is zstd-compressed")
+        check_zstd_frames(path, given)
+    if kind == "parquet":
+        require_extra("pyarrow", "parquet", f"{given} is a Parquet file")
+    if not os.access(path, os.R_OK):
+        raise GpuflowError(f"corpus file {given} is not readable; check its permissions")
+    return Input(path, kind, compression)
+
+
+def require_extra(module: str, extra: str, why: str) -> Any:
+    """``module``, imported; if it is not installed, the error says which extra brings it."""
+    try:
+        return __import__(module)
+    except ImportError:
+        raise GpuflowError(f"{why}, which needs {module}: pip install 'gpuflow[{extra}]'") from None

@@ -273,6 +273,7 @@ def test_a_whole_run_against_a_standin_writes_both_curves_and_a_plot(
     )
     assert record["final"]["nanogpt"] == 5.4 and len(record["differences"]) >= 4
     assert "val loss gap (gpuflow - nanoGPT) over 4 shared steps" in out
+    assert "nanoGPT's tokens/s is the median of 1 timed iteration (the first 5" in out
     assert list(tmp_path.glob("gpuflow-reference-*")) == []  # the scratch folder is gone
 
 

@@ -29,6 +29,18 @@ def test_the_old_handler_is_back_when_the_block_raises():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+def test_a_handler_set_inside_the_block_stays_after_it():
+    """A job being left sets SIGTERM to be ignored inside the trainer's block: leaving the
+    block keeps that, not the handler from before it."""
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with handling([signal.SIGUSR1], lambda signum, frame: None):
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_off_the_main_thread_nothing_changes_and_the_block_still_runs():
     before = signal.getsignal(signal.SIGUSR1)
     seen: list[object] = []

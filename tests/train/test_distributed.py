@@ -258,11 +258,18 @@ def test_leaving_the_job_frees_the_graphs_holding_its_collectives_first(monkeypa
     graphs = [_Graph(log), _Graph(log)]
     for graph in graphs:
         distributed.holds_collectives(graph)
-    getattr(distributed, leave)()
-    assert log == ["release", "release", "destroy" if leave == "stop" else "abort"]
-    log.clear()
-    getattr(distributed, leave)()  # released once: nothing is held any more
-    assert log == ["destroy" if leave == "stop" else "abort"]
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        getattr(distributed, leave)()
+        assert log == ["release", "release", "destroy" if leave == "stop" else "abort"]
+        # Leaving a failed job, torchrun's SIGTERM (sent to every rank once one is gone) must
+        # not end the process before it has said why: it is ignored from then on.
+        assert signal.getsignal(signal.SIGTERM) == (sigterm if leave == "stop" else signal.SIG_IGN)
+        log.clear()
+        getattr(distributed, leave)()  # released once: nothing is held any more
+        assert log == ["destroy" if leave == "stop" else "abort"]
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def _rank_left_behind(rank: int, store: str, out: str) -> None:

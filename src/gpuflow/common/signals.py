@@ -11,8 +11,9 @@ from contextlib import contextmanager
 def handling(
     signals: Iterable[signal.Signals], handler: Callable[[int, object], None]
 ) -> Iterator[None]:
-    """``handler`` for ``signals`` while the block runs, then the handlers there were before.
-    Off the main thread, where Python allows no handler, nothing changes."""
+    """``handler`` for ``signals`` while the block runs, then the handlers there were before
+    (where the block set another meanwhile, that one stays). Off the main thread, where
+    Python allows no handler, nothing changes."""
     try:
         previous = {sig: signal.signal(sig, handler) for sig in signals}
     except ValueError:
@@ -22,4 +23,5 @@ def handling(
         yield
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, old)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -172,9 +173,13 @@ def stop() -> None:
 def abort() -> None:
     """Leave the process group without waiting for anything in flight: a collective still
     waiting for a rank that is gone ends (with garbage, which nothing reads). For a rank that
-    failed, or found another gone."""
+    failed, or found another gone. From here a rank of a job ends by itself, after a line
+    that says why: the SIGTERM that torchrun sends every rank once one is gone is ignored, so
+    that it does not end the process before that line."""
     _release_graphs()
     if dist.is_initialized():
+        with suppress(ValueError):  # off the main thread, where Python sets no handler
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with suppress(RuntimeError):  # a backend already broken: there is nothing to free
             _abort_process_group()
 

@@ -126,12 +126,12 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
             raise GpuflowError(f"no file matches {raw}; check the --data pattern")
         # What it matches counts as if each were named (a folder is read whole), less empty
         # files, which a tree of sources holds many of (a package's __init__.py).
-        empty = [p for p in matched if p.is_file() and p.stat().st_size == 0]
-        if empty:
-            left_out[EMPTY] += len(empty)
-        if len(empty) == len(matched):
+        kept = [p for p in matched if not (p.is_file() and p.stat().st_size == 0)]
+        if not kept:
             raise GpuflowError(f"every file that {raw} matches is empty; check the pattern")
-        return [i for p in matched if p not in empty for i in _inputs_of(p, str(p), left_out)]
+        if len(kept) < len(matched):
+            left_out[EMPTY] += len(matched) - len(kept)
+        return [i for p in kept for i in _inputs_of(p, str(p), left_out)]
     if not path.exists():
         raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
     return _inputs_of(path, raw, left_out)
@@ -213,9 +213,9 @@ def _example_suffix(left_out: Counter[str]) -> str:
 def _input_for(path: Path, given: str) -> Input:
     if is_dataset_folder(path):
         return Input(path, "dataset")
-    kind, compression = kind_of(path)
+    suffix, compression = _suffix_and_compression(path)
+    kind = KINDS.get(suffix)
     if kind is None:
-        suffix = _suffix_and_compression(path)[0]
         if suffix in STRUCTURED:
             raise GpuflowError(
                 f"corpus file {given} is {STRUCTURED[suffix]}, whose syntax would be trained on "

@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
 
     gpu = gpu_present()
     out_console.print(f"train on it: {train_command(summary.vocab_size, summary.out_dir, gpu)}")
-    preset = suggested_preset(summary.vocab_size, gpu)
-    # (an appending run counts only what it added)
-    note = short_split_note(preset, summary.train_tokens, summary.val_tokens)
-    if note and not summary.appended:
-        err_console.print(note)
+    if not summary.appended:  # (an appending run counts only what it added)
+        preset = suggested_preset(summary.vocab_size, gpu)
+        note = short_split_note(preset, summary.train_tokens, summary.val_tokens)
+        if note:
+            err_console.print(note)
     if not gpu:
         out_console.print(f"(no GPU here: the preset suits a CPU; {TINY_ON_CPU})")
     return 0

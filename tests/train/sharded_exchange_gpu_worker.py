@@ -1,6 +1,7 @@
 """A rank of ``test_four_gpus_gpu.py``'s exchange check, run under ``torchrun``: the split
 update's averager over peer memory against NCCL's own all-reduce, two steps of different
-gradients on every rank; writes what it found to ``OUT/rank<N>.json``.
+gradients on every rank, and a meet that rank 0 alone comes to, which must wait until
+that rank leaves the job; writes what it found to ``OUT/rank<N>.json``.
 
     torchrun --nproc_per_node=N tests/train/sharded_exchange_gpu_worker.py OUT
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from gpuflow.model.gpt import GPT, ModelConfig
 from gpuflow.train.optim.master_adamw import MasterAdamW
+from gpuflow.train.peer_meet import PeerMeet, end_waits
 from gpuflow.train.sharded import ShardedAverager
 
 
@@ -58,6 +62,15 @@ def main() -> None:
             "loss": float(loss),
             "want_loss": (world + 1) / 2,
         })  # fmt: skip
+    meet = PeerMeet.make(rank, world, device)
+    if rank == 0:  # the others never come: the wait ends only when this process leaves
+        leave = threading.Timer(1.0, end_waits)
+        began = time.perf_counter()
+        meet(0)
+        leave.start()
+        torch.cuda.synchronize()
+        found["lone_meet_s"] = time.perf_counter() - began
+    dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 

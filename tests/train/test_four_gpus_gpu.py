@@ -61,7 +61,8 @@ def test_the_peer_exchange_averages_as_nccls_all_reduce(accel, tmp_path, nproc):
     """Each rank's part of the gradients, pushed by every rank into its buffer and averaged
     there, is NCCL's mean of them bit for bit (bf16 sums of so few terms are exact in
     fp32); the clip's norm and the loss are the whole mean's; a second step's gradients
-    replace the first's."""
+    replace the first's. A meet that only rank 0 comes to holds its GPU until it leaves the
+    job (as a survivor of a killed rank does), then lets it go."""
     if accel.type != "cuda" or torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} CUDA GPUs")
     worker = Path(__file__).with_name("sharded_exchange_gpu_worker.py")
@@ -78,6 +79,8 @@ def test_the_peer_exchange_averages_as_nccls_all_reduce(accel, tmp_path, nproc):
             assert step["part_equal"], (rank, step)
             assert step["norm"] == pytest.approx(step["want_norm"], rel=1e-5), (rank, step)
             assert step["loss"] == step["want_loss"], (rank, step)
+    lone = json.loads((tmp_path / "rank0.json").read_text())["lone_meet_s"]
+    assert 1.0 <= lone < 10.0, lone
 
 
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 1), (4, 2), (2, 4)])

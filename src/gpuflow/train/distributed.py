@@ -32,6 +32,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.train.optim.adamw import global_grad_norm
+from gpuflow.train.peer_meet import end_waits
 
 # How long a collective may wait for the other ranks before the process group gives up with
 # an error naming it (a rank that died, or one that stopped calling collectives).
@@ -176,6 +177,7 @@ def abort() -> None:
     failed, or found another gone. From here a rank of a job ends by itself, after a line
     that says why: the SIGTERM that torchrun sends every rank once one is gone is ignored, so
     that it does not end the process before that line."""
+    end_waits()  # a meet on the GPU waiting for a rank that is gone, which NCCL's abort misses
     _release_graphs()
     if dist.is_initialized():
         with suppress(ValueError):  # off the main thread, where Python sets no handler

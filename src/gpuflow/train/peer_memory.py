@@ -6,10 +6,7 @@ The split update (``train/sharded.py``) uses two: the gradients, whose parts eac
 into the parts' owners' buffers, one row a rank, for the owner to average (in place of a
 reduce-scatter), and the weights, which each rank's update kernel writes into every copy (in
 place of an all-gather), all on the step's stream. Where one rank needs what another wrote,
-the ranks meet at a collective of NCCL's (the small all-reduces the step makes anyway, and
-one of a single number after the update): NCCL waits as long as a rank takes, and a rank
-that is gone ends the wait when the job aborts NCCL, which a spinning barrier kernel of the
-buffers' own would not (``docs/decisions/035``).
+the ranks meet at ``train/peer_meet.py``'s kernel, whose wait the job's abort ends.
 """
 
 from __future__ import annotations

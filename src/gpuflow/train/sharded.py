@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflow.train.optim.master_adamw import MasterAdamW
+from gpuflow.train.peer_meet import PeerMeet
 from gpuflow.train.peer_memory import RowsAverage, SharedBuffer
 
 
@@ -37,7 +38,11 @@ class ShardedAverager:
         lo, hi = optimizer.shard_range
         rank = lo // (hi - lo)
         # None where the GPUs cannot map each other's memory: then NCCL reduces and gathers.
-        self._gradients = peer_buffer(n, device) if peer_memory else None
+        self._meet = (
+            PeerMeet.make(rank, self.world_size, device)
+            if peer_memory and MasterAdamW.runs_on(device) else None
+        )  # fmt: skip
+        self._gradients = None if self._meet is None else peer_buffer(n, device)
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
@@ -53,24 +58,24 @@ class ShardedAverager:
             ([], []) if self._gradients is None
             else push_plan(self._flat, self._views, self._gradients, rank, self.world_size)
         )  # fmt: skip
-        self._weights = peer_buffer(n, device) if peer_memory else None
+        self._weights = None if self._meet is None else peer_buffer(n, device)
         if self._weights is not None:
             optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]
-        self._met = torch.zeros(1, device=device)  # all-reduced only to make the ranks meet
         self._norm = torch.zeros((), device=self._flat.device)
         part_bytes = self._part.numel() * self._part.element_size()
         peers = self.world_size - 1
         # What this rank hands the others per step: the gradients (all of them to NCCL's
         # reduce-scatter, or each other rank's part written into its memory), its part of the
         # weights (to the all-gather, or written into their copies), the norm and the loss
-        # (and the number all-reduced to meet after the writes).
+        # (to an all-reduce, or written into each peer with the flags of the three meets).
         gradient_bytes = (
             self._flat.numel() * self._flat.element_size() if self._average is None
             else peers * part_bytes
         )  # fmt: skip
         weight_bytes = part_bytes if self._weights is None else peers * part_bytes
-        self.bytes_per_step = gradient_bytes + weight_bytes + 8 + (self._weights is not None) * 4
+        stats_bytes = 8 if self._meet is None else 8 * peers + 3 * self._meet.bytes_per_meet
+        self.bytes_per_step = gradient_bytes + weight_bytes + stats_bytes
 
     def __call__(
         self, params: Sequence[torch.Tensor], loss: torch.Tensor | None = None
@@ -92,21 +97,19 @@ class ShardedAverager:
             p.grad = view  # the gradient autograd made is freed
         loss_sum = loss.float() if loss is not None else self._norm.new_zeros(())
         if self._average is not None:
-            # Each all-reduce also makes the ranks meet: the first after every rank has pushed
-            # its gradients (the average reads them), the second after every rank has read
-            # its rows (the next step's push overwrites them).
-            dist.all_reduce(loss_sum)
+            self._meet(0)  # every rank has pushed: the average reads what they wrote
             sum_sq = self._average()
-            dist.all_reduce(sum_sq)
-            self._norm.copy_(sum_sq.sqrt())
         else:
             self._reduce_scatter()
             # fp32 accumulation: a bf16 sum of squares keeps three digits
             sum_sq = torch.linalg.vector_norm(self._part, dtype=torch.float32).square()
-            stats = torch.stack([sum_sq, loss_sum])
-            dist.all_reduce(stats)  # (2,) sums over ranks: squared norm, loss
-            self._norm.copy_(stats[0].sqrt())
-            loss_sum = stats[1]
+        stats = torch.stack([sum_sq, loss_sum])  # (2,) squared norm, loss: summed over ranks
+        if self._meet is None:
+            dist.all_reduce(stats)
+        else:  # also where the ranks meet after each has read its rows (the next push writes)
+            self._meet.sum_(stats)
+        self._norm.copy_(stats[0].sqrt())
+        loss_sum = stats[1]
         if loss is not None:
             loss.copy_(loss_sum / self.world_size)
         return [self._part]
@@ -127,7 +130,7 @@ class ShardedAverager:
         if self._weights is None:
             dist.all_gather_into_tensor(self.optimizer.weights, self._weights_part)
         else:  # written by every rank's update: meet once all of them have finished
-            dist.all_reduce(self._met)
+            self._meet(1)
 
     def _reduce_scatter(self) -> None:
         if self._part.is_cuda:  # NCCL divides as it reduces

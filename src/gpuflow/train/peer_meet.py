@@ -81,7 +81,7 @@ if triton is not None:
             rounds += 1
             if rounds % CHECK_EVERY == 0:
                 stop = tl.load(abort, volatile=True)
-        if K > 0:  # the rows summed in rank order: the same bits on every rank
+        if K > 0:  # the rows summed in one fixed order: the same bits on every rank
             tl.debug_barrier()
             kept = tl.load(slots + rank).to(tl.pointer_type(tl.float32))
             got = tl.load(kept + lanes[:, None] * K + ks[None, :], mask=ranks[:, None], other=0.0,
@@ -142,7 +142,7 @@ class PeerMeet:
 
     def sum_(self, values: torch.Tensor) -> None:
         """``values`` ((carries,) fp32 on this rank's device) summed over the ranks, in
-        place, summed in rank order, so every rank holds the same bits."""
+        place, summed in one fixed order, so every rank holds the same bits."""
         if values.shape != (self.carries,) or values.dtype != torch.float32:
             raise ValueError(f"sum_ takes ({self.carries},) fp32, got {tuple(values.shape)} "
                              f"{values.dtype}")  # fmt: skip

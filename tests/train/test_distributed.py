@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import pytest
@@ -268,6 +268,27 @@ def test_leaving_the_job_frees_the_graphs_holding_its_collectives_first(monkeypa
         log.clear()
         getattr(distributed, leave)()  # released once: nothing is held any more
         assert log == ["destroy" if leave == "stop" else "abort"]
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+@pytest.mark.parametrize("job", [True, False])
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_rank_failing_in_a_job_keeps_sigterm_ignored_as_it_unwinds(job, failed):
+    """A rank that finds another gone inside the step (DDP's all-reduce raising) unwinds out
+    of the stop handler's block before it can say so: in a job, SIGTERM is ignored from the
+    failure on, not put back to the default that torchrun's SIGTERM would end it by. A run
+    that ends well, or one process alone, gets its handlers back."""
+    from gpuflow.train.trainer import _StopFlag
+
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        with suppress(RuntimeError), _StopFlag().installed(job=job):
+            assert signal.getsignal(signal.SIGTERM) not in (sigterm, signal.SIG_IGN)
+            if failed:
+                raise RuntimeError("Connection closed by peer")
+        want = signal.SIG_IGN if job and failed else sigterm
+        assert signal.getsignal(signal.SIGTERM) == want
     finally:
         signal.signal(signal.SIGTERM, sigterm)
 

@@ -180,10 +180,16 @@ def abort() -> None:
     end_waits()  # a meet on the GPU waiting for a rank that is gone, which NCCL's abort misses
     _release_graphs()
     if dist.is_initialized():
-        with suppress(ValueError):  # off the main thread, where Python sets no handler
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignore_sigterm()
         with suppress(RuntimeError):  # a backend already broken: there is nothing to free
             _abort_process_group()
+
+
+def ignore_sigterm() -> None:
+    """For a rank leaving its job: from here it ends by itself, after the line that says why,
+    and the SIGTERM torchrun sends every rank once one is gone must not end it first."""
+    with suppress(ValueError):  # off the main thread, where Python sets no handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # How gloo's transport words a peer that went away mid-collective (DDP's gradient all-reduce

@@ -36,7 +36,7 @@ from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig, TrainConfig
 from gpuflow.train.datapath import open_batches
 from gpuflow.train.display import TrainDisplay
-from gpuflow.train.distributed import Ranks, agree, each_rank, largest
+from gpuflow.train.distributed import Ranks, agree, each_rank, ignore_sigterm, largest
 from gpuflow.train.meter import BusMeter, IntervalPart, Throughput
 from gpuflow.train.records import Records, Sink
 from gpuflow.train.runfolder import MetricsLog, RunFolder, truncate_metrics
@@ -178,7 +178,7 @@ class Trainer:
                     run.callback(tracker.close)
                 sinks = [metrics.write, *(t.record for t in trackers), display.record]
             stop = _StopFlag()
-            run.enter_context(stop.installed())
+            run.enter_context(stop.installed(job=ranks.distributed))
             throughput = Throughput(self.tokens_per_step, device)
             bus = BusMeter(device, tc.log_interval, step + train_step.warmup)
             records = Records(
@@ -402,14 +402,24 @@ class _StopFlag:
         self.requested = False
 
     @contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self, job: bool = False) -> Iterator[None]:
+        """The handler for the block. In a ``job`` (a rank of several), a failure leaves
+        SIGTERM ignored rather than put back: a rank that finds another gone inside the step
+        (DDP's all-reduce) unwinds to where it says so, and torchrun's SIGTERM, sent to every
+        rank once one is gone, would otherwise end it on the way."""
+
         def handler(signum: int, frame: object) -> None:
             if self.requested:  # a second signal: stop now, without a checkpoint
                 raise KeyboardInterrupt
             self.requested = True
 
         with handling(self.SIGNALS, handler):
-            yield
+            try:
+                yield
+            except BaseException:
+                if job:
+                    ignore_sigterm()
+                raise
 
 
 class _Quiet:

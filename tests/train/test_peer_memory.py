@@ -48,9 +48,7 @@ def test_pushed_pieces_give_each_owner_every_ranks_gradients_for_its_part():
     for rank in range(world):
         flat = torch.zeros(flat_size)
         views = [flat[o : o + n].view(s) for o, n, s in zip(offsets, numels, sizes, strict=True)]
-        shared = SimpleNamespace(
-            local=buffers[rank], peers=[b for r, b in enumerate(buffers) if r != rank]
-        )
+        shared = SimpleNamespace(local=buffers[rank], copies=buffers)
         pieces, destinations = push_plan(flat, views, shared, rank, world)
         owners = [b.untyped_storage().data_ptr() for b in buffers]
         first_owner = owners.index(destinations[0].untyped_storage().data_ptr())

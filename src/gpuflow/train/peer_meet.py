@@ -113,7 +113,7 @@ class PeerMeet:
         self.carries = slots.local.numel() // world_size  # values a sum_ takes
         device = flags.local.device
         self._buffers = (flags, slots)  # kept mapped while the tables point into them
-        self._flags, self._slots = _table(flags, rank), _table(slots, rank)
+        self._flags, self._slots = _table(flags), _table(slots)
         self._counts = torch.zeros(CHANNELS, dtype=torch.int32, device=device)
         self._no_values = torch.zeros(1, device=device)
         self._lanes = triton.next_power_of_2(world_size)
@@ -165,10 +165,8 @@ class PeerMeet:
         )
 
 
-def _table(buffer: SharedBuffer, rank: int) -> DeviceTable:
+def _table(buffer: SharedBuffer) -> DeviceTable:
     """A device table of every rank's copy of ``buffer``, in rank order."""
-    every = list(buffer.peers)
-    every.insert(rank, buffer.local)
-    table = DeviceTable(len(every), buffer.local.device)
-    table.write([t.data_ptr() for t in every])
+    table = DeviceTable(len(buffer.copies), buffer.local.device)
+    table.write([t.data_ptr() for t in buffer.copies])
     return table

@@ -52,19 +52,20 @@ if triton is not None:
 class SharedBuffer:
     """An (N,) device buffer that every rank of the default group allocates and maps.
 
-    ``local`` is this rank's copy; ``peers`` are the other ranks' copies, mapped into this
-    process (tensors on this device). ``shared(...)`` makes one, or returns None where the
-    GPUs cannot map each other's memory."""
+    ``local`` is this rank's copy; ``copies`` every rank's, indexed by rank (``local`` among
+    them), the others mapped into this process (tensors on this device); ``peers`` the
+    others'. ``shared(...)`` makes one, or returns None where the GPUs cannot map each
+    other's memory."""
 
     def __init__(self, local: torch.Tensor, handle: Any) -> None:
         self.local = local
         self._handle = handle  # keeps the other ranks' buffers mapped
         rank = handle.rank
-        self.peers = [
-            handle.get_buffer(r, local.shape, local.dtype)
+        self.copies = [
+            local if r == rank else handle.get_buffer(r, local.shape, local.dtype)
             for r in range(handle.world_size)
-            if r != rank
         ]
+        self.peers = [copy for r, copy in enumerate(self.copies) if r != rank]
         self.peer_table = DeviceTable(len(self.peers), local.device)
         self.peer_table.write([t.data_ptr() for t in self.peers])
 

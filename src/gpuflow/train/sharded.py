@@ -42,7 +42,11 @@ class ShardedAverager:
             PeerMeet.make(rank, self.world_size, device)
             if peer_memory and MasterAdamW.runs_on(device) else None
         )  # fmt: skip
-        self._gradients = None if self._meet is None else peer_buffer(n, device)
+
+        def shared() -> SharedBuffer | None:  # (N,) bf16 that every rank maps, with the meets
+            return None if self._meet is None else SharedBuffer.shared(n, torch.bfloat16, device)
+
+        self._gradients = shared()
         # (N,) bf16 in the weights' layout, and each parameter's view of it
         self._flat, self._views = optimizer.gradient_buffer(
             None if self._gradients is None else self._gradients.local
@@ -58,7 +62,7 @@ class ShardedAverager:
             ([], []) if self._gradients is None
             else push_plan(self._flat, self._views, self._gradients, rank, self.world_size)
         )  # fmt: skip
-        self._weights = None if self._meet is None else peer_buffer(n, device)
+        self._weights = shared()
         if self._weights is not None:
             optimizer.share_weights(self._weights)
         self._weights_part = optimizer.weights[lo:hi]
@@ -153,8 +157,6 @@ def push_plan(
     weights' layout. The owners are taken from the next rank on, so that while the ranks
     write each writes into a different GPU's memory, not all into one."""
     part = flat.numel() // world_size
-    copies = list(buffer.peers)
-    copies.insert(rank, buffer.local)  # (N,) bf16 each, indexed by rank
     planned = []
     for index, view in enumerate(views):
         first = view.storage_offset() - flat.storage_offset()
@@ -162,14 +164,7 @@ def push_plan(
         for owner in range(first // part, (end - 1) // part + 1):
             lo, hi = max(first, owner * part), min(end, (owner + 1) * part)
             at = rank * part + lo - owner * part  # its place in the owner's row for this rank
-            destination = copies[owner][at : at + hi - lo]
+            destination = buffer.copies[owner][at : at + hi - lo]  # (N,) bf16 copies
             planned.append((owner, (index, lo - first, hi - first), destination))
     planned.sort(key=lambda p: (p[0] - rank - 1) % world_size)
     return [piece for _, piece, _ in planned], [dest for _, _, dest in planned]
-
-
-def peer_buffer(numel: int, device: torch.device) -> SharedBuffer | None:
-    """A bf16 buffer every rank maps, where the split update's kernels can use one."""
-    if not MasterAdamW.runs_on(device):
-        return None
-    return SharedBuffer.shared(numel, torch.bfloat16, device)

@@ -71,7 +71,8 @@ class SharedBuffer:
 
     @classmethod
     def shared(cls, numel: int, dtype: torch.dtype, device: torch.device) -> SharedBuffer | None:
-        """A zeroed shared buffer of ``numel`` elements. Collective: every rank calls it."""
+        """A zeroed shared buffer of ``numel`` elements, zeroed on every rank before any rank
+        returns. Collective: every rank calls it."""
         if device.type != "cuda" or triton is None or not dist.is_initialized():
             return None
         try:
@@ -84,6 +85,9 @@ class SharedBuffer:
         except (ImportError, AttributeError, RuntimeError):
             return None
         local.zero_()
+        # A peer may write into this copy as soon as it leaves: the zeros must land first.
+        torch.cuda.synchronize(device)
+        dist.barrier()
         return cls(local, handle)
 
 

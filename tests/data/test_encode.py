@@ -23,6 +23,14 @@ def tokenizer(stdlib_documents) -> Tokenizer:
     return train_tokenizer((d.text for d in stdlib_documents[:300]), 2000)
 
 
+@pytest.fixture(scope="module")
+def tokenizer_file(tokenizer, tmp_path_factory) -> Path:
+    """``tokenizer`` saved, as the encoder's workers load it."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
 def long_text(stdlib_documents) -> str:
     return "\n\n".join(d.text for d in stdlib_documents[:60])
 
@@ -44,12 +52,14 @@ def spawned_children() -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
-def test_each_worker_encodes_on_one_thread_without_numpy(tokenizer, stdlib_documents):
+def test_each_worker_encodes_on_one_thread_without_numpy(
+    tokenizer, tokenizer_file, stdlib_documents
+):
     """tokenizers starts a pool of one thread a core in any process that encodes a batch,
     and numpy one for its BLAS: a worker is a core already, and every thread holds memory."""
     text = long_text(stdlib_documents)
     pieces = [Piece(text, True, False, len(text))] * 6
-    with ParallelEncoder(tokenizer, np.dtype("<u2"), 2) as encoder:
+    with ParallelEncoder(tokenizer_file, np.dtype("<u2"), 2) as encoder:
         encoded = [ids for _, ids in encoder.encode(iter(pieces))]
         workers = spawned_children()
         threads = {pid: len(os.listdir(f"/proc/{pid}/task")) for pid in workers}

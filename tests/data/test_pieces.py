@@ -27,6 +27,14 @@ def tokenizer(stdlib_documents) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
+def tokenizer_file(tokenizer, tmp_path_factory) -> Path:
+    """``tokenizer`` saved, as the encoder's workers load it."""
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
 def other_kind(stdlib_documents) -> Tokenizer:
     """Not byte-level: a normalizer and a whitespace-and-punctuation pre-tokenizer."""
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
@@ -111,13 +119,15 @@ def test_held_out_documents_are_chosen_by_their_text_alone():
     assert {t for t in texts if held_out(t, 0.1)} >= chosen  # a larger share holds these too
 
 
-def test_the_encoders_ids_are_the_same_on_one_core_and_on_workers(tokenizer, stdlib_documents):
+def test_the_encoders_ids_are_the_same_on_one_core_and_on_workers(
+    tokenizer, tokenizer_file, stdlib_documents
+):
     texts = real_texts(stdlib_documents)[:12]
     parts = [Part(t, True, len(t)) for t in texts]
     results = []
     for workers in (1, 2):
         pieces = Pieces(Cutter(tokenizer), 0.05, piece_chars=3000)
-        with ParallelEncoder(tokenizer, np.dtype("<u2"), workers) as encoder:
+        with ParallelEncoder(tokenizer_file, np.dtype("<u2"), workers) as encoder:
             results.append([(p.text, i) for p, i in encoder.encode(pieces(iter(parts)))])
     (one, two) = results
     assert [t for t, _ in one] == [t for t, _ in two]

@@ -175,7 +175,8 @@ def test_appending_adds_documents_and_moves_none_between_splits(tmp_path, small_
     records = str(small_corpus / "records.jsonl")
     prepare(PrepareConfig(data=base, out=str(out), vocab_size=400))
     val_before, train_before = stream(out, "val"), stream(out, "train")
-    summary = prepare(PrepareConfig(data=(records,), out=str(out), append=True))
+    # Two workers, which load the folder's own tokenizer.json; the fresh run below has one.
+    summary = prepare(PrepareConfig(data=(records,), out=str(out), append=True, workers=2))
     assert summary.appended and "appended to" in summary.describe()
     meta = json.loads((out / "meta.json").read_text())
     folder = TokenFolder.open(out)

@@ -21,6 +21,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
@@ -100,12 +101,12 @@ class IdEncoder:
             counts[owner] += len(these)
 
 
-def _start_worker(tokenizer_json: str, itemsize: int, batch_chars: int) -> None:
+def _start_worker(tokenizer_file: str, itemsize: int, batch_chars: int) -> None:
     global _worker, _trim_heap
     # One process, one core: no pool of threads in tokenizers (they would each hold memory).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker = IdEncoder(Tokenizer.from_str(tokenizer_json), itemsize, batch_chars)
+    _worker = IdEncoder(Tokenizer.from_file(tokenizer_file), itemsize, batch_chars)
     _trim_heap = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
@@ -126,12 +127,18 @@ def _as_numpy(ids: array, counts: list[int], dtype: np.dtype) -> tuple[np.ndarra
 
 
 class ParallelEncoder:
-    """``encode(pieces)``: each piece with its ids, in order; a context manager (the pool)."""
+    """``encode(pieces)``: each piece with its ids, in order; a context manager (the pool).
 
-    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> None:
+    The tokenizer is given as its saved file, which every worker loads for itself: the
+    arguments a spawned worker starts with go down a pipe that holds 64 KiB, so a tokenizer's
+    JSON sent that way (a megabyte at 16,000 tokens) would hold each start until the worker
+    before it had booted and read it all, one worker at a time."""
+
+    def __init__(self, tokenizer_file: Path, dtype: np.dtype, workers: int) -> None:
         import numpy as np
 
-        self.tokenizer, self.dtype, self.workers = tokenizer, np.dtype(dtype), max(1, workers)
+        self.tokenizer_file, self.dtype = Path(tokenizer_file), np.dtype(dtype)
+        self.workers = max(1, workers)
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> ParallelEncoder:
@@ -141,7 +148,7 @@ class ParallelEncoder:
                 # Spawned, not forked: the parent may hold threads (tokenizers' own pool).
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(self.tokenizer.to_str(), self.dtype.itemsize, BATCH_CHARS),
+                initargs=(str(self.tokenizer_file), self.dtype.itemsize, BATCH_CHARS),
             )
         return self
 
@@ -154,7 +161,8 @@ class ParallelEncoder:
         """Each piece and its ids (without the end-of-text token), in the order given."""
         tasks = _tasks(pieces)
         if self._pool is None:
-            here = IdEncoder(self.tokenizer, self.dtype.itemsize, BATCH_CHARS)
+            tokenizer = Tokenizer.from_file(str(self.tokenizer_file))
+            here = IdEncoder(tokenizer, self.dtype.itemsize, BATCH_CHARS)
             for task in tasks:
                 yield from _split(task, *_as_numpy(*here([p.text for p in task]), self.dtype))
             return

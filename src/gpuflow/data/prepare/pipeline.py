@@ -336,7 +336,8 @@ def _encode(
     progress = progress_bar(TransferSpeedColumn(), TextColumn("{task.fields[speed]}"),
                             counter=DownloadColumn())  # fmt: skip
     try:
-        with progress, ParallelEncoder(tokenizer, dtype, workers) as encoder:
+        saved = stage if target is None else target.path  # holds the tokenizer as a file
+        with progress, ParallelEncoder(saved / "tokenizer.json", dtype, workers) as encoder:
             task = progress.add_task("tokenizing", total=corpus.total_bytes, speed="")
             for piece in itertools.islice(stream, state.pieces):  # finished before
                 progress.advance(task, piece.size)

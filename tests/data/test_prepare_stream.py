@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import gzip
 import json
+import multiprocessing
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +25,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 from gpuflow.data.tokenizer_file import EOT, load_tokenizer
 from gpuflow.data.tokens import TokenFolder
-from gpuflow.interface.cli.common import EXIT_INTERRUPTED
+from gpuflow.interface.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from gpuflow.interface.cli.main import main
 from tests.helpers import FAST, child_env, gpuflow_cli
 
@@ -167,6 +170,42 @@ def test_an_interrupted_run_continues_from_its_finished_shards(tmp_path, stdlib_
     total_pieces = whole_meta["documents"]  # every document fits one piece here
     assert 0 < len(encoded) < total_pieces  # only what the first run had not finished
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_an_encoding_process_killed_stops_in_one_line_and_the_run_continues(
+    tmp_path, stdlib_documents, monkeypatch, capfd
+):
+    """A worker killed mid-run (as the kernel kills one when memory runs out) ends prepare
+    with one line that says what was kept, and the same command continues from there."""
+    books = corpus_of_books(tmp_path / "books", stdlib_documents)
+    argv = ["prepare", "--data", str(books), "--out", str(tmp_path / "out"),
+            "--vocab-size", "600", "--separator", "<|endoftext|>", "--shard-tokens", "20000",
+            "--workers", "2"]  # fmt: skip
+    assert main([*argv[:4], str(tmp_path / "whole"), *argv[5:]]) == 0
+    saved, calls = prepare_module._checkpoint, {"n": 0}
+
+    def killing_a_worker(*args):
+        saved(*args)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(prepare_module, "_checkpoint", killing_a_worker)
+    capfd.readouterr()
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "tokenizing" not in line]  # (the bar's)
+    assert len(said) == 1, err
+    assert "an encoding process ended" in said[0] and "finished shards are kept" in said[0]
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".out.staging-")]
+    assert len(kept) == 1 and not (tmp_path / "out").exists()
+    kept[0].rename(kept[0].with_name(".out.staging-999999"))  # as if its process were gone
+    monkeypatch.setattr(prepare_module, "_checkpoint", saved)
+    assert main(argv) == 0
+    assert "continuing the interrupted prepare" in capfd.readouterr().err
+    whole, resumed = tree(tmp_path / "whole"), tree(tmp_path / "out")
+    assert whole.keys() == resumed.keys()
+    assert all(whole[k] == resumed[k] for k in whole if k != "meta.json")
 
 
 def test_appending_adds_documents_and_moves_none_between_splits(tmp_path, small_corpus):

@@ -21,6 +21,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,11 @@ TOKENIZER_MEMORY_PER_JSON_BYTE = 10
 
 _worker: IdEncoder | None = None
 _trim_heap: Any = None  # glibc's malloc_trim, where there is one
+
+
+class WorkerLost(Exception):
+    """An encoding process ended before its task was done (killed: the machine out of memory,
+    a signal); the pool cannot go on."""
 
 
 def usable_cores() -> int:
@@ -166,6 +172,13 @@ class ParallelEncoder:
             for task in tasks:
                 yield from _split(task, *_as_numpy(*here([p.text for p in task]), self.dtype))
             return
+        try:
+            yield from self._pooled(tasks)
+        except BrokenProcessPool:
+            raise WorkerLost from None
+
+    def _pooled(self, tasks: Iterator[list[Piece]]) -> Iterator[tuple[Piece, np.ndarray]]:
+        assert self._pool is not None
         flight: deque[tuple[list[Piece], Future]] = deque()
         for task in tasks:
             flight.append((task, self._pool.submit(_encode_in_worker, [p.text for p in task])))

@@ -35,7 +35,7 @@ from gpuflow.common.errors import GpuflowError, InterruptedAndSaid
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.prepare.corpus import Corpus
-from gpuflow.data.prepare.encode import ParallelEncoder, default_workers
+from gpuflow.data.prepare.encode import ParallelEncoder, WorkerLost, default_workers
 from gpuflow.data.prepare.formats import ReadOptions
 from gpuflow.data.prepare.inputs import describe_left_out
 from gpuflow.data.prepare.outfolder import (
@@ -233,19 +233,30 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
         raise
     except OSError as exc:  # a fault of the machine: a full disk, a file gone read-only
         keep_stage = _resumable(stage, state, fingerprint)
-        kept = (
-            f"its {state.train_shards + state.val_shards} finished shards are kept in {stage}: "
-            "run the same command again to continue from them"
-            if keep_stage
-            else "nothing was written"
-        )
         if not exc.filename:
             exc.filename = str(out_dir)
+        kept = _what_is_kept(keep_stage, state, stage)
         raise GpuflowError(f"prepare stopped: {describe_os_error(exc)}; {kept}") from None
+    except WorkerLost:
+        keep_stage = _resumable(stage, state, fingerprint)
+        raise GpuflowError(
+            "prepare stopped: an encoding process ended before its work was done (killed, as "
+            "when the machine runs out of memory: fewer --workers take less); "
+            + _what_is_kept(keep_stage, state, stage)
+        ) from None
     finally:
         if not keep_stage:
             shutil.rmtree(stage, ignore_errors=True)
     return summary
+
+
+def _what_is_kept(kept: bool, state: State, stage: Path) -> str:
+    if not kept:
+        return "nothing was written"
+    return (
+        f"its {state.train_shards + state.val_shards} finished shards are kept in {stage}: "
+        "run the same command again to continue from them"
+    )
 
 
 def _resumable(stage: Path, state: State, fingerprint: str | None) -> bool:

@@ -238,6 +238,16 @@ def test_a_lone_surrogate_in_json_lines_is_one_line(workdir, capsys):
     assert sorted(p.name for p in workdir.iterdir()) == ["s.jsonl"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_named_as_data_is_one_line_that_says_to_use_standard_input(workdir, capsys):
+    """What a shell's <(zcat corpus.gz) passes: a pipe, whose size reads 0."""
+    os.mkfifo(workdir / "pipe.txt")
+    code = main(["prepare", "--data", "pipe.txt", "--out", "o", "--vocab-size", "300"])
+    line = one_error(capsys, code)
+    assert "pipe.txt is a pipe or a device, not a file" in line and "--data -" in line
+    assert sorted(p.name for p in workdir.iterdir()) == ["pipe.txt"]
+
+
 @pytest.mark.parametrize("out", [".", "..", "sub/.."])
 def test_the_current_folder_is_no_output(workdir, small_corpus, capsys, out):
     code = main(["prepare", "--data", str(small_corpus), "--out", out])

@@ -213,6 +213,12 @@ def _example_suffix(left_out: Counter[str]) -> str:
 def _input_for(path: Path, given: str) -> Input:
     if is_dataset_folder(path):
         return Input(path, "dataset")
+    if not path.is_file():  # a pipe (what a shell's <(command) names) or a device
+        raise GpuflowError(
+            f"corpus path {given} is a pipe or a device, not a file, and prepare reads its "
+            "files twice (the tokenizer's sample, then all of them); write the text to a "
+            "file, or pipe it to standard input: COMMAND | gpuflow prepare --data - ..."
+        )
     suffix, compression = _suffix_and_compression(path)
     kind = KINDS.get(suffix)
     if kind is None:

@@ -454,6 +454,34 @@ def test_empty_files_of_folders_and_globs_are_left_out_and_counted(tmp_path):
         left_out)  # fmt: skip
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_links_to_nothing_are_counted_and_said_not_skipped(tmp_path):
+    """A git-annex or DVC checkout not fetched holds links to a store that is not there: a
+    folder counts them in its note, and one or a glob holding nothing else says to fetch."""
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"doc{i}.txt").symlink_to(tmp_path / "store" / f"object{i}")
+    for where, expected in (
+        (data, r"folder .*data holds no \.txt.* \(link to nothing 3\); fetch what the links"),
+        (f"{data}/*.txt", r"every file that .*\*\.txt matches is a link to nothing; fetch what"),
+        (data / "doc0.txt", r"doc0\.txt is a link to .*object0, which does not exist; fetch"),
+    ):
+        with pytest.raises(GpuflowError, match=expected):
+            resolve_inputs([where])
+    (data / "real.txt").write_text("a document that is here")
+    for where in (data, f"{data}/*.txt"):
+        left_out: Counter = Counter()
+        assert [i.path.name for i in resolve_inputs([where], left_out)] == ["real.txt"]
+        assert left_out == {"link to nothing": 3}
+        assert describe_left_out(left_out) == (
+            "note: 3 files in the folders and globs given are left out (link to nothing 3); "
+            "fetch what the links point at (git annex get, dvc pull) to read them"
+        )
+
+
 def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):
     mixed = tmp_path / "mixed"
     for name in ("ds/dataset_info.json", "ds/train/data-00000.arrow", "notes.txt", "img.png"):

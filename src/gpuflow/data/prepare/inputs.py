@@ -25,6 +25,11 @@ COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 # text (source code, .rst, a README), except these: their syntax would be trained on as prose.
 STRUCTURED = {".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
 EMPTY = "empty"  # how empty files of the folders and globs given are counted as left out
+# How links to nothing are counted: a checkout whose files are links to a store not fetched
+# (git-annex, DVC) holds only these, and would otherwise train on what else it holds unsaid.
+BROKEN_LINK = "link to nothing"
+UNREADABLE = (EMPTY, BROKEN_LINK)  # left out for what they hold, whatever their suffix
+FETCH = "fetch what the links point at (git annex get, dvc pull)"
 # What a dataset folder written by ``datasets``' save_to_disk holds.
 DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
 
@@ -126,15 +131,30 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
             raise GpuflowError(f"no file matches {raw}; check the --data pattern")
         # What it matches counts as if each were named (a folder is read whole), less empty
         # files, which a tree of sources holds many of (a package's __init__.py).
-        kept = [p for p in matched if not (p.is_file() and p.stat().st_size == 0)]
+        broken = {p for p in matched if _is_broken_link(p)}
+        empty = {p for p in matched if p.is_file() and p.stat().st_size == 0}
+        kept = [p for p in matched if p not in broken and p not in empty]
         if not kept:
-            raise GpuflowError(f"every file that {raw} matches is empty; check the pattern")
-        if len(kept) < len(matched):
-            left_out[EMPTY] += len(matched) - len(kept)
+            what = " or ".join(w for w, n in (("empty", empty), ("a link to nothing", broken)) if n)
+            raise GpuflowError(f"every file that {raw} matches is {what}; {_advice(bool(broken))}")
+        left_out.update(+Counter({EMPTY: len(empty), BROKEN_LINK: len(broken)}))  # no zeros
         return [i for p in kept for i in _inputs_of(p, str(p), left_out)]
+    if _is_broken_link(path):
+        raise GpuflowError(
+            f"corpus path {path} is a link to {os.readlink(path)}, which does not exist; "
+            + _advice(True)
+        )
     if not path.exists():
         raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
     return _inputs_of(path, raw, left_out)
+
+
+def _is_broken_link(path: Path) -> bool:
+    return path.is_symlink() and not path.exists()
+
+
+def _advice(links: bool) -> str:
+    return f"{FETCH}, or leave them out" if links else "check the pattern"
 
 
 def _inputs_of(path: Path, given: str, left_out: Counter[str]) -> list[Input]:
@@ -160,7 +180,11 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
             continue  # .git and the like
         if is_dataset_folder(entry):
             found.append(Input(entry, "dataset"))
-        elif not entry.is_file() or inside_dataset(entry):
+        elif not entry.is_file():  # a folder, a pipe, a link to nothing
+            if _is_broken_link(entry) and not inside_dataset(entry):
+                here[BROKEN_LINK] += 1
+            continue
+        elif inside_dataset(entry):
             continue
         elif not kind_of(entry)[0]:
             here[left_suffix(entry)] += 1
@@ -171,7 +195,9 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
     if not found:
         held = ", ".join(f"{kind} {n:,}" for kind, n in here.most_common(4)) or "nothing"
         advice = "point --data at the text"
-        if any(kind != EMPTY for kind in here):
+        if here[BROKEN_LINK]:
+            advice = _advice(True)
+        elif any(kind not in UNREADABLE for kind in here):
             advice = (f"to read its files as plain text, name them with a glob: --data "
                       f"'{folder}/**/*{_example_suffix(here)}'")  # fmt: skip
         raise GpuflowError(f"folder {folder} holds no {_supported()} ({held}); {advice}")
@@ -193,6 +219,8 @@ def describe_left_out(left_out: Counter[str]) -> str:
     many = f"{files:,} file{'s' if files != 1 else ''} in the folders and globs given " + (
         "are" if files != 1 else "is"
     )
+    if left_out[BROKEN_LINK]:
+        return f"note: {many} left out ({common}{more}); {FETCH} to read them"
     if not any(kind != EMPTY for kind in left_out):
         return f"note: {many} empty and left out"
     why = "empty or of no kind prepare reads" if EMPTY in left_out else "of no kind prepare reads"

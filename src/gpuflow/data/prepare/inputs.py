@@ -94,9 +94,10 @@ def resolve_inputs(
     """The inputs that ``paths`` name, in order (folders and globs sorted), each checked to
     exist and be readable as its kind before anything is read or written. Files inside the
     folders named that are of no kind read here are counted in ``left_out`` by their last two
-    suffixes (``left_suffix``), and empty files of the folders and globs as ``EMPTY`` (a file
-    named outright that is empty is refused); a file named, or matched by a glob, of no kind
-    here is read as plain text, unless its syntax is ``STRUCTURED``."""
+    suffixes (``left_suffix``), and empty files and links to nothing of the folders and globs
+    as ``EMPTY`` and ``BROKEN_LINK`` (a file named outright that is either is refused); a
+    file named, or matched by a glob, of no kind here is read as plain text, unless its
+    syntax is ``STRUCTURED``."""
     if not paths:
         raise GpuflowError(
             "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"

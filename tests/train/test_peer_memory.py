@@ -62,3 +62,19 @@ def test_pushed_pieces_give_each_owner_every_ranks_gradients_for_its_part():
             for o, n, g in zip(offsets, numels, gradients[sender], strict=True):
                 want[o : o + n] = g.reshape(-1)
             assert torch.equal(rows[sender], want[owner * part : (owner + 1) * part])
+
+
+def test_a_shared_buffer_lists_every_ranks_copy_in_rank_order_and_their_addresses():
+    """What the kernels index by rank (the meets' flags and sums) and by peer (the update's
+    writes into the other copies), from a handle as the rendezvous gives one."""
+    world, rank = 4, 2
+    others = {r: torch.zeros(8) for r in range(world) if r != rank}
+    handle = SimpleNamespace(rank=rank, world_size=world,
+                             get_buffer=lambda r, shape, dtype: others[r])  # fmt: skip
+    local = torch.zeros(8)
+    buffer = SharedBuffer(local, handle)
+    assert buffer.copies[rank] is local
+    assert all(buffer.copies[r] is others[r] for r in others)
+    assert buffer.peers == [others[r] for r in (0, 1, 3)]
+    assert buffer.copy_table.tensor.tolist() == [t.data_ptr() for t in buffer.copies]
+    assert buffer.peer_table.tensor.tolist() == [t.data_ptr() for t in buffer.peers]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from gpuflow.train.peer_memory import SharedBuffer
-from gpuflow.transfer.upload import DeviceTable
 
 try:  # Triton ships with CUDA builds of torch only
     import triton
@@ -113,7 +112,7 @@ class PeerMeet:
         self.carries = slots.local.numel() // world_size  # values a sum_ takes
         device = flags.local.device
         self._buffers = (flags, slots)  # kept mapped while the tables point into them
-        self._flags, self._slots = _table(flags), _table(slots)
+        self._flags, self._slots = flags.copy_table, slots.copy_table  # by rank
         self._counts = torch.zeros(CHANNELS, dtype=torch.int32, device=device)
         self._no_values = torch.zeros(1, device=device)
         self._lanes = triton.next_power_of_2(world_size)
@@ -163,10 +162,3 @@ class PeerMeet:
             CHECK_EVERY=_CHECK_EVERY,
             num_warps=max(1, self._lanes // 32),
         )
-
-
-def _table(buffer: SharedBuffer) -> DeviceTable:
-    """A device table of every rank's copy of ``buffer``, in rank order."""
-    table = DeviceTable(len(buffer.copies), buffer.local.device)
-    table.write([t.data_ptr() for t in buffer.copies])
-    return table

@@ -54,8 +54,9 @@ class SharedBuffer:
 
     ``local`` is this rank's copy; ``copies`` every rank's, indexed by rank (``local`` among
     them), the others mapped into this process (tensors on this device); ``peers`` the
-    others'. ``shared(...)`` makes one, or returns None where the GPUs cannot map each
-    other's memory."""
+    others'. ``copy_table`` and ``peer_table`` hold their addresses for kernels.
+    ``shared(...)`` makes one, or returns None where the GPUs cannot map each other's
+    memory."""
 
     def __init__(self, local: torch.Tensor, handle: Any) -> None:
         self.local = local
@@ -66,8 +67,8 @@ class SharedBuffer:
             for r in range(handle.world_size)
         ]
         self.peers = [copy for r, copy in enumerate(self.copies) if r != rank]
-        self.peer_table = DeviceTable(len(self.peers), local.device)
-        self.peer_table.write([t.data_ptr() for t in self.peers])
+        self.copy_table = _address_table(self.copies, local.device)
+        self.peer_table = _address_table(self.peers, local.device)
 
     @classmethod
     def shared(cls, numel: int, dtype: torch.dtype, device: torch.device) -> SharedBuffer | None:
@@ -89,6 +90,13 @@ class SharedBuffer:
         torch.cuda.synchronize(device)
         dist.barrier()
         return cls(local, handle)
+
+
+def _address_table(tensors: list[torch.Tensor], device: torch.device) -> DeviceTable:
+    """A device table of ``tensors``' addresses, in order."""
+    table = DeviceTable(len(tensors), device)
+    table.write([t.data_ptr() for t in tensors])
+    return table
 
 
 class RowsAverage:

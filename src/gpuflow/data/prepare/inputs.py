@@ -30,6 +30,7 @@ EMPTY = "empty"  # how empty files of the folders and globs given are counted as
 BROKEN_LINK = "link to nothing"
 UNREADABLE = (EMPTY, BROKEN_LINK)  # left out for what they hold, whatever their suffix
 FETCH = "fetch what the links point at (git annex get, dvc pull)"
+LINKS_ADVICE = f"{FETCH}, or leave them out"
 # What a dataset folder written by ``datasets``' save_to_disk holds.
 DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
 
@@ -137,13 +138,14 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
         kept = [p for p in matched if p not in broken and p not in empty]
         if not kept:
             what = " or ".join(w for w, n in (("empty", empty), ("a link to nothing", broken)) if n)
-            raise GpuflowError(f"every file that {raw} matches is {what}; {_advice(bool(broken))}")
+            advice = LINKS_ADVICE if broken else "check the pattern"
+            raise GpuflowError(f"every file that {raw} matches is {what}; {advice}")
         left_out.update(+Counter({EMPTY: len(empty), BROKEN_LINK: len(broken)}))  # no zeros
         return [i for p in kept for i in _inputs_of(p, str(p), left_out)]
     if _is_broken_link(path):
         raise GpuflowError(
             f"corpus path {path} is a link to {os.readlink(path)}, which does not exist; "
-            + _advice(True)
+            + LINKS_ADVICE
         )
     if not path.exists():
         raise GpuflowError(f"corpus path {path} does not exist; check the --data argument")
@@ -152,10 +154,6 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
 
 def _is_broken_link(path: Path) -> bool:
     return path.is_symlink() and not path.exists()
-
-
-def _advice(links: bool) -> str:
-    return f"{FETCH}, or leave them out" if links else "check the pattern"
 
 
 def _inputs_of(path: Path, given: str, left_out: Counter[str]) -> list[Input]:
@@ -197,7 +195,7 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
         held = ", ".join(f"{kind} {n:,}" for kind, n in here.most_common(4)) or "nothing"
         advice = "point --data at the text"
         if here[BROKEN_LINK]:
-            advice = _advice(True)
+            advice = LINKS_ADVICE
         elif any(kind not in UNREADABLE for kind in here):
             advice = (f"to read its files as plain text, name them with a glob: --data "
                       f"'{folder}/**/*{_example_suffix(here)}'")  # fmt: skip

@@ -133,8 +133,9 @@ def test_two_ranks_step_as_one_process_with_the_doubled_batch(tmp_path):
     whole = _one_update(_model(), _batch(), None)
     for result in [*ranks, *(r["ddp"] for r in ranks), *(r["accumulated"] for r in ranks)]:
         # The mean loss of two equal halves is the whole batch's; the clip (active at 0.05)
-        # saw the global norm; the weights moved as one process's did.
-        assert result["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+        # saw the global norm; the weights moved as one process's did. Within float32's
+        # rounding: a CI host's kernels summed the halves' rows in another order (1.4e-6).
+        assert result["loss"] == pytest.approx(whole["loss"], rel=1e-5)
         assert result["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
         assert whole["grad_norm"] > 0.05
         for name, weight in whole["weights"].items():

@@ -326,7 +326,9 @@ def test_evaluation_in_pieces_gives_the_whole_batches_loss(prepared, workdir, mo
     trainer.build(resume=False, say=lambda note: None)
     whole = trainer.evaluate()
     monkeypatch.setattr(trainer_module, "EVAL_PIECE_TOKENS", 3 * config.model.max_len)
-    assert trainer.evaluate() == pytest.approx(whole, rel=1e-6)  # pieces of 3, 3 and 2 rows
+    # pieces of 3, 3 and 2 rows: float32 rounding only (kernels may sum fewer rows in
+    # another order on other CPUs)
+    assert trainer.evaluate() == pytest.approx(whole, rel=1e-5)
     batches = trainer.setup.val_batches
     model = trainer.setup.model
     with torch.no_grad():

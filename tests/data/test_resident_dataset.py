@@ -157,8 +157,22 @@ def test_over_budget_the_dataset_stays_on_the_host():
         (([1, 2, 3],), "field 0 is a list"),
         ((torch.zeros(2), "abc"), "field 1 is a str"),
         ((torch.zeros(2, device="meta"),), "field 0 is on meta"),
+        ((torch.zeros(2), np.array(["cat", "dog"])), "field 1 holds <U3 values, not numbers"),
+        ((np.array([{}, 1], dtype=object),), "field 0 holds object values"),
+        ((np.array(["2026-11-28"] * 2, dtype="datetime64[D]"),), "holds datetime64"),
     ],
-    ids=["none", "lengths", "scalar", "empty", "list", "str", "meta"],
+    ids=[
+        "none",
+        "lengths",
+        "scalar",
+        "empty",
+        "list",
+        "str",
+        "meta",
+        "strings",
+        "objects",
+        "dates",
+    ],
 )
 def test_bad_tensors_are_refused(tensors, match):
     with pytest.raises(GpuflowError, match=match):

@@ -5,7 +5,8 @@
     data = ResidentDataset.from_image_folder("photos/", size=64)
 
 Integer fields are stored in the smallest type that holds their values (labels 0-9 as
-uint8) and come back in the type they were given; floats and bools are kept as they are.
+uint8) and come back in the type they were given, except that unsigned types wider than
+uint8, which torch cannot index, come back as int64; floats and bools are kept as they are.
 The fields cross the bus once, in 64 MiB copies from two reused pinned buffers. A dataset
 larger than ``budget_bytes`` (default: half the device's free memory) stays on the host and
 ``ResidentLoader`` streams it through in chunks. Batches and augmentation:
@@ -85,6 +86,11 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
             return value
         value = value.numpy()  # torch finds no min or max of these: through NumPy
     if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc":
+            raise GpuflowError(
+                f"{what} holds {value.dtype} values, not numbers; encode them as numbers first "
+                "(class names as integer ids, dates as integers)"
+            )
         if value.dtype.kind == "u" and value.itemsize > 1:
             # torch indexes no unsigned type but uint8: held as int64, which must hold them
             if value.size and value.max() > np.iinfo(np.int64).max:

@@ -482,6 +482,26 @@ def test_links_to_nothing_are_counted_and_said_not_skipped(tmp_path):
         )
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_in_a_folder_is_counted_and_said_not_skipped(tmp_path):
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    data = tmp_path / "data"
+    data.mkdir()
+    os.mkfifo(data / "feed.txt")  # read, it would block until a writer came
+    with pytest.raises(GpuflowError, match=r"folder .*data holds no .*\(pipe or device 1\); point"):
+        resolve_inputs([data])
+    (data / "real.txt").write_text("a document that is here")
+    (data / "empty.txt").touch()
+    left_out: Counter = Counter()
+    assert [i.path.name for i in resolve_inputs([data], left_out)] == ["real.txt"]
+    assert left_out == {"pipe or device": 1, "empty": 1}
+    assert describe_left_out(left_out) == (
+        "note: 2 files in the folders and globs given are left out (empty 1, pipe or device 1): "
+        "prepare reads regular files only"
+    )
+
+
 def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):
     mixed = tmp_path / "mixed"
     for name in ("ds/dataset_info.json", "ds/train/data-00000.arrow", "notes.txt", "img.png"):

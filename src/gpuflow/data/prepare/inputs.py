@@ -28,7 +28,8 @@ EMPTY = "empty"  # how empty files of the folders and globs given are counted as
 # How links to nothing are counted: a checkout whose files are links to a store not fetched
 # (git-annex, DVC) holds only these, and would otherwise train on what else it holds unsaid.
 BROKEN_LINK = "link to nothing"
-UNREADABLE = (EMPTY, BROKEN_LINK)  # left out for what they hold, whatever their suffix
+NOT_A_FILE = "pipe or device"  # a named pipe, a socket, a device node: no text to read twice
+UNREADABLE = (EMPTY, BROKEN_LINK, NOT_A_FILE)  # left out for what they are, whatever the suffix
 FETCH = "fetch what the links point at (git annex get, dvc pull)"
 LINKS_ADVICE = f"{FETCH}, or leave them out"
 # What a dataset folder written by ``datasets``' save_to_disk holds.
@@ -180,8 +181,8 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
         if is_dataset_folder(entry):
             found.append(Input(entry, "dataset"))
         elif not entry.is_file():  # a folder, a pipe, a link to nothing
-            if _is_broken_link(entry) and not inside_dataset(entry):
-                here[BROKEN_LINK] += 1
+            if not entry.is_dir() and not inside_dataset(entry):
+                here[BROKEN_LINK if _is_broken_link(entry) else NOT_A_FILE] += 1
             continue
         elif inside_dataset(entry):
             continue
@@ -220,8 +221,10 @@ def describe_left_out(left_out: Counter[str]) -> str:
     )
     if left_out[BROKEN_LINK]:
         return f"note: {many} left out ({common}{more}); {FETCH} to read them"
-    if not any(kind != EMPTY for kind in left_out):
+    if set(left_out) == {EMPTY}:
         return f"note: {many} empty and left out"
+    if all(kind in UNREADABLE for kind in left_out):
+        return f"note: {many} left out ({common}{more}): prepare reads regular files only"
     why = "empty or of no kind prepare reads" if EMPTY in left_out else "of no kind prepare reads"
     return (
         f"note: {many} left out, {why} ({common}{more}); to read such files as plain text, "

@@ -91,6 +91,12 @@ def test_the_cli_exports_a_named_checkpoint_and_refuses_a_folder_in_use(trained,
     assert main(["export", "--run", str(trained), "--out", str(taken)]) == 2
     assert "is not empty" in capsys.readouterr().err
     assert [p.name for p in taken.iterdir()] == ["mine.txt"]  # untouched
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "link").symlink_to(empty)  # renaming the export into place would replace it
+    assert main(["export", "--run", str(trained), "--out", str(tmp_path / "link")]) == 2
+    assert f"link is a link to {empty}; pass --out" in capsys.readouterr().err
+    assert (tmp_path / "link").is_symlink() and not any(empty.iterdir())
     with pytest.raises(GpuflowError, match="has no checkpoint 'step_999999'"):
         export_hf(trained, tmp_path / "x", "step_999999")
     assert not (tmp_path / "x").exists()

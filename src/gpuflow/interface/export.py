@@ -49,7 +49,11 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor], mode_of: Path) 
 
 
 def _check_out(out: Path) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():  # the folder is renamed into its place: the link itself would go
+        raise GpuflowError(
+            f"{out} is a link to {os.readlink(out)}; pass --out a new or empty folder itself"
+        )
+    if out.exists() and not out.is_dir():
         raise GpuflowError(f"{out} is not a folder; pass --out a new or empty folder")
     if out.is_dir() and any(out.iterdir()):
         raise GpuflowError(f"{out} is not empty; pass --out a new or empty folder")

@@ -250,6 +250,20 @@ def test_a_run_name_ending_in_a_newline_is_refused(prepared, workdir, capsys):
     assert entry_hashes(workdir) == before
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["new", "resume"])
+def test_an_empty_run_name_is_refused_not_taken_as_none(prepared, workdir, capsys, resume):
+    """An unset shell variable (--name "$NAME") must not train into the preset's folder, or
+    resume the latest run."""
+    if resume:  # a run that "the latest" would name
+        assert main(["train", "--device", "cpu", "--name", "first", *_sets(prepared)]) == 0
+    capsys.readouterr()
+    before = entry_hashes(workdir)
+    args = ["train", "--device", "cpu", "--name", "", *(["--resume"] if resume else [])]
+    assert main([*args, *_sets(prepared)]) == 2
+    one_error(capsys.readouterr().err, "run name '' must start with a letter or digit")
+    assert entry_hashes(workdir) == before
+
+
 def test_a_saved_config_whose_preset_is_not_a_string_is_one_line(run, prepared, workdir, capsys):
     config = run / "config.toml"
     text = config.read_text().replace('preset = "tiny"', 'preset = ["tiny"]')

@@ -73,7 +73,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Path | None, RunConfig]:
     from gpuflow.train.runfolder import RUNS_DIR, check_name, latest_run_dir, resumed_config
 
     if args.resume:
-        run_dir = RUNS_DIR / check_name(args.name) if args.name else latest_run_dir()
+        run_dir = RUNS_DIR / check_name(args.name) if args.name is not None else latest_run_dir()
         return run_dir, resumed_config(
             run_dir, args.set or (), args.steps, args.preset, args.config
         )
@@ -122,7 +122,9 @@ def _train(
     if ranks.is_main:  # rank 0 names the run folder, for every rank, with its config
         run_dir, config = resolved
         if run_dir is None:
-            run_dir = new_run_dir(args.name or config.preset, explicit=args.name is not None)
+            run_dir = new_run_dir(
+                config.preset if args.name is None else args.name, explicit=args.name is not None
+            )
         chosen = (run_dir, config)
     run_dir, config = broadcast_from_main(chosen, ranks)  # type: ignore[misc]
 

@@ -502,6 +502,24 @@ def test_a_pipe_in_a_folder_is_counted_and_said_not_skipped(tmp_path):
     )
 
 
+def test_an_empty_data_path_is_refused_not_read_as_the_working_folder():
+    with pytest.raises(GpuflowError, match="--data names an empty path"):
+        resolve_inputs([""])
+
+
+def test_the_left_out_line_always_counts_the_links_its_advice_is_about():
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    left_out = Counter(
+        {".json": 29, ".safetensors": 23, ".bin": 6, ".toml": 4, "link to nothing": 1}
+    )
+    assert describe_left_out(left_out) == (
+        "note: 63 files in the folders and globs given are left out (.json 29, .safetensors 23, "
+        ".bin 6, .toml 4, link to nothing 1); fetch what the links point at (git annex get, "
+        "dvc pull) to read them"
+    )
+
+
 def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):
     mixed = tmp_path / "mixed"
     for name in ("ds/dataset_info.json", "ds/train/data-00000.arrow", "notes.txt", "img.png"):

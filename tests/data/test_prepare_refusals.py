@@ -323,3 +323,19 @@ def test_append_where_hard_links_fail(tokens, monkeypatch, capsys, error):
             if name != "meta.json":  # which names its folder
                 assert data == (reference / name).read_bytes(), name
     assert hidden(tokens.parent) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--data", "", "--out", "x"], "--data names an empty path"),
+        (["--data", "more.txt", "--out", ""], "--out is empty; name a path, or leave --out out"),
+        (["--data", "more.txt", "--tokenizer", " "], "--tokenizer is empty"),
+    ],
+    ids=["data", "out", "tokenizer"],
+)
+def test_an_empty_path_is_refused_not_taken_as_the_default(tokens, capsys, args, expected):
+    """--data "$CORPUS" with the variable unset would read the working folder whole."""
+    before = hashes(tokens.parent)
+    assert expected in one_error(capsys, main(["prepare", *args]))
+    assert hashes(tokens.parent) == before

@@ -127,6 +127,8 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
     folder."""
     if raw == "-":
         return [Input(None, "text")]
+    if not raw.strip():  # Path("") is the working folder: an unset shell variable, read whole
+        raise GpuflowError("--data names an empty path; name a file, folder or glob")
     path = Path(raw)
     if not path.exists() and any(ch in raw for ch in "*?["):
         matched = sorted(Path(p) for p in glob.glob(raw, recursive=True))
@@ -214,8 +216,11 @@ def describe_left_out(left_out: Counter[str]) -> str:
     """One line on the files of the folders and globs given that are not read: empty, or of
     no kind read here, by their suffixes."""
     files = sum(left_out.values())
-    common = ", ".join(f"{kind} {n:,}" for kind, n in left_out.most_common(4))
-    more = ", ..." if len(left_out) > 4 else ""
+    # The common kinds, and always what the advice below is about (links to nothing).
+    shown = [kind for kind, _ in left_out.most_common(4)]
+    shown += [kind for kind in (BROKEN_LINK,) if left_out[kind] and kind not in shown]
+    common = ", ".join(f"{kind} {left_out[kind]:,}" for kind in shown)
+    more = ", ..." if len(left_out) > len(shown) else ""
     many = f"{files:,} file{'s' if files != 1 else ''} in the folders and globs given " + (
         "are" if files != 1 else "is"
     )

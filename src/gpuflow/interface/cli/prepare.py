@@ -82,8 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import err_console, out_console
+    from gpuflow.common.errors import GpuflowError
     from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 
+    for flag, value in (("--out", args.out), ("--tokenizer", args.tokenizer)):
+        if value is not None and not value.strip():  # an unset shell variable: not the default
+            raise GpuflowError(f"{flag} is empty; name a path, or leave {flag} out")
     config = PrepareConfig(
         data=tuple(args.data or ()),
         out=args.out or "",

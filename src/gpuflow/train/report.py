@@ -23,7 +23,10 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
     records = read_metrics(result.run_dir)
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
-    bpbs = [r["val_bpb"] for r in val if "val_bpb" in r]
+    # The best counts the evaluations on the run's validation windows as they are now.
+    since = result.val_since
+    comparable = [r for r in val if since is None or r["step"] > since]
+    bpbs = [r["val_bpb"] for r in comparable if "val_bpb" in r]
     return {
         "run": result.run_dir.name,
         "preset": config.preset,
@@ -51,7 +54,7 @@ def build_report(config: RunConfig, result: TrainResult) -> dict[str, Any]:
         "final_train_loss": train[-1]["loss"] if train else None,
         "final_val_loss": val[-1]["val_loss"] if val else None,
         "final_val_step": val[-1]["step"] if val else None,
-        "best_val_loss": min(r["val_loss"] for r in val) if val else None,
+        "best_val_loss": min(r["val_loss"] for r in comparable) if comparable else None,
         # Bits per UTF-8 byte of the validation targets: comparable across tokenizers. None
         # where the run's data has no byte-level tokenizer.json to count the bytes with.
         "final_val_bpb": val[-1].get("val_bpb") if val else None,

@@ -36,7 +36,7 @@ from gpuflow.train.meter import IntervalPart
 from gpuflow.train.optim import StepOptimizer
 from gpuflow.train.optim.adamw import CapturableAdamW, build_optimizer
 from gpuflow.train.optim.master_adamw import MasterAdamW, with_fp32_masters
-from gpuflow.train.runfolder import TOKENIZER_FILE
+from gpuflow.train.resumed_data import check_tokenizer, compare_with_checkpoints, validation_digest
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import StepOptions, compiled_forward
 from gpuflow.train.trackers import check_trackers
@@ -73,6 +73,10 @@ class RunSetup:
     # ``val_bytes_note`` says why)
     val_bytes: int | None = None
     val_bytes_note: str | None = None
+    # The validation set's digest (rank 0's), and the step after which the run's evaluations
+    # used it (None: all of them), for the checkpoints to record (``train/resumed_data.py``)
+    val_set: str | None = None
+    val_since: int | None = None
 
     def bits_per_byte(self, val_loss: float) -> float | None:
         """``val_loss`` (the mean over the validation set's target tokens, in nats) as bits per
@@ -134,7 +138,7 @@ def build_setup(
     adamw = build_optimizer(model, cfg.train, device)
     checkpoint = None
     if resume:
-        _check_same_data(run_dir, data, say)
+        check_tokenizer(run_dir, data, say)
         checkpoint = ckpt.resumable_checkpoint(run_dir, say)
         if checkpoint is None:
             say(f"{run_dir} has no checkpoint yet: training it from step 0")
@@ -168,9 +172,16 @@ def build_setup(
         resumed, tokens_seen = state.data, state.tokens_seen
         if state.interval is not None and state.interval["through"] == start_step:
             interval = IntervalPart.from_record(state.interval)
-    val_batches, val_bytes, bytes_note = _validation_set(
+    val_batches, val_bytes, bytes_note, val_set = _validation_set(
         cfg, data, device, ranks, batching.micro_batch
     )
+    val_since = None
+    if checkpoint is not None and val_set is not None:  # rank 0, which evaluates
+        comparable = compare_with_checkpoints(
+            run_dir, dict(checkpoint.record.get("data", {})), start_step, best_val, val_set,
+            data, say,
+        )  # fmt: skip
+        best_val, val_since = comparable.best_val, comparable.since
     plan = BatchPlan(
         data, batching.rows, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size, budget,
         ranks.rank, ranks.world_size, resumed, managed=managed, io=io.path if io else "pinned",
@@ -180,6 +191,7 @@ def build_setup(
         path, path_note, data, val_batches, plan, batching, io, model, forward, optimizer,
         averager, start_step, tokens_seen, best_val,
         checkpoint.path if checkpoint is not None else None, interval, val_bytes, bytes_note,
+        val_set, val_since,
     )  # fmt: skip
 
 
@@ -219,17 +231,18 @@ def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:
 
 def _validation_set(
     cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks, batch_size: int
-) -> tuple[list[torch.Tensor], int | None, str | None]:
+) -> tuple[list[torch.Tensor], int | None, str | None, str | None]:
     """The validation set, read now (a split too short for one window is refused) and
     uploaded once, by the rank that evaluates (rank 0); it stays on the device. The other
     ranks read nothing but their slice of the train split. With it, the UTF-8 bytes of its
-    targets (or None, and why not: ``_target_bytes``)."""
+    targets (or None, and why not: ``_target_bytes``), and its digest."""
     if not ranks.is_main:
-        return [], None, None
+        return [], None, None, None
     data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
     windows = validation_windows(data.val, batch_size, cfg.model.max_len, cfg.train.eval_batches)
     counted, note = _target_bytes(data, windows, cfg.model.vocab_size)
-    return [upload_tokens(w, device) for w in windows], counted, note
+    uploaded = [upload_tokens(w, device) for w in windows]
+    return uploaded, counted, note, validation_digest(windows)
 
 
 def _target_bytes(
@@ -331,19 +344,6 @@ def _model(cfg: RunConfig, device: Device) -> GPT:
             f"{m.d_model} for its token table alone); lower model.vocab_size, "
             "model.d_model or model.n_layer"
         ) from None
-
-
-def _check_same_data(run_dir: Path, data: TokenFolder, say: Callable[[str], None]) -> None:
-    """A resumed run must read the data it was trained on: same tokenizer."""
-    kept = run_dir / TOKENIZER_FILE
-    current = data.tokenizer_path
-    if kept.is_file() and current is not None and kept.read_bytes() != current.read_bytes():
-        raise GpuflowError(
-            f"{current} is not the tokenizer {run_dir} was trained with ({kept}); "
-            "point data.dir at the run's data, or start a new run"
-        )
-    if kept.is_file() and current is None:
-        say(f"{data.path} has no tokenizer.json: cannot check it is the run's data")
 
 
 def _warn_about_repeats(

@@ -39,6 +39,7 @@ from gpuflow.train.display import TrainDisplay
 from gpuflow.train.distributed import Ranks, agree, each_rank, ignore_sigterm, largest
 from gpuflow.train.meter import BusMeter, IntervalPart, Throughput
 from gpuflow.train.records import Records, Sink
+from gpuflow.train.resumed_data import record_fields
 from gpuflow.train.runfolder import MetricsLog, RunFolder, truncate_metrics
 from gpuflow.train.schedule import warmup_notice
 from gpuflow.train.setup import RunSetup, build_setup
@@ -77,6 +78,9 @@ class TrainResult:
     # The most device memory each rank's tensors took at once while it trained (torch's
     # allocator: allocated, not the cache it reserves beside), in rank order; None off CUDA.
     peak_device_bytes: list[int] | None = None
+    # The step after which the run's evaluations used today's validation windows (None: all
+    # of them): the report's best loss counts only those (``train/resumed_data.py``).
+    val_since: int | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,7 @@ class Trainer:
             data_io=setup.io,
             chunk_turns=self._chunk_turns,
             peak_device_bytes=peaks,
+            val_since=setup.val_since,
         )
 
     # ---- the pieces of a run: the loop's, and what the benches and probes call ----------------
@@ -360,7 +365,10 @@ class Trainer:
         unless ``checkpointer`` writes in the foreground); ``interval``: the logging interval
         ``step`` falls inside, so far."""
         tc, setup = self.config.train, self.setup
-        data = {"path": str(setup.path), "seed": tc.seed, "next_step": step}
+        data = {
+            "path": str(setup.path), "seed": tc.seed, "next_step": step,
+            **record_fields(setup.val_set, setup.val_since, setup.data.train_tokens),
+        }  # fmt: skip
         state = ckpt.RunState.now(
             self.device,
             {**data, **self._batches.position(step)},

@@ -117,12 +117,19 @@ def test_prepare_turns_its_arguments_into_a_token_folder(workdir, small_corpus, 
     base = ("prepare", "--data", notes, "--vocab-size", "300", "--workers", "1")
     assert prepare.run(parse(*base, "--out", "whole")) == 0
     assert prepare.run(parse(*base, "--out", "paragraphs", "--separator", r"\n\n")) == 0
-    out = capsys.readouterr().out
-    assert "train on it: " in out and "whole" in out
+    said = capsys.readouterr()
+    assert "train on it: " in said.out and "whole" in said.out
+    assert "--separator" not in said.err  # it split the files: nothing to say
     whole = json.loads((workdir / "whole" / "meta.json").read_text())
     split = json.loads((workdir / "paragraphs" / "meta.json").read_text())
     assert whole["documents"] == 20  # one document per file
     assert split["documents"] > whole["documents"]  # \n\n reached prepare as a blank line
+    # A separator found in no file (here an escape the shell kept) is said, not ignored.
+    assert prepare.run(parse(*base, "--out", "kept", "--separator", r"\\n\\n")) == 0
+    err = capsys.readouterr().err
+    assert "note: --separator '\\\\n\\\\n' occurs in none of the text files given" in err
+    kept = json.loads((workdir / "kept" / "meta.json").read_text())
+    assert kept["documents"] == 20
 
 
 def test_train_then_sample_through_their_command_modules(workdir, prepared, capsys):

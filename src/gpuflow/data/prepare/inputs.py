@@ -237,6 +237,19 @@ def describe_left_out(left_out: Counter[str]) -> str:
     )
 
 
+def separator_unseen(separator: str | None, inputs: list[Input], documents: int) -> str | None:
+    """A note where ``--separator`` was given, every input is a text file and each made one
+    document: the separator occurs in none of them (a typo, or an escape the shell kept)."""
+    if separator is None or not inputs or any(i.kind != "text" for i in inputs):
+        return None
+    if documents > len(inputs):
+        return None
+    return (
+        f"note: --separator {separator!r} occurs in none of the text files given, so each is one "
+        "document; check it (of escapes, only \\n, \\r, \\t and \\\\ are read as such)"
+    )
+
+
 def _example_suffix(left_out: Counter[str]) -> str:
     """The most common suffix left out that a glob can name (".py"), else ".EXT"."""
     for kind, _ in left_out.most_common():

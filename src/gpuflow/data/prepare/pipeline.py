@@ -37,7 +37,7 @@ from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, r
 from gpuflow.data.prepare.corpus import Corpus
 from gpuflow.data.prepare.encode import ParallelEncoder, WorkerLost, default_workers
 from gpuflow.data.prepare.formats import ReadOptions
-from gpuflow.data.prepare.inputs import describe_left_out
+from gpuflow.data.prepare.inputs import describe_left_out, separator_unseen
 from gpuflow.data.prepare.outfolder import (
     META_FORMAT,
     OutLock,
@@ -214,6 +214,8 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
         tokenizer, trained_s = _tokenizer(config, corpus, stage, target)
         summary = _encode(config, corpus, tokenizer, stage, state, target, started)
         summary = replace(summary, tokenizer_seconds=trained_s)
+        if unseen := separator_unseen(config.separator, corpus.inputs, state.documents):
+            err_console.print(unseen)
         (stage / PROGRESS_FILE).unlink(missing_ok=True)  # from here on a rerun starts afresh
         if target is not None:
             commit(stage, target, _added(summary, state, corpus))

@@ -343,6 +343,32 @@ def test_a_folder_it_may_not_look_into_is_a_read_error_naming_it(tmp_path, monke
         (corpus / "locked").chmod(0o700)
 
 
+@pytest.mark.parametrize(
+    ("name", "encoding", "family"),
+    [("notes.txt", "UTF-16LE", "UTF-16"), ("notes.txt", "UTF-16BE", "UTF-16"),
+     ("notes.txt", "UTF-32LE", "UTF-32"), ("rows.jsonl", "UTF-16LE", "UTF-16"),
+     ("rows.jsonl", "UTF-32LE", "UTF-32")],  # (big-endian lines: json decodes them itself)
+)  # fmt: skip
+def test_text_in_a_wider_unicode_encoding_is_named_with_its_conversion(
+    tmp_path, name, encoding, family
+):
+    """Windows tools save text as UTF-16 with a byte-order mark: the error names it and the
+    command that converts it, to a name read as the same kind."""
+    path = tmp_path / name
+    text = json.dumps({"text": "a café"}) + "\n"
+    path.write_bytes(("\ufeff" + text).encode(encoding))  # the mark, then the text
+    stem, suffix = name.split(".")
+    converted = tmp_path / f"{stem}.utf8.{suffix}"
+    with pytest.raises(GpuflowError) as error:
+        documents([path])
+    assert str(error.value) == (
+        f"corpus file {path} is {encoding} text (it starts with a {encoding} byte-order mark), "
+        f"not UTF-8; convert it: iconv -f {family} -t UTF-8 {path} > {converted}"
+    )
+    converted.write_text(text, encoding="utf-8")  # what the command writes
+    assert documents([converted]) == (["a café"] if suffix == "jsonl" else [text])
+
+
 def test_binary_text_and_whitespace_are_refused_with_where(tmp_path):
     path = tmp_path / "image.txt"
     path.write_bytes(b"hello \xff\xfe\x00\x01 world")

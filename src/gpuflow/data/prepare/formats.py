@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import codecs
 import json
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
@@ -61,6 +63,30 @@ def read_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
                 yield from _text_parts(inp, stream, position, options)
 
 
+# Byte-order marks of the wider Unicode encodings, the 32-bit ones first (UTF-32-LE's starts
+# with UTF-16-LE's).
+_WIDE_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32LE"), (codecs.BOM_UTF32_BE, "UTF-32BE"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE"), (codecs.BOM_UTF16_BE, "UTF-16BE"),
+)  # fmt: skip
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """The wider Unicode encoding whose byte-order mark ``head`` starts with, if any."""
+    return next((name for mark, name in _WIDE_BOMS if head.startswith(mark)), None)
+
+
+def _wide_error(name: str, wide: str) -> str:
+    """A file in a wider Unicode encoding (as Windows tools write text), and its conversion."""
+    path = Path(name)
+    converted = str(path.with_name(f"{path.stem}.utf8{path.suffix}"))
+    return (
+        f"corpus file {name} is {wide} text (it starts with a {wide} byte-order mark), not "
+        f"UTF-8; convert it: iconv -f {wide[:6]} -t UTF-8 {shlex.quote(name)} > "
+        f"{shlex.quote(converted)}"
+    )
+
+
 def _decoded_blocks(inp: Input, stream: Any, position: Any) -> Iterator[tuple[str, int]]:
     """(text, raw bytes read for it) of each block, strict UTF-8, a leading BOM dropped."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
@@ -73,6 +99,8 @@ def _decoded_blocks(inp: Input, stream: Any, position: Any) -> Iterator[tuple[st
             text = decoder.decode(block, final=final)
         except UnicodeDecodeError as exc:
             at = offset - pending + exc.start
+            if offset == 0 and (wide := _wide_encoding(block)):
+                raise GpuflowError(_wide_error(inp.name, wide)) from None
             raise GpuflowError(
                 f"corpus file {inp.name} is not UTF-8 text (bad byte at offset {at}); convert "
                 "it to UTF-8 or leave it out"
@@ -174,6 +202,8 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
         try:
             record = json.loads(line)
         except UnicodeDecodeError as exc:
+            if line_no == 1 and (wide := _wide_encoding(line)):
+                raise GpuflowError(_wide_error(inp.name, wide)) from None
             raise GpuflowError(
                 f"{inp.name}:{line_no} is not UTF-8 text (bad byte at column {exc.start + 1}); "
                 "convert the file to UTF-8"

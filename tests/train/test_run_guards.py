@@ -273,3 +273,19 @@ def test_a_saved_config_whose_preset_is_not_a_string_is_one_line(run, prepared, 
     assert main(_resume(prepared)) == 2
     one_error(capsys.readouterr().err, "runs/r/config.toml: preset must be a string")
     assert entry_hashes(workdir) == before
+
+
+def test_resume_with_data_says_how_to_go_on_over_other_text(prepared, workdir, capsys):
+    assert main(["train", "--device", "cpu", "--name", "r", "--steps", "2", *_sets(prepared)]) == 0
+    capsys.readouterr()
+    (workdir / "more.txt").write_text("more text to train on " * 50)
+    before = entry_hashes(workdir)
+    resumed = ["train", "--device", "cpu", "--name", "r", "--resume", "--data", "more.txt"]
+    assert main(resumed) == 2
+    one_error(
+        capsys.readouterr().err,
+        "--resume trains on the run's own data; leave --data out (to go on over other text, "
+        "encode it with the run's tokenizer: gpuflow prepare --data PATH --tokenizer "
+        "runs/r/tokenizer.json --out DIR, then resume with --set data.dir=DIR)",
+    )
+    assert entry_hashes(workdir) == before

@@ -177,7 +177,12 @@ def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Rank
     from gpuflow.train.distributed import each_host_first
 
     if args.resume:
-        raise GpuflowError("--resume trains on the run's own data; leave --data out")
+        run = f"runs/{args.name or 'NAME'}"
+        raise GpuflowError(
+            "--resume trains on the run's own data; leave --data out (to go on over other text, "
+            f"encode it with the run's tokenizer: gpuflow prepare --data PATH --tokenizer {run}/"
+            "tokenizer.json --out DIR, then resume with --set data.dir=DIR)"
+        )
     if config.data.dir:
         raise GpuflowError(
             f"--data and data.dir ({config.data.dir}) both name the training data; keep one"

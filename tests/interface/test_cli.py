@@ -485,6 +485,29 @@ def test_version_names_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"gpuflow {gpuflow.__version__}"
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["sample", "--run", "r", "--max-new-tokens", "5"],
+            "--max-new-tokens: did you mean --max-tokens?",
+        ),
+        (["prepare", "--vocab_size", "300"], "--vocab_size: did you mean --vocab-size?"),
+        (["bench", "prepare", "--mibs=3"], "--mibs: did you mean --mib?"),
+        (["train", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_an_unknown_option_names_the_one_meant_where_one_is_close(argv, said, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        said in err and f"gpuflow {' '.join(a for a in argv[:2] if not a.startswith('-'))}" in err
+    )
+    assert "did you mean" not in err or "did you mean" in said
+
+
 def test_train_ends_naming_how_to_sample_and_sample_says_which_checkpoint_it_used(
     workdir, prepared, capsys
 ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Callable
 
@@ -28,8 +29,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parser_of(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The (sub)command parser that ``args`` were parsed by, the deepest one chosen."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(args, action.dest, None)
+            if chosen in action.choices:
+                return _parser_of(action.choices[chosen], args)
+    return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    """argparse's error for arguments no option takes, naming the option meant where one is
+    close (``--vocab_size`` for ``--vocab-size``, ``--max-new-tokens`` for ``--max-tokens``)."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        close = difflib.get_close_matches(name.replace("_", "-"), options, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {h}" for h in hints))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _refuse_unknown(_parser_of(parser, args), extras)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to start again with (allocator)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -146,8 +146,8 @@ def _train(
     if ranks.distributed and report["tokens_per_s"]:
         rate += f" ({report['tokens_per_s_per_rank']:,.0f} per rank)"
     reduced = report["collective_bytes_per_step_per_rank"]
-    if reduced:  # traffic between the GPUs, which the transfer ledger cannot see
-        rate += f", {reduced / 2**20:,.1f} MiB per step per rank exchanged between GPUs"
+    if reduced:  # traffic between the ranks, which the transfer ledger cannot see
+        rate += f", {reduced / 2**20:,.1f} MiB per step per rank exchanged between ranks"
         if report["exchange"]:
             rate += f" ({report['exchange']})"
     mfu = f", MFU {report['mfu']:.1%}" if report["mfu"] else ""

@@ -25,6 +25,10 @@ def _train(capsys, *args: str) -> str:
     return capsys.readouterr().err
 
 
+def _sets(data: Path) -> list[str]:
+    return [a for s in (*FAST, f"data.dir={data}", *SETS) for a in ("--set", s)]
+
+
 def _best_record(run: Path) -> dict:
     best = ckpt.best_checkpoint(run)
     assert best is not None
@@ -32,8 +36,7 @@ def _best_record(run: Path) -> dict:
 
 
 def test_a_run_resumed_on_appended_text_says_so_and_keeps_its_best_anew(data_copy, workdir, capsys):
-    sets = [a for s in (*FAST, f"data.dir={data_copy}", *SETS) for a in ("--set", s)]
-    first = _train(capsys, *sets)
+    first = _train(capsys, *_sets(data_copy))
     assert "changed since" not in first
     run = workdir / "runs" / "r"
     old_best = _best_record(run)
@@ -71,8 +74,7 @@ def test_a_run_resumed_on_appended_text_says_so_and_keeps_its_best_anew(data_cop
 
 
 def test_a_run_resumed_on_the_same_folder_says_nothing_and_compares_all(data_copy, workdir, capsys):
-    sets = [a for s in (*FAST, f"data.dir={data_copy}", *SETS) for a in ("--set", s)]
-    _train(capsys, *sets)
+    _train(capsys, *_sets(data_copy))
     said = _train(capsys, "--resume", "--steps", "6")
     assert "changed since" not in said and "windows differ" not in said
     run = workdir / "runs" / "r"

@@ -176,11 +176,10 @@ def build_setup(
         cfg, data, device, ranks, batching.micro_batch
     )
     val_since = None
-    if checkpoint is not None and val_set is not None:  # rank 0, which evaluates
+    if resumed is not None and val_set is not None:  # rank 0, which evaluates
         comparable = compare_with_checkpoints(
-            run_dir, dict(checkpoint.record.get("data", {})), start_step, best_val, val_set,
-            data, say,
-        )  # fmt: skip
+            run_dir, resumed, start_step, best_val, val_set, data, say
+        )
         best_val, val_since = comparable.best_val, comparable.since
     plan = BatchPlan(
         data, batching.rows, cfg.model.max_len, cfg.train.seed, cfg.model.vocab_size, budget,

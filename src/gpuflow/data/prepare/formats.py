@@ -63,26 +63,28 @@ def read_parts(inp: Input, options: ReadOptions) -> Iterator[Part]:
                 yield from _text_parts(inp, stream, position, options)
 
 
-# Byte-order marks of the wider Unicode encodings, the 32-bit ones first (UTF-32-LE's starts
-# with UTF-16-LE's).
+# Byte-order marks of the wider Unicode encodings, with the name iconv reads them by (its
+# byte order from the mark), the 32-bit ones first (UTF-32-LE's starts with UTF-16-LE's).
 _WIDE_BOMS = (
-    (codecs.BOM_UTF32_LE, "UTF-32LE"), (codecs.BOM_UTF32_BE, "UTF-32BE"),
-    (codecs.BOM_UTF16_LE, "UTF-16LE"), (codecs.BOM_UTF16_BE, "UTF-16BE"),
+    (codecs.BOM_UTF32_LE, "UTF-32LE", "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32BE", "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16LE", "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16BE", "UTF-16"),
 )  # fmt: skip
 
 
-def _wide_encoding(head: bytes) -> str | None:
-    """The wider Unicode encoding whose byte-order mark ``head`` starts with, if any."""
-    return next((name for mark, name in _WIDE_BOMS if head.startswith(mark)), None)
+def _wide_encoding(head: bytes) -> tuple[str, str] | None:
+    """The wider Unicode encoding whose byte-order mark ``head`` starts with, if any, and
+    its name for iconv."""
+    return next((names for mark, *names in _WIDE_BOMS if head.startswith(mark)), None)
 
 
-def _wide_error(name: str, wide: str) -> str:
+def _wide_error(name: str, wide: tuple[str, str]) -> str:
     """A file in a wider Unicode encoding (as Windows tools write text), and its conversion."""
+    encoding, family = wide
     path = Path(name)
     converted = str(path.with_name(f"{path.stem}.utf8{path.suffix}"))
     return (
-        f"corpus file {name} is {wide} text (it starts with a {wide} byte-order mark), not "
-        f"UTF-8; convert it: iconv -f {wide[:6]} -t UTF-8 {shlex.quote(name)} > "
+        f"corpus file {name} is {encoding} text (it starts with a {encoding} byte-order mark), "
+        f"not UTF-8; convert it: iconv -f {family} -t UTF-8 {shlex.quote(name)} > "
         f"{shlex.quote(converted)}"
     )
 

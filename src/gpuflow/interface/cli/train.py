@@ -177,7 +177,9 @@ def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Rank
     from gpuflow.train.distributed import each_host_first
 
     if args.resume:
-        run = f"runs/{args.name or 'NAME'}"
+        from gpuflow.train.runfolder import RUNS_DIR
+
+        run = RUNS_DIR / (args.name or "NAME")
         raise GpuflowError(
             "--resume trains on the run's own data; leave --data out (to go on over other text, "
             f"encode it with the run's tokenizer: gpuflow prepare --data PATH --tokenizer {run}/"

@@ -333,6 +333,17 @@ def test_the_best_validation_checkpoint_is_kept_apart(prepared, workdir):
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+def test_an_unclipped_run_logs_the_gradients_norm_not_zero(prepared, workdir):
+    norms = {}
+    for name, clip in (("noclip", "0"), ("hugeclip", "1e9")):  # a clip that never bites
+        sets = (f"train.grad_clip={clip}", "train.log_interval=1")
+        assert _train_cli(prepared, "--name", name, "--steps", "3", sets=sets) == 0
+        records = read_metrics(workdir / "runs" / name)
+        norms[name] = [r["grad_norm"] for r in records if "grad_norm" in r]
+    assert len(norms["noclip"]) == 3 and all(n > 0 for n in norms["noclip"]), norms
+    assert norms["noclip"] == pytest.approx(norms["hugeclip"], rel=1e-5)
+
+
 def test_a_diverged_run_stops_before_saving_nan_weights(prepared, workdir, capsys):
     sets = ("train.lr=1e6", "train.grad_clip=0", "train.warmup_steps=1", "train.log_interval=1")
     assert _train_cli(prepared, "--name", "nan", "--steps", "30", sets=sets) == 2

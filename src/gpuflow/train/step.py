@@ -103,30 +103,29 @@ class Update:
         self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
         self.fused_clip = fused_clip and bool(optimizer.defaults.get("fused"))
         self.averager = averager
-        self._no_clip = torch.zeros((), device=next(model.parameters()).device)
 
     def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """``loss``, if given, is averaged over ranks in place with the gradients."""
-        fused_clip = self.grad_clip > 0 and self.fused_clip
         if self.averager is not None:
             with torch.no_grad():  # the global gradient: the same on every rank from here
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 grads = self.averager(params, None if loss is None else loss.detach())
-        elif fused_clip:
+        else:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if fused_clip:
-            # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
-            # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
-            # max_norm / (norm + 1e-6) capped at 1, inverted). Averaged gradients are read
-            # through their flat buffers: the norm is the same.
+        if self.grad_clip > 0 and not self.fused_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        else:
+            # Averaged gradients are read through their flat buffers: the norm is the same.
             grad_norm = (
                 global_grad_norm(grads) if self.averager is None else self.averager.grad_norm(grads)
             )
+        if self.grad_clip > 0 and self.fused_clip:
+            # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip
+            # costs no pass over the gradients of its own (clip_grad_norm_'s factor,
+            # max_norm / (norm + 1e-6) capped at 1, inverted).
             self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
-        elif self.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        else:
-            grad_norm = self._no_clip
+        # Unclipped, the norm is still taken (one read of the gradients) for the record: a
+        # logged 0 would say the gradients vanished.
         self.optimizer.step()
         if self.averager is not None:
             self.averager.after_step()

@@ -21,6 +21,7 @@ from gpuflow.data.resident.batches import WindowSampler
 from gpuflow.data.resident.sources import BatchSource
 from gpuflow.device.accelerator import Device
 from gpuflow.model.gpt import GPT
+from gpuflow.train.optim.adamw import global_grad_norm
 from gpuflow.train.step import StepParts, TrainStep
 from gpuflow.transfer.mirror import host_copy_now, read_now
 
@@ -74,8 +75,8 @@ def naive_update(model: GPT, optimizer: torch.optim.Optimizer, grad_clip: float)
     (the clip folded into fused AdamW, gradients averaged over ranks) runs here."""
     if grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    else:
-        grad_norm = torch.zeros((), device=next(model.parameters()).device)
+    else:  # not clipped, but logged as a plain loop that logs it would
+        grad_norm = global_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -9,6 +9,7 @@ before they train a model whose samples would be garbage.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -20,8 +21,13 @@ from gpuflow.data.tokenizer_file import MIN_VOCAB, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"
-# gpuflow writes train_000000.bin; llm.c and modded-nanogpt write *_train_000001.bin.
-TRAIN_SHARDS, VAL_SHARDS = "*train*.bin", "*val*.bin"
+# gpuflow writes train_000000.bin; llm.c and modded-nanogpt write *_train_000001.bin. The
+# split is a word of the name, not any run of its letters: retrieval_train_000000.bin is a
+# train shard, not also a val one.
+_SPLIT_WORDS = {
+    "train": re.compile(r"(?<![A-Za-z])train(?:ing)?(?![A-Za-z])"),
+    "val": re.compile(r"(?<![A-Za-z])val(?:id|idation)?(?![A-Za-z])"),
+}
 # The tokenizer of each token folder opened, by folder: (its file, its vocabulary). The
 # readers call ``check_ids`` with a shard's path and largest id alone; this is how it knows
 # the vocabulary of the tokenizer beside that shard.
@@ -30,7 +36,7 @@ _TOKENIZERS: dict[Path, tuple[Path, int]] = {}
 
 @dataclass(frozen=True)
 class TokenFolder:
-    """``train*.bin`` / ``val*.bin`` shards (gpuflow's or llm.c's naming) and tokenizer.json."""
+    """Train and val shards (gpuflow's or llm.c's naming: ``shard_files``) and tokenizer.json."""
 
     path: Path
     train: tuple[Shard, ...]
@@ -49,13 +55,14 @@ class TokenFolder:
                 f"token folder {path} does not exist; run `gpuflow prepare --out {path}{vocab}` "
                 "first (with --data PATH... for your own corpus; without it, the built-in one)"
             )
-        train = tuple(Shard.open(p) for p in sorted(path.glob(TRAIN_SHARDS)))
-        val = tuple(Shard.open(p) for p in sorted(path.glob(VAL_SHARDS)))
+        named = shard_files(path)
+        train = tuple(Shard.open(p) for p in named["train"])
+        val = tuple(Shard.open(p) for p in named["val"])
         if not train or not val:
             missing = "train" if not train else "val"
             raise GpuflowError(
-                f"token folder {path} has no {missing} shards (*{missing}*.bin); "
-                "prepare it with `gpuflow prepare`"
+                f"token folder {path} has no {missing} shards (.bin files with '{missing}' "
+                "as a word of their name); prepare it with `gpuflow prepare`"
             )
         tokenizer_path = path / TOKENIZER_FILE
         if not tokenizer_path.is_file():  # llm.c's folders have none: their ids go unchecked
@@ -127,7 +134,8 @@ def _largest_id(source: Path, max_id: int) -> tuple[Path, int]:
     ``max_id``, unless another train or val shard holds a larger one; a shard that cannot be
     read is passed over: it is refused where it is read)."""
     found = (source, max_id)
-    for path in sorted({*source.parent.glob(TRAIN_SHARDS), *source.parent.glob(VAL_SHARDS)}):
+    named = shard_files(source.parent)
+    for path in sorted({*named["train"], *named["val"]}):
         try:
             largest = Shard.open(path).max_token()
         except (GpuflowError, OSError, ValueError):
@@ -135,6 +143,22 @@ def _largest_id(source: Path, max_id: int) -> tuple[Path, int]:
         if largest > found[1]:
             found = (path, largest)
     return found
+
+
+def shard_files(folder: Path) -> dict[str, list[Path]]:
+    """The folder's ``.bin`` files by split, in name order; one whose name holds both splits'
+    words (``train_val.bin``) is refused rather than read as either."""
+    named: dict[str, list[Path]] = {"train": [], "val": []}
+    for path in sorted(folder.glob("*.bin")):
+        splits = [split for split, word in _SPLIT_WORDS.items() if word.search(path.stem)]
+        if len(splits) > 1:
+            raise GpuflowError(
+                f"{path} names both a train and a val split; rename it so that its name "
+                "holds one of them"
+            )
+        for split in splits:
+            named[split].append(path)
+    return named
 
 
 def tokenizer_vocab(path: Path) -> int:

@@ -196,6 +196,16 @@ def test_resume_never_removes_a_step_folder_it_did_not_write(prepared, workdir, 
     assert (theirs / "notes.txt").read_text() == "the user's own file"
 
 
+def test_a_run_folder_that_is_a_link_is_refused_and_its_target_untouched(prepared, workdir, capsys):
+    elsewhere = workdir / "elsewhere"
+    _trained(prepared, workdir, "real").rename(elsewhere)  # someone else's run, say
+    before = _files(elsewhere)
+    (workdir / "runs" / "lnk").symlink_to(elsewhere)
+    err = _refused_resume(prepared, "lnk", capsys)
+    assert "runs/lnk is a link" in err and "pass the folder itself" in err
+    assert _files(elsewhere) == before
+
+
 def test_a_checkpoint_without_its_state_keeps_its_weights(prepared, workdir, capsys):
     run = _trained(prepared, workdir, "lost")
     step = run / "checkpoints" / "step_000002"

@@ -99,6 +99,11 @@ def open_run(path: Path | str) -> tuple[Path, RunConfig]:
     """An existing run folder and its config; refuses folders that are not runs."""
     path = Path(path)
     config_path = path / CONFIG_FILE
+    if path.is_symlink():  # a resume would write, and prune checkpoints, where it points
+        raise GpuflowError(
+            f"run folder {path} is a link (to {os.readlink(path)}); gpuflow uses a run's own "
+            "folder, never one through a link: pass the folder itself"
+        )
     if not path.is_dir():
         raise GpuflowError(f"run folder {path} does not exist; runs live in {RUNS_DIR}/<name>")
     if not config_path.is_file() or (path / PROFILE_FILE).exists():

@@ -123,6 +123,12 @@ def test_a_run_that_ends_inside_its_warm_up_is_told(prepared, workdir, capsys):
     fewer = _said(err, r"e\.g\. --set (train\.warmup_steps=\d+)")
     assert main([*train, "--steps", "30", "--set", fewer]) == 0
     assert "warm-up" not in capsys.readouterr().err
-    inside = ("--set", "train.warmup_steps=5", "--set", "train.decay_steps=3")
+    for decay in (3, 6):  # 6: step 5 at the peak, step 6 at the floor: no decay either
+        inside = ("--set", "train.warmup_steps=5", "--set", f"train.decay_steps={decay}")
+        assert main([*train, "--steps", "8", *inside]) == 0
+        err = capsys.readouterr().err
+        assert f"train.decay_steps ({decay}) leaves no room for a decay" in err
+        assert "rises over steps 0 to 4, trains step 5 at its peak" in err
+    inside = ("--set", "train.warmup_steps=5", "--set", "train.decay_steps=7")
     assert main([*train, "--steps", "8", *inside]) == 0
-    assert "train.decay_steps (3) ends inside the warm-up of 5 steps" in capsys.readouterr().err
+    assert "no room for a decay" not in capsys.readouterr().err

@@ -82,6 +82,21 @@ def test_micro_batches_update_as_one_batch_of_their_sum(prepared, workdir, path,
         assert split[2].captured.graph is not None  # and the captured body ran the parts
 
 
+def test_the_validation_windows_do_not_depend_on_the_micro_batch(prepared, workdir):
+    """A step's split (or the device its micro-batch was found on) is no reason to validate
+    on other text: the same windows, and at the same weights the same loss."""
+    digests, losses = set(), []
+    for rows in (8, 4, 2):
+        sets = (*FAST, f"data.dir={prepared}", f"train.batch_size={rows}", *SPLIT[1:])
+        trainer = Trainer(resolve_config("tiny", None, sets), workdir / f"v{rows}", Device("cpu"))
+        trainer.build(resume=False, say=lambda note: None)
+        assert trainer.setup.batching.micro_batch == rows
+        digests.add(trainer.setup.val_set)
+        losses.append(trainer.evaluate())
+    assert len(digests) == 1
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) == losses[2]
+
+
 def test_bf16_gradients_are_summed_in_fp32_and_rounded_once():
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 64, bias=False).bfloat16()

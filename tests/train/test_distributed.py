@@ -420,3 +420,18 @@ def test_host_sampled_batches_train_data_parallel_under_ddp(prepared, workdir):
     assert report["collective_bytes_per_step_per_rank"] == 4 * (report["parameters"] + 1)
     assert report["exchange"] == "gradients by all-reduce (DDP's buckets)"
     assert report["peak_device_bytes_per_rank"] is None  # the cpu: no device memory
+
+
+def test_an_interrupted_job_is_told_to_resume_with_its_own_launch():
+    from gpuflow.train.trainer import resume_command
+
+    assert resume_command("r", Ranks()) == "gpuflow train --name r --resume"
+    four = Ranks(rank=1, world_size=4, local_rank=1, launched=True, local_world_size=4)
+    assert (
+        resume_command("r", four)
+        == "torchrun --nproc_per_node=4 -m gpuflow train --name r --resume"
+    )
+    two_hosts = Ranks(rank=0, world_size=4, launched=True, local_world_size=2)
+    assert resume_command("r", two_hosts).startswith(
+        "torchrun --nnodes 2 (and the rest of the launch) --nproc_per_node=2 -m gpuflow train"
+    )

@@ -288,7 +288,7 @@ def test_more_steps_after_the_end_asks_how_to_extend_the_schedule(prepared, work
     capsys.readouterr()
     assert _train_cli(prepared, "--name", "s", "--resume", "--steps", "12") == 2
     err = capsys.readouterr().err
-    assert "scheduled over 6 steps and stopped at step 6" in err
+    assert "scheduled over 6 steps and stopped at step 6; with 12 its next step" in err
     assert "--set train.decay_steps=6 to keep the schedule" in err
     assert "--set train.decay_steps=12 to stretch it" in err
     # Keeping it: the extra steps train at the schedule's final rate.

@@ -33,6 +33,18 @@ HEADROOM = 0.1
 Fits = Callable[[int], bool]
 
 
+def validation_rows(cfg: RunConfig) -> int:
+    """Windows in one validation batch (``train.eval_batches`` of them are evaluated), set by
+    the recipe and never by the micro-batch, so that runs differing only in how a step is
+    split (or in the device its micro-batch was found on) validate on the same windows: a
+    step's sequences, up to ``MAX_MICRO_TOKENS`` of them; ``batch_size`` where a step is one
+    micro-batch (no ``batch_tokens``)."""
+    tc, seq_len = cfg.train, cfg.model.max_len
+    if tc.batch_tokens:
+        return max(1, min(tc.batch_tokens, MAX_MICRO_TOKENS) // seq_len)
+    return tc.batch_size
+
+
 @dataclass(frozen=True)
 class Batching:
     """A run's step, split: every rank trains ``accumulation`` micro-batches of

@@ -43,7 +43,9 @@ class TrainConfig:
     batch_tokens: int = 0
     steps: int = 2000
     lr: float = 6e-4  # peak learning rate, reached after warmup
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    # The cosine decays from lr (at step warmup_steps) to lr * min_lr_ratio at step
+    # schedule_steps, one past a run's last: its last step trains just above that floor.
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     # Steps the schedule (warmup, then cosine) spans; later steps keep its final rate.
     # 0: ``steps``. Set it when resuming with more steps, to keep or stretch the schedule.

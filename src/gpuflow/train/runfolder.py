@@ -163,10 +163,11 @@ def resumed_config(
         if abs(after - before) > 1e-3 * before:
             raise GpuflowError(
                 f"{run_dir} was scheduled over {old.schedule_steps} steps and stopped at step "
-                f"{at}; with {new.steps} its learning rate would jump from {before:.2e} to "
-                f"{after:.2e}. Add --set train.decay_steps={old.schedule_steps} to keep the "
-                f"schedule (the steps after it train at {lr_at(old.schedule_steps, old):.2e}), "
-                f"or --set train.decay_steps={new.steps} to stretch it"
+                f"{at}; with {new.steps} its next step would train at {after:.2e} where its "
+                f"schedule puts {before:.2e}. Add --set train.decay_steps={old.schedule_steps} "
+                f"to keep the schedule (the steps after it train at "
+                f"{lr_at(old.schedule_steps, old):.2e}), or --set train.decay_steps={new.steps} "
+                f"to stretch it over all {new.steps} steps, taking that jump"
             )
     return config
 

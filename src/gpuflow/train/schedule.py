@@ -54,7 +54,7 @@ def warmup_notice(config: TrainConfig) -> str | None:
     """What to tell a run whose schedule ends inside its warm-up, where the learning rate
     never follows its cosine (a short trial, ``--steps 30`` on ``tiny``, is one); None
     otherwise."""
-    if config.schedule_steps > config.warmup_steps:
+    if config.schedule_steps > config.warmup_steps + 1:  # (one more: the peak's own step)
         return None
     if config.steps <= config.warmup_steps:
         return (
@@ -65,8 +65,9 @@ def warmup_notice(config: TrainConfig) -> str | None:
             f"train.warmup_steps={config.steps // 10})"
         )
     return (
-        f"note: train.decay_steps ({config.decay_steps}) ends inside the warm-up of "
-        f"{config.warmup_steps} steps: the learning rate rises for {config.warmup_steps} "
-        f"steps, then drops at once to its final {lr_at(config.steps, config):.2e}; set "
-        "train.decay_steps above train.warmup_steps"
+        f"note: train.decay_steps ({config.decay_steps}) leaves no room for a decay after "
+        f"the warm-up of {config.warmup_steps} steps: the learning rate rises over steps 0 to "
+        f"{config.warmup_steps - 1}, trains step {config.warmup_steps} at its peak, then drops "
+        f"at once to its final {lr_at(config.steps, config):.2e}; set train.decay_steps "
+        f"above {config.warmup_steps + 1}"
     )

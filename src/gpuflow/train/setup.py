@@ -28,7 +28,7 @@ from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import check_allocator
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
-from gpuflow.train.batching import Batching, device_fit, plan_batching, step_rows
+from gpuflow.train.batching import Batching, device_fit, plan_batching, step_rows, validation_rows
 from gpuflow.train.config import RunConfig
 from gpuflow.train.datapath import BatchPlan, DataPath, resolve_data_path, row
 from gpuflow.train.distributed import Averager, GradientAverager, Ranks, each_host_first, least
@@ -172,9 +172,7 @@ def build_setup(
         resumed, tokens_seen = state.data, state.tokens_seen
         if state.interval is not None and state.interval["through"] == start_step:
             interval = IntervalPart.from_record(state.interval)
-    val_batches, val_bytes, bytes_note, val_set = _validation_set(
-        cfg, data, device, ranks, batching.micro_batch
-    )
+    val_batches, val_bytes, bytes_note, val_set = _validation_set(cfg, data, device, ranks)
     val_since = None
     if resumed is not None and val_set is not None:  # rank 0, which evaluates
         comparable = compare_with_checkpoints(
@@ -210,8 +208,8 @@ def _more_steps(cfg: RunConfig, done: int) -> str:
 
 def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:
     """Refuse a step that cannot be shared out into whole sequences, one that reads more
-    tokens than the train split holds, and a micro-batch larger than the val split's
-    windows: one line now, where building them would take memory without bound."""
+    tokens than the train split holds, and a val split without a window: one line now,
+    where building them would take memory without bound."""
     seq_len = cfg.model.max_len
     sequences = step_rows(cfg, world_size) * world_size
     step_tokens = sequences * seq_len
@@ -224,12 +222,10 @@ def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:
             f"{data.path} holds ({data.train_tokens:,} tokens); lower train.batch_size or "
             "train.batch_tokens, or prepare more text"
         )
-    if cfg.train.batch_size:  # (0: found later, and checked where validation is built)
-        check_validation_batch(data.val, cfg.train.batch_size, seq_len)
 
 
 def _validation_set(
-    cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks, batch_size: int
+    cfg: RunConfig, data: TokenFolder, device: Device, ranks: Ranks
 ) -> tuple[list[torch.Tensor], int | None, str | None, str | None]:
     """The validation set, read now (a split too short for one window is refused) and
     uploaded once, by the rank that evaluates (rank 0); it stays on the device. The other
@@ -238,7 +234,10 @@ def _validation_set(
     if not ranks.is_main:
         return [], None, None, None
     data.check_vocab(cfg.model.vocab_size, splits=("val",))  # train: as it is read
-    windows = validation_windows(data.val, batch_size, cfg.model.max_len, cfg.train.eval_batches)
+    seq_len = cfg.model.max_len
+    # A val split with fewer distinct windows than a batch gives them all, once each.
+    rows = min(validation_rows(cfg), window_starts(data.val, seq_len))
+    windows = validation_windows(data.val, rows, seq_len, cfg.train.eval_batches)
     counted, note = _target_bytes(data, windows, cfg.model.vocab_size)
     uploaded = [upload_tokens(w, device) for w in windows]
     return uploaded, counted, note, validation_digest(windows)

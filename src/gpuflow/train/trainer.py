@@ -104,6 +104,18 @@ class Cadence:
         return done % tc.checkpoint_interval == 0 or done == tc.steps or stopping
 
 
+def resume_command(name: str, ranks: Ranks) -> str:
+    """The command that continues run ``name``: under torchrun, the same launch (copied as
+    one process, it would go on alone)."""
+    resume = f"gpuflow train --name {name} --resume"
+    if not ranks.distributed:
+        return resume
+    per_host = ranks.local_world_size or ranks.world_size
+    hosts = ranks.world_size // per_host
+    launch = f"--nnodes {hosts} (and the rest of the launch) " if hosts > 1 else ""
+    return f"torchrun {launch}--nproc_per_node={per_host} -m {resume}"
+
+
 class Trainer:
     """One run: builds the model and its optimizer, restores its checkpoint, opens its step,
     trains, logs and saves. ``options`` vary how the step is built (probes); the defaults
@@ -245,10 +257,8 @@ class Trainer:
 
         # ---- the end: every file written and the folder let go; what the run did ----------
         if step < tc.steps and main:
-            say(
-                f"interrupted: saved {checkpointer.written[-1]}; continue with "
-                f"`gpuflow train --name {self.run_dir.name} --resume`"
-            )
+            resume = resume_command(self.run_dir.name, ranks)
+            say(f"interrupted: saved {checkpointer.written[-1]}; continue with `{resume}`")
         median_rate = throughput.steady_median()
         averager = setup.averager
         peaks = None

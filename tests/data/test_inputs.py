@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -176,3 +177,25 @@ def test_a_datasets_own_files_are_not_counted_as_left_out(tmp_path):
     inputs = resolve_inputs([mixed], left_out)
     assert [(i.path.name, i.kind) for i in inputs] == [("ds", "dataset"), ("notes.txt", "text")]
     assert left_out == {".png": 1}
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_one_file_named_twice_is_refused_as_append_refuses_one_it_holds(tmp_path):
+    """Each name of a file (a link, a path through .., a hard link, a folder and a glob that
+    hold it) was read in full: the tokenizer trained, and the shards held, its text twice."""
+    data = tmp_path / "in"
+    data.mkdir()
+    first, other = data / "a.txt", data / "b.txt"
+    first.write_text("a document of its own")
+    other.write_text("a document of its own")  # the same text in another file: read
+    (tmp_path / "alias.txt").symlink_to(first)
+    os.link(first, tmp_path / "hard.txt")
+    for named, twice in (
+        ([first, data / ".." / "in" / "a.txt"], f"one file twice, as {first} and as {data}/../in"),
+        ([first, tmp_path / "alias.txt"], f"one file twice, as {first} and as {tmp_path}/alias"),
+        ([data, tmp_path / "hard.txt"], f"one file twice, as {first} and as {tmp_path}/hard"),
+        ([f"{data}/*.txt", data / "b.txt"], f"{other} twice"),
+    ):
+        with pytest.raises(GpuflowError, match=f"^--data names {re.escape(twice)}"):
+            resolve_inputs(named)
+    assert [i.path for i in resolve_inputs([first, other])] == [first, other]

@@ -339,3 +339,20 @@ def test_an_empty_path_is_refused_not_taken_as_the_default(tokens, capsys, args,
     before = hashes(tokens.parent)
     assert expected in one_error(capsys, main(["prepare", *args]))
     assert hashes(tokens.parent) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_a_file_named_twice_is_one_line_for_a_new_folder_as_for_append(tokens, capsys):
+    """A new folder trained on and encoded the file once a name; --append refused only a
+    file the folder already held, not one its own --data named twice."""
+    workdir = tokens.parent
+    (workdir / "alias.txt").symlink_to("more.txt")
+    before = hashes(workdir)
+    for command, expected in (
+        (["more.txt", "alias.txt", "--out", "new"], "one file twice, as more.txt and as alias"),
+        (["more.txt", "./more.txt", "--out", "tokens", "--append"], "more.txt twice; name each"),
+    ):
+        code = main(["prepare", "--data", *command])
+        assert f"--data names {expected}" in one_error(capsys, code)
+        assert hashes(workdir) == before
+        assert hidden(workdir) == []

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders
 
-from gpuflow.data.tokenizer_file import load_tokenizer
+from gpuflow.data.tokenizer_file import load_tokenizer, vocab_bound
 
 
 @cache
@@ -56,7 +56,7 @@ def vocabulary_bytes(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
     alphabet = byte_level_alphabet()
     lengths = np.zeros(vocab_size, dtype=np.int64)
     added = tokenizer.get_added_tokens_decoder()
-    for token_id in range(min(vocab_size, tokenizer.get_vocab_size())):
+    for token_id in range(min(vocab_size, vocab_bound(tokenizer))):
         if token_id in added:
             token = added[token_id]
             lengths[token_id] = 0 if token.special else len(token.content.encode("utf-8"))

@@ -81,3 +81,11 @@ def eot_id(tokenizer: Tokenizer) -> int:
     token_id = tokenizer.token_to_id(EOT)
     assert token_id is not None, "load_tokenizer and train_tokenizer guarantee an EOT token"
     return token_id
+
+
+def vocab_bound(tokenizer: Tokenizer) -> int:
+    """The vocabulary a tokenizer's ids need: its largest id + 1 (added tokens included). Its
+    count of entries is less where its ids have gaps (a WordLevel file may number its words
+    as it likes), and shards and a model sized by that count could not hold every id."""
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    return max(largest + 1, tokenizer.get_vocab_size())

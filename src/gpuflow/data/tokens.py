@@ -17,7 +17,7 @@ from pathlib import Path
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.sizes import round_up
 from gpuflow.data.shards import Shard
-from gpuflow.data.tokenizer_file import MIN_VOCAB, load_tokenizer
+from gpuflow.data.tokenizer_file import MIN_VOCAB, load_tokenizer, vocab_bound
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"
@@ -171,7 +171,7 @@ def tokenizer_vocab(path: Path) -> int:
             f"{exc}; the token folder needs the tokenizer its shards were made with: prepare "
             "it again, or put that tokenizer.json back"
         ) from None
-    return tokenizer.get_vocab_size()
+    return vocab_bound(tokenizer)
 
 
 def check_meta_vocab(meta: Path, tokenizer_path: Path, vocab: int) -> None:

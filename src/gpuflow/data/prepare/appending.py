@@ -29,7 +29,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.inputs import Input
 from gpuflow.data.prepare.outfolder import foreign_entries, is_token_folder, listed, swap_into_place
 from gpuflow.data.shards import Shard, token_dtype_for
-from gpuflow.data.tokenizer_file import load_tokenizer
+from gpuflow.data.tokenizer_file import load_tokenizer, vocab_bound
 
 SPLITS = ("train", "val")
 # The fields of meta.json that appending reads or updates, and what each must hold.
@@ -81,7 +81,7 @@ def check_target(out_dir: Path, tokenizer_given: str) -> AppendTarget:
         tokenizer = load_tokenizer(out_dir / "tokenizer.json")
     except GpuflowError as exc:
         _damaged(out_dir, str(exc))
-    vocab = tokenizer.get_vocab_size()
+    vocab = vocab_bound(tokenizer)  # what prepare recorded: not its entries, where ids have gaps
     if vocab != meta["vocab_size"] or token_dtype_for(vocab).name != meta["token_dtype"]:
         _damaged(
             out_dir,

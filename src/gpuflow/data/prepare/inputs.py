@@ -116,10 +116,28 @@ def resolve_inputs(
             ) from None
     if sum(i.path is None for i in inputs) > 1:
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
+    _refuse_same_file_twice(inputs)
     for inp in inputs:
         if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
             raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
     return inputs
+
+
+def _refuse_same_file_twice(inputs: list[Input]) -> None:
+    """One file named twice (a link to it, ``in/../in/a.txt``, a folder and a glob that both
+    hold it) would be trained on and encoded twice: refused, as ``--append`` refuses a file
+    its folder holds."""
+    seen: dict[tuple[int, int], Input] = {}
+    for inp in inputs:
+        if inp.path is None:
+            continue
+        stat = inp.path.stat()  # a link's target: the file itself, whatever it is named
+        first = seen.setdefault((stat.st_dev, stat.st_ino), inp)
+        if first is not inp:
+            twice = f"{inp.name} twice" if inp.name == first.name else (
+                f"one file twice, as {first.name} and as {inp.name}"
+            )  # fmt: skip
+            raise GpuflowError(f"--data names {twice}; name each file once")
 
 
 def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:

@@ -51,13 +51,14 @@ from gpuflow.data.prepare.outfolder import (
 )
 from gpuflow.data.prepare.pieces import PIECE_CHARS, Cutter, Pieces
 from gpuflow.data.prepare.resume import PROGRESS_FILE, State, fingerprint_of, take_over
-from gpuflow.data.prepare.tokenizer import TrainerOverMemory, train_tokenizer
+from gpuflow.data.prepare.tokenizer import MAX_VOCAB, TrainerOverMemory, train_tokenizer
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
-from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
+from gpuflow.data.tokenizer_file import eot_id, load_tokenizer, vocab_bound
 
 DEFAULT_VOCAB = 16000
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
 DEFAULT_SAMPLE_MB = 200  # text a tokenizer is trained on, drawn evenly from the corpus
+ALL_CHARS = 1 << 62  # more than any corpus holds: a sample this large (inf MB) is all of it
 # Below this many bytes a corpus is encoded in this process: starting workers would cost more.
 POOL_MIN_BYTES = 16 << 20
 
@@ -82,10 +83,15 @@ class PrepareConfig:
             raise GpuflowError(f"--val-fraction must be in (0, 0.5], got {self.val_fraction}")
         if self.shard_tokens < 1024:
             raise GpuflowError(f"--shard-tokens must be at least 1024, got {self.shard_tokens}")
-        if not 257 <= self.vocab_size <= 1 << 32:
-            raise GpuflowError(f"--vocab-size must be between 257 and 2**32, got {self.vocab_size}")
-        if not self.sample_mb > 0:
-            raise GpuflowError(f"--tokenizer-sample-mb must be positive, got {self.sample_mb}")
+        if not 257 <= self.vocab_size <= MAX_VOCAB:
+            raise GpuflowError(
+                f"--vocab-size must be between 257 and {MAX_VOCAB:,} (real tokenizers hold "
+                f"30,000 to 260,000 tokens), got {self.vocab_size:,}"
+            )
+        if not self.sample_mb > 0:  # (inf, or more than the corpus holds: all of it)
+            raise GpuflowError(
+                f"--tokenizer-sample-mb must be a positive number of MB, got {self.sample_mb}"
+            )
         if self.workers < 0:
             raise GpuflowError(f"--workers must be >= 0 (0: every core), got {self.workers}")
         if self.append and (self.force or not self.out or not self.data):
@@ -221,7 +227,7 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
             commit(stage, target, _added(summary, state, corpus))
             summary = replace(summary, appended=True)
         else:
-            _write_meta(stage, summary, corpus, config, state, tokenizer)
+            _write_meta(stage, summary, corpus, config, state)
             check_replaceable(out_dir, config.force)  # again: the folder may have changed
             swap_into_place(stage, out_dir)
     except KeyboardInterrupt:
@@ -306,9 +312,9 @@ def _trained(config: PrepareConfig, corpus: Corpus) -> Tokenizer:
     """A tokenizer trained on an even sample of ``corpus``: of ``config.sample_mb``, or, where
     its words take the trainer past its memory, of a quarter of what it had been given, until
     one fits (a sample small enough trains in this process, unwatched, and fits)."""
-    chars = int(config.sample_mb * 1e6)
+    chars = int(min(config.sample_mb * 1e6, ALL_CHARS))
     while True:
-        what = "the corpus" if (corpus.total_bytes or chars + 1) <= chars else (
+        what = "the corpus" if (corpus.total_bytes or ALL_CHARS) <= chars else (
             f"a {chars / 1e6:.3g} MB sample of the corpus"
         )  # fmt: skip
         with err_console.status(f"training a {config.vocab_size:,}-token BPE on {what}..."):
@@ -331,7 +337,7 @@ def _encode(
 ) -> PrepareSummary:  # fmt: skip
     """Encode the corpus into shards in ``stage``, continuing from ``state`` (appending: the
     new shards only, numbered after the folder's)."""
-    vocab_size = tokenizer.get_vocab_size()
+    vocab_size = vocab_bound(tokenizer)  # (its entries may be fewer: ids with gaps)
     eot = np.array([eot_id(tokenizer)], dtype=token_dtype_for(vocab_size))
     dtype = eot.dtype
     recorded = _recorded_shards(stage, state, target)
@@ -470,14 +476,13 @@ def _hold_out_a_tail(
 
 
 def _write_meta(
-    stage: Path, summary: PrepareSummary, corpus: Corpus, config: PrepareConfig, state: State,
-    tokenizer: Tokenizer,
-) -> None:  # fmt: skip
+    stage: Path, summary: PrepareSummary, corpus: Corpus, config: PrepareConfig, state: State
+) -> None:
     meta = {
         "format": META_FORMAT,
         "source": corpus.description,
         "inputs": corpus.identity(),
-        "token_dtype": token_dtype_for(tokenizer.get_vocab_size()).name,
+        "token_dtype": token_dtype_for(summary.vocab_size).name,
         "max_token": state.max_token,
         "separator": config.separator,
         "text_field": config.text_field,

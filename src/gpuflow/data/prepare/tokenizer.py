@@ -49,6 +49,11 @@ SEND_CHARS = 1 << 20  # characters sent to the trainer's process in one message
 # ten times as much a megabyte, and is then stopped and trained smaller (docs/decisions/047).
 TRAINER_MEMORY = 3 << 29
 WATCH_S = 0.05  # how often the trainer's memory is read
+# The largest vocabulary prepare trains. uint32 shards would hold ids to 2**32, but the BPE
+# trainer allocates about 70 bytes a token up front (4e9 tokens: a 283 GB allocation that
+# aborts the process) and a model needs an embedding row a token; real vocabularies stay
+# near 200,000 (GPT-4o's o200k, Gemma's 262,144): this is eight times that.
+MAX_VOCAB = 1 << 21
 
 
 class TrainerOverMemory(Exception):
@@ -73,6 +78,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         raise GpuflowError(
             f"vocab size {vocab_size} is too small: byte-level BPE needs at least {MIN_VOCAB}"
         )
+    if vocab_size > MAX_VOCAB:
+        raise GpuflowError(f"vocab size {vocab_size:,} is too large: at most {MAX_VOCAB:,}")
     fed = fed_texts(bounded_words(texts))
     head: list[str] = []
     chars = 0

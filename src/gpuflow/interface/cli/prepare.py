@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=200,
         metavar="MB",
         help="MB of text, drawn evenly from the corpus, that the tokenizer is trained on "
-        "(default: 200; from standard input: the first that many MB; less, and said, where "
+        "(default: 200; inf or more than the corpus: all of it; from standard input: the "
+        "first that many MB; less, and said, where "
         "its words would take the trainer past 1.5 GiB)",
     )
     p.add_argument(

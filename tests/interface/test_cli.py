@@ -280,8 +280,15 @@ def test_checkpoint_of_another_shape_via_the_cli(workdir, prepared, capsys):
     metrics_before = (workdir / "runs" / "a" / "metrics.jsonl").read_text()
     code = main(["train", "--steps", "4", "--name", "a", "--resume", "--set", "model.n_layer=3"])
     assert code == 2
-    assert "does not fit this model: it lacks blocks.2." in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a resumed run keeps its model, and model.n_layer is 2 in the run, 3 here" in err
     assert (workdir / "runs" / "a" / "config.toml").read_text() == config_before
+    assert (workdir / "runs" / "a" / "metrics.jsonl").read_text() == metrics_before
+    # edited by hand, the config no longer fits the checkpoint's weights
+    edited = config_before.replace("n_layer = 2", "n_layer = 3")
+    (workdir / "runs" / "a" / "config.toml").write_text(edited)
+    assert main(["train", "--steps", "4", "--name", "a", "--resume"]) == 2
+    assert "does not fit this model: it lacks blocks.2." in capsys.readouterr().err
     assert (workdir / "runs" / "a" / "metrics.jsonl").read_text() == metrics_before
 
 

@@ -109,11 +109,32 @@ def test_parse_set_reads_toml_values_and_bare_words():
         (["train.lr=nan"], "train.lr must be a finite number"),
         (["train.beta2=1.0"], r"train.beta2 must be in \[0, 1\)"),
         (["lr=3"], "is not SECTION.KEY=VALUE"),
+        (["train.steps=1e100"], "train.steps must be an int"),  # past a float's exact ints
+        (["train.compile=yes"], "train.compile must be a bool"),
+        (["train.learning_rate=1e-3"], "nanoGPT's learning_rate is train.lr here"),
+        (["model.dropout=0.1"], "nanoGPT's dropout has no counterpart here: the model has no"),
+        (["train.n_layer=3"], r"n_layer is a key of \[model\]: model.n_layer"),
+        (["train.eval_batchs=3"], r"train.eval_batchs \(did you mean train.eval_batches\?\)"),
     ],
 )
 def test_bad_settings_name_the_key(sets, message):
     with pytest.raises(GpuflowError, match=message):
         resolve_config("tiny", None, sets)
+
+
+def test_python_spellings_that_mean_one_thing_are_taken():
+    config = resolve_config(
+        "tiny", None, ["train.compile=True", "train.lr=.001", "train.steps=1e3"]
+    )
+    assert (config.train.compile, config.train.lr, config.train.steps) == (True, 0.001, 1000)
+    assert resolve_config("tiny", None, ["train.compile=False"]).train.compile is False
+
+
+def test_a_flat_file_is_told_which_section_a_key_belongs_to(tmp_path):
+    flat = tmp_path / "flat.toml"
+    flat.write_text("n_layer = 2\n")
+    with pytest.raises(GpuflowError, match=r"n_layer is a key of \[model\]: put it under a"):
+        resolve_config(None, str(flat))
 
 
 def test_bad_files_are_refused(tmp_path):

@@ -18,6 +18,7 @@ import json
 import math
 import tomllib
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.device.allocator import ALLOCATORS
 from gpuflow.device.managed import PLACEMENTS
 from gpuflow.model.gpt import ModelConfig
+from gpuflow.train.config_hints import top_level_hint, unknown_key_hint
 from gpuflow.train.datapath import DataPath
 from gpuflow.transfer.diskread import IO_PATHS
 
@@ -288,6 +290,15 @@ _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "lo
 
 
 def _coerce(value: Any, kind: type, key: str) -> Any:
+    # What Python users write where TOML wants otherwise, taken where it can mean one thing
+    # only: --set train.compile=False, train.lr=.001, train.steps=1e3.
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if kind is float and isinstance(value, str):
+        with suppress(ValueError):
+            value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -297,6 +308,10 @@ def _coerce(value: Any, kind: type, key: str) -> Any:
             f"{key} must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}"
         )
     return value
+
+
+def _section_keys() -> dict[str, tuple[str, ...]]:
+    return {name: tuple(f.name for f in fields(cls)) for name, cls in _SECTIONS.items()}
 
 
 def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
@@ -311,7 +326,7 @@ def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[st
         if section_cls is None:
             raise GpuflowError(
                 f"{origin}: unknown section {section_name!r}; valid sections are "
-                f"{', '.join(_SECTIONS)}"
+                f"{', '.join(_SECTIONS)}{top_level_hint(section_name, _section_keys())}"
             )
         if not isinstance(values, dict):
             raise GpuflowError(f"{origin}: {section_name} must be a table of keys")
@@ -319,8 +334,10 @@ def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[st
         changes = sections.setdefault(section_name, {})
         for key, value in values.items():
             if key not in types:
+                hint = unknown_key_hint(section_name, key, _section_keys())
                 raise GpuflowError(
-                    f"{origin}: unknown key {section_name}.{key}; valid keys are {', '.join(types)}"
+                    f"{origin}: unknown key {section_name}.{key}{hint}; valid keys are "
+                    f"{', '.join(types)}"
                 )
             kind = {"int": int, "float": float, "str": str, "bool": bool}[str(types[key])]
             changes[key] = _coerce(value, kind, f"{section_name}.{key}")

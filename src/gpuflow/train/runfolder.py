@@ -146,6 +146,11 @@ def resumed_config(
         return apply_sets(config, sets)  # validated once, with every change in place
 
     config = with_changes(saved)
+    if config.model != saved.model:  # the checkpoint's weights have the run's shapes
+        raise GpuflowError(
+            f"a resumed run keeps its model, and {_first_difference(saved, config)}; drop that "
+            "--set, or train the other shape as a new run (another --name)"
+        )
     if preset_name or config_file:
         given = with_changes(resolve_config(preset_name, config_file))
         if given != config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -46,3 +47,15 @@ def test_profile_of_the_captured_step_shows_no_transfers(accel, prepared, workdi
     assert rows["h2d"]["ledger_copies"] == rows["h2d"]["profiler_copies"] == 0  # uploaded before
     m = result["metrics"]
     assert m["h2d_bytes_per_batch"] == 0 and m["syncs_per_batch"] == 0 and m["step_ms"] > 0
+
+
+def test_profile_on_the_accelerator_takes_its_own_folder_again(accel, prepared, workdir):
+    """Its timeline is vouched for in profile.json like its trace, so the folder is reused."""
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}"])
+    out = workdir / "again"
+    first = profile_training(config, out, accel, steps=1, warmup=1)
+    assert set(first["files"]) == {"trace.json", "timeline.png"}
+    second = profile_training(config, out, accel, steps=1, warmup=1)
+    assert sorted(p.name for p in out.iterdir()) == ["profile.json", "timeline.png", "trace.json"]
+    png = hashlib.sha256((out / "timeline.png").read_bytes()).hexdigest()
+    assert second["files"]["timeline.png"] == f"sha256:{png}"

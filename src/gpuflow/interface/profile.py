@@ -3,14 +3,15 @@
 Writes ``trace.json`` (the profiler's trace of the timed steps), ``timeline.png`` (device
 activity per stream and bytes per step) and ``profile.json`` (the ledger's totals and
 per-step figures, the profiler cross-check, the transfer metrics). The output folder must be
-new, empty, or an earlier profile's. What it runs, and what it shows on the CPU:
+new, empty, or an earlier profile's (``profile_folder``: how one is told from a folder of the
+user's, and how the files are written). What it runs, and what it shows on the CPU:
 docs/architecture/benches.md (gpuflow profile). The notices torch's profiler prints at each
 start and stop are kept out of the user's terminal (``profiler_notices_dropped``).
 """
 
 from __future__ import annotations
 
-import json
+import io
 import os
 import re
 import sys
@@ -25,17 +26,16 @@ from typing import Any
 from gpuflow.accounting.crosscheck import DeviceTrace, Interval, ProfiledLedger
 from gpuflow.accounting.kernels import kernel_breakdown, step_flops
 from gpuflow.accounting.metrics import TransferMetrics, from_activity
-from gpuflow.common.atomic import write_text_atomic
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.device.linkprobe import probe_link
+from gpuflow.interface.profile_folder import OUTPUT_FILES as OUTPUT_FILES  # the cli lists them
+from gpuflow.interface.profile_folder import TRACE_FILE, profile_folder, write_profile
 from gpuflow.train.config import RunConfig, apply_overrides
 from gpuflow.train.datapath import DataPath, registered
-from gpuflow.train.runfolder import PROFILE_FILE
 from gpuflow.train.trainer import Trainer, run_steps
 
-OUTPUT_FILES = ("trace.json", "timeline.png", PROFILE_FILE)
 # What torch's profiler (kineto) writes to stderr itself at each start and stop, whatever
 # its log level: "USDT:2026-11-28 05:53:47 18906:18906 SyncActivityProfilerHandler.cpp:52]
 # profiler_start" (and STAGE: lines alike).
@@ -67,28 +67,28 @@ def profiler_notices_dropped() -> Iterator[None]:
                 os.write(2, kept)
 
 
-def check_output_folder(out_dir: Path) -> None:
-    """Refuse an output folder that holds anything but an earlier profile's files."""
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise GpuflowError(f"{out_dir} is a file; pass --out a folder for the profile")
-    if (out_dir / PROFILE_FILE).is_file() or not any(out_dir.iterdir()):
-        return
-    raise GpuflowError(
-        f"{out_dir} exists and is not a gpuflow profile folder; pass --out a new or empty "
-        f"folder (profile writes {', '.join(OUTPUT_FILES)} into it)"
-    )
-
-
 def profile_training(
     config: RunConfig, out_dir: Path, device: Device, steps: int = 10, warmup: int = 5
 ) -> dict[str, Any]:
+    """Profile ``steps`` steps after ``warmup`` untimed ones into ``out_dir``; returns what
+    profile.json holds. The folder is checked and locked before the steps run, and its
+    files are written only once they all exist (``profile_folder``)."""
     if steps < 1 or warmup < 0:
         raise GpuflowError(f"profile needs --steps >= 1 and --warmup >= 0, got {steps}, {warmup}")
     config = apply_overrides(config, {"train": {"steps": warmup + 2 * steps}}, "profile")
     out_dir = Path(out_dir)
-    check_output_folder(out_dir)
+    with profile_folder(out_dir), tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / TRACE_FILE  # copied in once the profile is whole
+        result, activity = _measure(config, out_dir, device, steps, warmup, trace)
+        timeline = _plot(activity, result["ledger"]["per_step"]) if activity else None
+        return write_profile(out_dir, result, trace, timeline)
+
+
+def _measure(
+    config: RunConfig, out_dir: Path, device: Device, steps: int, warmup: int, trace: Path
+) -> tuple[dict[str, Any], list[Interval]]:
+    """The figures of profile.json, and the device's activity in the timed steps (none on the
+    cpu); the profiler's trace of those steps is written to ``trace``."""
     if not registered(config.train.data_path):  # a baseline: the bench registers it
         import gpuflow.bench.baselines  # noqa: F401
     trainer = Trainer(config, out_dir, device)
@@ -121,7 +121,7 @@ def profile_training(
             counted = ProfiledLedger(Path(scratch) / "trace.json", device)
             with counted:
                 train(warmup, steps, lambda step: counted.step())
-        timed = DeviceTrace(out_dir / "trace.json", device)
+        timed = DeviceTrace(trace, device)
         with profiler_notices_dropped(), timed:
             host_started = time.perf_counter()
             train(warmup + steps, steps)
@@ -167,13 +167,7 @@ def profile_training(
         "step_clock": "device" if traced else "host",
         "note": None if traced else HOST_ONLY_NOTE,
     }
-    write_text_atomic(out_dir / PROFILE_FILE, json.dumps(result, indent=2) + "\n")
-    timeline = out_dir / "timeline.png"
-    if traced:
-        _plot(timed.activity, result["ledger"]["per_step"], timeline)
-    else:
-        timeline.unlink(missing_ok=True)  # an earlier profile's, which would mislead
-    return result
+    return result, timed.activity
 
 
 def _device_span(activity: list[Interval]) -> float:
@@ -203,7 +197,9 @@ def _metrics_dict(m: TransferMetrics, summary: Any) -> dict[str, Any]:
     }
 
 
-def _plot(activity: list[Interval], per_step: list[dict[str, int]], path: Path) -> None:
+def _plot(activity: list[Interval], per_step: list[dict[str, int]]) -> bytes:
+    """The timeline as PNG bytes: written by ``write_profile``, as a temporary renamed into
+    place (matplotlib would write the file in place, through a link there)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,5 +236,7 @@ def _plot(activity: list[Interval], per_step: list[dict[str, int]], path: Path) 
     bottom.set_ylabel("bytes")
     bottom.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    return png.getvalue()

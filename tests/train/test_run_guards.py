@@ -225,9 +225,8 @@ def test_a_tokenizer_that_is_not_json_is_refused_before_the_run_starts(data_copy
     [
         (("train.batch_size=1000000000",), "is more than the train split"),
         (("train.batch_tokens=32000000000",), "is more than the train split"),
-        (("train.batch_size=8000",), "more than the val split's"),
     ],
-    ids=["batch_size", "batch_tokens", "val"],
+    ids=["batch_size", "batch_tokens"],
 )
 def test_a_batch_larger_than_the_corpus_is_refused_before_it_is_built(
     prepared, workdir, monkeypatch, capsys, sets, said
@@ -238,6 +237,18 @@ def test_a_batch_larger_than_the_corpus_is_refused_before_it_is_built(
     monkeypatch.setattr("gpuflow.train.setup.validation_windows", never)
     monkeypatch.setattr("gpuflow.train.setup.GPT", never)  # refused before the model, too
     _refused_train(prepared, workdir, capsys, said, "lower train.batch_size", sets=sets)
+
+
+def test_a_model_the_host_cannot_hold_is_refused_before_it_is_built(
+    prepared, workdir, monkeypatch, capsys
+):
+    def never(*args, **kwargs):
+        raise AssertionError("a model built that the host cannot hold")
+
+    monkeypatch.setattr("gpuflow.train.setup.GPT", never)
+    monkeypatch.setattr("gpuflow.train.setup.available_bytes", lambda: 1 << 30)
+    said = ("needs about", "GiB of host memory", "this host has 1.0 GiB available")
+    _refused_train(prepared, workdir, capsys, *said, sets=("model.n_layer=2000",))
 
 
 # ---- names and configs ----------------------------------------------------------------------

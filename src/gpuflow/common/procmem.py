@@ -1,4 +1,5 @@
-"""A process's resident memory, read from Linux's /proc (None elsewhere, or once it ended)."""
+"""A process's resident memory and the host's available memory, read from Linux's /proc
+(None elsewhere, or once the process ended)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,16 @@ def resident_bytes(pid: int | str = "self") -> int | None:
             return int(statm.read().split()[1]) * PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return None
+
+
+def available_bytes() -> int | None:
+    """The memory the host can give a process without swapping (MemAvailable); None where
+    there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.procmem import available_bytes
 from gpuflow.data.prepare.for_training import prepared_for_training
 from gpuflow.data.resident.batches import check_validation_batch, validation_windows, window_starts
 from gpuflow.data.resident.tokens import default_budget
@@ -328,7 +329,13 @@ def optimizer_for(
     return adamw
 
 
+# Host bytes a parameter takes while the model is built (fp32) and, on the host, trained:
+# the weight, its gradient and AdamW's two moments.
+BUILD_BYTES, HOST_TRAIN_BYTES = 4, 16
+
+
 def _model(cfg: RunConfig, device: Device) -> GPT:
+    _check_host_fits(cfg, device)
     try:
         model = place(GPT(cfg.model), device.torch)
         model.recompute_blocks = cfg.train.activation_checkpointing
@@ -342,6 +349,28 @@ def _model(cfg: RunConfig, device: Device) -> GPT:
             f"{m.d_model} for its token table alone); lower model.vocab_size, "
             "model.d_model or model.n_layer"
         ) from None
+
+
+def _check_host_fits(cfg: RunConfig, device: Device) -> None:
+    """Refuse, before anything is allocated, a model the host cannot hold: the model is
+    built on the host, and each layer's allocation may succeed on its own while the whole
+    grows until the kernel kills the process without a word."""
+    available = available_bytes()
+    if available is None:
+        return
+    m = cfg.model
+    params = (m.vocab_size + m.max_len) * m.d_model + m.n_layer * (
+        12 * m.d_model**2 + 4 * m.d_model
+    )
+    per_param = BUILD_BYTES if device.type != "cpu" else HOST_TRAIN_BYTES
+    needed = params * per_param
+    if needed > available:
+        what = "to build" if device.type != "cpu" else "for its weights, gradients and AdamW state"
+        raise GpuflowError(
+            f"the model ({params:,} parameters) needs about {needed / 2**30:,.1f} GiB of host "
+            f"memory {what}, and this host has {available / 2**30:,.1f} GiB available; lower "
+            "model.n_layer, model.d_model or model.vocab_size"
+        )
 
 
 def _warn_about_repeats(

@@ -206,6 +206,17 @@ def test_a_tokenizer_other_than_meta_json_says_is_refused(
     )
 
 
+@pytest.mark.parametrize("meta", ["null", "[]", '{"vocab_size": "512"}', '{"vocab_size": true}'])
+def test_a_meta_json_without_a_vocabulary_is_refused(data_copy, workdir, capsys, meta):
+    (data_copy / "meta.json").write_text(meta)  # edited: the vocabulary check went unmade
+    _refused_train(data_copy, workdir, capsys, "meta.json records no vocabulary", "prepare")
+
+
+def test_a_shard_that_is_not_a_file_is_named_as_such(data_copy, workdir, capsys):
+    (data_copy / "val_000001.bin").mkdir()
+    _refused_train(data_copy, workdir, capsys, "val_000001.bin is not a regular file")
+
+
 def test_a_tokenizer_that_is_not_json_is_refused_before_the_run_starts(data_copy, workdir, capsys):
     (data_copy / "tokenizer.json").write_text("not json at all")
     _refused_train(

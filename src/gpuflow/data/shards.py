@@ -65,6 +65,11 @@ class Shard:
     def open(cls, path: Path | str) -> Shard:
         path = Path(path)
         if not path.is_file():
+            if path.exists() or path.is_symlink():  # a folder, a pipe, a link to nothing...
+                raise GpuflowError(
+                    f"token shard {path} is not a regular file; put the shard itself there, "
+                    "or prepare the data again"
+                )
             raise GpuflowError(f"token shard {path} does not exist; run `gpuflow prepare` first")
         size = path.stat().st_size
         if size < HEADER_BYTES:

@@ -187,7 +187,12 @@ def check_meta_vocab(meta: Path, tokenizer_path: Path, vocab: int) -> None:
             "folder was not made by gpuflow"
         ) from None
     said = recorded.get("vocab_size") if isinstance(recorded, dict) else None
-    if isinstance(said, int) and said != vocab:
+    if not isinstance(said, int) or isinstance(said, bool):  # an edit, or not prepare's
+        raise GpuflowError(
+            f"{meta} records no vocabulary (vocab_size is {said!r}); prepare the token folder "
+            "again, or remove meta.json if the folder was not made by gpuflow"
+        )
+    if said != vocab:
         raise GpuflowError(
             f"{meta} records a vocabulary of {said:,} tokens but {tokenizer_path} has "
             f"{vocab:,}: the tokenizer is not the one the shards were made with; prepare the "

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.tokenizer_file import eot_id, load_tokenizer
+from gpuflow.data.tokenizer_file import eot_id, load_tokenizer, vocab_bound
+from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device
 from gpuflow.model.generate import generate_no_sync
 from gpuflow.model.gpt import GPT
@@ -27,6 +28,12 @@ from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
 from gpuflow.transfer.upload import place
+
+# Generation has no cache: each token runs the model over up to model.max_len of them, and
+# the text is printed only at the end, so far more would run for hours with nothing shown.
+MAX_TOKENS = 10_000
+# The seeds torch.manual_seed takes: a signed or an unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,16 @@ class SampleConfig:
     checkpoint: str = "best"  # best, latest, or a checkpoint's folder name (step_000300)
 
     def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise GpuflowError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if not 0 < self.max_tokens <= MAX_TOKENS:
+            raise GpuflowError(
+                f"--max-tokens must be from 1 to {MAX_TOKENS:,}, got {self.max_tokens}; for "
+                "longer text, sample again with the end of the last text as --prompt"
+            )
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise GpuflowError(
+                f"--seed must be from -2**63 to 2**64 - 1 (the seeds torch takes), got "
+                f"{self.seed}; pass a seed in that range"
+            )
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails it too
             raise GpuflowError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -112,7 +127,8 @@ def open_trained(
 ) -> tuple[Path, RunConfig, Path, GPT]:
     """A run's folder, config, checkpoint ``which`` (``say`` hears it when it is not the one
     asked for) and model with its weights, on the host; refused when the run has no
-    tokenizer (its tokens could not be turned into text) or its weights are not numbers."""
+    tokenizer (its tokens could not be turned into text) or not the one it was trained with
+    (``check_tokenizer``), or its weights are not numbers."""
     run_dir, run_config = open_run(run)
     ckpt.check_checkpoint_folder(run_dir)  # links planted there: refused, as --resume does
     checkpoint = choose_checkpoint(run_dir, which)
@@ -137,7 +153,53 @@ def open_trained(
     except ckpt.CheckpointDamaged as exc:
         raise GpuflowError(f"{exc}; {_another(run_dir, checkpoint)}") from None
     check_finite(model, checkpoint, record)
+    check_tokenizer(run_dir, run_config, record, say)
     return run_dir, run_config, checkpoint, model
+
+
+def check_tokenizer(
+    run_dir: Path, run_config: RunConfig, record: dict, say: Callable[[str], None]
+) -> None:
+    """Refuse a run whose tokenizer.json is not the one it was trained with (its text would
+    come out garbled, ids it lacks dropped): one with more tokens than the model has, or
+    one that differs from the tokenizer of the data the run was trained on, where that
+    data is still there as it was (as ``train --resume`` refuses it)."""
+    path = run_dir / TOKENIZER_FILE
+    vocab, model_vocab = vocab_bound(load_tokenizer(path)), run_config.model.vocab_size
+    data_dir = run_config.data.resolved_dir(model_vocab)
+    if vocab > model_vocab:
+        raise GpuflowError(
+            f"{path} has {vocab:,} tokens, more than the model's {model_vocab:,}: it is not "
+            f"the tokenizer {run_dir} was trained with; copy the tokenizer.json of the data it "
+            f"was trained on ({data_dir}) to {path}"
+        )
+    theirs = data_dir / TOKENIZER_FILE
+    if not theirs.is_file() or theirs.read_bytes() == path.read_bytes():
+        return  # no data left to compare with (a run may outlive it), or the same one
+    trained_on = record.get("data")
+    trained_on = trained_on.get("train_tokens") if isinstance(trained_on, dict) else None
+    if trained_on is not None and trained_on == _train_tokens(data_dir):
+        raise GpuflowError(
+            f"{path} is not the tokenizer {run_dir} was trained with (that is {theirs}, of "
+            f"its data); copy {theirs} to {path}"
+        )
+    # The data changed since (or an older checkpoint does not say): prepared again with
+    # another tokenizer, maybe, which would make the run's the right one. Nothing here can
+    # tell, so it is said, not refused.
+    say(
+        f"note: {path} differs from {theirs}, but {data_dir} is not known to be the data "
+        f"{run_dir} was trained on (it changed since): cannot check that {path} is the "
+        "tokenizer the run was trained with"
+    )
+
+
+def _train_tokens(data_dir: Path) -> int | None:
+    """The train split's token count of the token folder ``data_dir``; None where it cannot
+    be opened as one (what is wrong with it is for a run that trains on it to say)."""
+    try:
+        return TokenFolder.open(data_dir).train_tokens
+    except (GpuflowError, OSError, ValueError):
+        return None
 
 
 def _another(run_dir: Path, damaged: Path) -> str:
@@ -170,4 +232,18 @@ def sample(
     generated = ids[len(prompt_ids) :]
     if eot in generated:
         generated = generated[: generated.index(eot)]
+    _say_unknown_ids(generated, vocab_bound(tokenizer), run_dir, say)
     return tokenizer.decode(prompt_ids[1:] + generated)
+
+
+def _say_unknown_ids(ids: list[int], vocab: int, run_dir: Path, say: Callable[[str], None]) -> None:
+    """Say that ids with no token in the tokenizer were drawn: decoding leaves them out. A
+    model whose vocabulary is padded past its tokenizer's may draw one (rarely, once
+    trained); many mean a tokenizer.json that is not the run's."""
+    unknown = [i for i in ids if i >= vocab]
+    if unknown:
+        say(
+            f"note: {len(unknown)} of the {len(ids)} tokens drawn (id {unknown[0]} first) are "
+            f"not in {run_dir / TOKENIZER_FILE} ({vocab:,} tokens) and are left out of the "
+            "text; if they are many, it is not the tokenizer the run was trained with"
+        )

@@ -19,7 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
     add_checkpoint_argument(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
-    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=200,
+        help="tokens to generate, at most 10,000 (default 200)",  # interface.sample.MAX_TOKENS
+    )
     p.add_argument(
         "--temperature",
         type=float,

@@ -101,3 +101,25 @@ def test_a_read_only_results_folder_is_refused(tmp_path, monkeypatch):
     with pytest.raises(GpuflowError, match=r"locked is not writable \(a read-only file system"):
         check_results_folder(locked / "results")
     assert list(locked.iterdir()) == []
+
+
+def test_results_written_at_once_each_keep_a_name_of_their_own(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int):
+        return write_result("train", CPU, {"rows": [i]}, tmp_path / "res", preset="tiny")
+
+    with ThreadPoolExecutor(8) as pool:
+        paths = list(pool.map(one, range(16)))
+    assert len(set(paths)) == 16
+    assert sorted(json.loads(p.read_text())["rows"][0] for p in paths) == list(range(16))
+
+
+def test_a_result_that_cannot_be_written_leaves_no_claim_behind(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("gpuflow.bench.results.write_text_atomic", full)
+    with pytest.raises(OSError):
+        write_result("train", CPU, {}, tmp_path / "res", preset="tiny")
+    assert list((tmp_path / "res").iterdir()) == []

@@ -104,12 +104,18 @@ def write_result(
     stem = "-".join(
         part for part in (now.strftime("%Y-%m-%d"), name, preset, device_slug(device, gpus)) if part
     )
-    path = folder / f"{stem}.json"
-    n = 2
-    while path.exists():
-        path = folder / f"{stem}-{n}.json"
-        n += 1
+    path, n = folder / f"{stem}.json", 2
+    while True:  # claimed by creating it: two benches ending at once never share a name
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            break
+        except FileExistsError:
+            path, n = folder / f"{stem}-{n}.json", n + 1
     stamp = now.strftime("%Y%m%d-%H%M%S")
     record = {"benchmark": name, "created_utc": stamp, "machine": machine(device), **payload}
-    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
+    try:
+        write_text_atomic(path, json.dumps(record, indent=2) + "\n")  # over its own claim
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return path

@@ -102,6 +102,19 @@ def test_the_cli_exports_a_named_checkpoint_and_refuses_a_folder_in_use(trained,
     assert not (tmp_path / "x").exists()
 
 
+def test_a_killed_exports_leftover_goes_and_a_users_folder_stays(trained, tmp_path):
+    gone = 2**22 + 7  # past Linux's largest pid: no such process
+    leftover = tmp_path / f".hf.tmp-{gone}"
+    leftover.mkdir()
+    (leftover / "config.json").write_text("{}")
+    users = tmp_path / f".hf.tmp-{gone + 1}"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    export_hf(trained, tmp_path / "hf")
+    assert not leftover.exists()
+    assert (users / "notes.txt").read_text() == "mine"
+
+
 def test_the_exported_files_are_made_as_a_checkpoints_are(trained, tmp_path):
     old = os.umask(0o022)  # a user's usual umask, whatever this process runs under
     try:

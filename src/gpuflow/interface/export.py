@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 
 from gpuflow.common.atomic import fsync_dir, open_new
 from gpuflow.common.errors import GpuflowError
+from gpuflow.data.prepare.outfolder import pid_is_running
 from gpuflow.data.tokenizer_file import EOT, eot_id, load_tokenizer
 from gpuflow.interface.sample import open_trained
 from gpuflow.model.hf import gpt2_config, gpt2_weights
@@ -59,6 +61,25 @@ def _check_out(out: Path) -> None:
         raise GpuflowError(f"{out} is not empty; pass --out a new or empty folder")
 
 
+# What an export writes into its temporary folder.
+_EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary folders of exports to ``out`` that were killed (their process is
+    gone), where they hold nothing but what an export writes; anything else stays."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)")
+    for entry in out.parent.iterdir() if out.parent.is_dir() else ():
+        found = pattern.fullmatch(entry.name)
+        if not found or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(found.group(1))
+        if pid != os.getpid() and pid_is_running(pid):
+            continue  # another export, still at work
+        if {p.name for p in entry.iterdir()} <= _EXPORT_FILES:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def export_hf(
     run: Path | str, out: Path | str, which: str = "best", say: Callable[[str], None] = print
 ) -> Path:
@@ -72,7 +93,7 @@ def export_hf(
     tokenizer = load_tokenizer(tokenizer_path)
     eot = eot_id(tokenizer)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # our own, from a killed export of this pid
+    _remove_leftovers(out)
     tmp.mkdir(parents=True)
     try:
         model_config = json.dumps(gpt2_config(config.model, eot), indent=2)

@@ -16,7 +16,7 @@ from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 from gpuflow.interface.cli.main import main
 from gpuflow.interface.sample import MAX_TOKENS, SampleConfig, open_trained
-from gpuflow.model.generate import generate_no_sync
+from gpuflow.model.generate import generate_no_sync, next_token
 from tests.helpers import entry_hashes, one_error, two_checkpointed_steps
 
 RUN = ["sample", "--run", "runs/r", "--device", "cpu"]
@@ -167,19 +167,11 @@ def test_a_tiny_temperature_samples_as_greedy(run, capsys, temperature):
 
 
 def _generate_by_concatenation(model, idx, max_tokens, temperature, top_k) -> torch.Tensor:
-    """How tokens were drawn before the output was made once: the reference to match."""
+    """The sequence regrown every token, as before the output was made once: the reference
+    the buffer must match, past the context length too."""
     for _ in range(max_tokens):
         logits = model.next_token_logits(idx[:, -model.config.max_len :])
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            noise = torch.empty_like(logits).exponential_()
-            next_id = (logits.log_softmax(-1) - noise.log()).argmax(dim=-1, keepdim=True)
-        idx = torch.cat([idx, next_id], dim=1)
+        idx = torch.cat([idx, next_token(logits, temperature, top_k)], dim=1)
     return idx
 
 

@@ -109,3 +109,17 @@ def test_widths_that_are_not_four_channel_counts_are_refused_in_one_line(tmp_pat
         "error: --widths takes four positive channel counts, like 32,64,128,256; got '16,32'"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sizes_given_with_quick_are_refused_not_ignored(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow", "bench", "images", "--quick", "--steps", "7",
+         "--widths", "8,8,8,8", "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=child_env(), cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --quick runs its own small sizes, so --steps and --widths would be ignored; "
+        "drop them, or drop --quick"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -280,13 +280,23 @@ def _scale(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 # ---- images -------------------------------------------------------------------------------------
 
 
+_IMAGES_DEFAULTS = {"batch_size": 512, "steps": 100, "rounds": 5, "widths": "32,64,128,256"}
+
+
 def _images_arguments(p: argparse.ArgumentParser) -> None:
+    d = _IMAGES_DEFAULTS
     p.add_argument("--quick", action="store_true", help="tiny images: a smoke run in seconds")
-    p.add_argument("--batch-size", type=int, default=512, help="images per step (default 512)")
-    p.add_argument("--steps", type=int, default=100, help="timed steps per round (default 100)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of every feed (default 5)")
     p.add_argument(
-        "--widths", default="32,64,128,256", metavar="A,B,C,D",
+        "--batch-size", type=int, default=d["batch_size"], help="images per step (default 512)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=d["steps"], help="timed steps per round (default 100)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=d["rounds"], help="rounds of every feed (default 5)"
+    )
+    p.add_argument(
+        "--widths", default=d["widths"], metavar="A,B,C,D",
         help="the net's channels per stage (default 32,64,128,256; narrower nets train faster "
         "and so ask more of the feed)",
     )  # fmt: skip
@@ -304,6 +314,15 @@ def _images_config(args: argparse.Namespace) -> Any:
     from gpuflow.bench.images import ImagesBenchConfig
 
     if args.quick:
+        given = [
+            f"--{name.replace('_', '-')}" for name, default in _IMAGES_DEFAULTS.items()
+            if getattr(args, name) != default
+        ]  # fmt: skip
+        if given:
+            raise GpuflowError(
+                f"--quick runs its own small sizes, so {' and '.join(given)} would be ignored; "
+                "drop them, or drop --quick"
+            )
         return ImagesBenchConfig.quick()
     return ImagesBenchConfig(
         batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,

@@ -6,8 +6,8 @@ fixture is an open ``TransferLedger`` around the test's body, to assert on yours
 
     python -m pytest examples/test_transfer_budgets.py
 
-On a cpu the ledger sees explicit waits and the loader's copies but not ``.item()`` on a cpu
-tensor: run on an accelerator for the full check.
+On a cpu a read of a tensor's data (``.item()``, ``float(loss)``) counts as the sync it would
+be on a GPU, so a stray ``loss.item()`` fails ``syncs=0`` there too.
 """
 
 import numpy as np

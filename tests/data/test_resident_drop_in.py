@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -182,10 +183,28 @@ def test_a_loader_pickles_and_copies_with_its_position(budget_bytes, how):
             "deepcopy": lambda: copy.deepcopy(loader),
             "copy": lambda: copy.copy(loader),
         }[how]()
+        checkpointed = pickle.dumps(loader)  # as torch.save would keep it, mid-epoch
         rest, after = _clone(batches), _clone(loader)  # epoch 0's rest, then epoch 1
     assert twin.state_dict() == saved and (twin.dataset is loader.dataset) == (how == "copy")
     with twin:
         assert twin._reader is None and twin._pool is None
-        assert _same(_clone(twin), after)  # its next iter() is the next epoch, as the loader's
-        twin.load_state_dict(saved)
+        # The copy holds no epoch iterator: its next iter() carries on with the rest of the
+        # epoch (saved in a checkpoint mid-epoch, no batch is skipped), then the next one.
         assert len(rest) == 2 and _same(_clone(twin), rest)
+        assert _same(_clone(twin), after)
+        twin.load_state_dict(saved)
+        assert _same(_clone(twin), rest)
+    with pickle.loads(checkpointed) as resumed:
+        resumed.set_epoch(saved["epoch"])  # the documented resume loop keeps the position
+        assert _same(_clone(resumed), rest)
+
+
+def test_a_single_value_and_a_fractional_batch_size_are_refused():
+    with pytest.raises(GpuflowError, match="is a single value"):
+        ResidentDataset(np.array(3), device="cpu")
+    data = ResidentDataset(torch.arange(20), device="cpu")
+    with pytest.raises(
+        GpuflowError, match=r"batch_size must be an integer of at least 1, got 8\.0"
+    ):
+        ResidentLoader(data, 8.0)
+    assert len(ResidentLoader(data, np.int64(8))) == 3

@@ -229,7 +229,7 @@ def test_rank_and_world_size_go_together():
 def test_bad_loader_arguments():
     with pytest.raises(GpuflowError, match="takes a ResidentDataset, got Tensor"):
         ResidentLoader(torch.arange(10), 4)
-    with pytest.raises(GpuflowError, match="batch_size must be at least 1"):
+    with pytest.raises(GpuflowError, match="batch_size must be an integer of at least 1"):
         ResidentLoader(_ids(), 0)
     with pytest.raises(GpuflowError) as error:
         ResidentLoader(_ids(), 64, drop_last=True)

@@ -86,6 +86,8 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
             return value
         value = value.numpy()  # torch finds no min or max of these: through NumPy
     if isinstance(value, np.ndarray):
+        if value.ndim == 0:  # (ascontiguousarray would make it one sample, silently)
+            raise GpuflowError(f"{what} is a single value; give an array with one first dimension")
         if value.dtype.kind not in "biufc":
             raise GpuflowError(
                 f"{what} holds {value.dtype} values, not numbers; encode them as numbers first "

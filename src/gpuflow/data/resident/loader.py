@@ -75,8 +75,9 @@ class ResidentLoader:
                 "wrap tensors with ResidentDataset(...) or a Dataset with "
                 "ResidentDataset.from_dataset(...)"
             )
-        if batch_size < 1:
-            raise GpuflowError(f"batch_size must be at least 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not hasattr(batch_size, "__index__") or batch_size < 1:
+            raise GpuflowError(f"batch_size must be an integer of at least 1, got {batch_size!r}")
+        batch_size = int(batch_size)  # (a NumPy integer too)
         seed = check_seed(seed)
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
@@ -258,6 +259,9 @@ class ResidentLoader:
         streaming thread and pinned buffers are its own, made again when it streams."""
         state = self.__dict__.copy()
         state.update(_reader=None, _pool=None, _lock=None, _traced=False)
+        if self._position is not None:  # mid-epoch: the copy has no epoch iterator of its
+            # own, so its next iter() carries on from here, as load_state_dict(state_dict())
+            state.update(_next=self._position, _position=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
 from gpuflow.interface.cli.main import main
-from gpuflow.interface.sample import MAX_TOKENS, SampleConfig, open_trained
+from gpuflow.interface.sample import MAX_TOKENS, SampleConfig, _say_unknown_ids, open_trained
 from gpuflow.model.generate import generate_no_sync, next_token
 from tests.helpers import entry_hashes, one_error, two_checkpointed_steps
 
@@ -107,11 +107,22 @@ def test_data_prepared_again_since_is_said_and_the_run_still_samples(run, workdi
     assert "cannot check that runs/r/tokenizer.json is the tokenizer" in err
 
 
-def test_ids_the_tokenizer_lacks_are_said_not_dropped_silently(run, workdir, capsys, tok300):
+@pytest.mark.parametrize("argv", [SAMPLE, EXPORT], ids=["sample", "export"])
+def test_a_replaced_tokenizer_is_refused_by_the_checkpoints_record_without_its_data(
+    run, workdir, capsys, tok300, argv
+):
     _point_data_at(run, workdir / "gone")  # nothing to compare with, and it fits the model
     shutil.copy(tok300, run / "tokenizer.json")
-    _, err = _sampled([*RUN, "--max-tokens", "30", "--temperature", "1", "--top-k", "0"], capsys)
-    assert "are not in runs/r/tokenizer.json (300 tokens)" in err
+    said = "was trained with another tokenizer than runs/r/tokenizer.json"
+    _refused(argv, workdir, capsys, said, "put back the run's own tokenizer.json")
+
+
+def test_ids_the_tokenizer_lacks_are_said_not_dropped_silently():
+    notes = []
+    _say_unknown_ids([5, 301, 7, 400], 300, Path("runs/r"), notes.append)
+    assert len(notes) == 1 and "2 of the 4 tokens drawn (id 301 first) are not in" in notes[0]
+    _say_unknown_ids([5, 7], 300, Path("runs/r"), notes.append)
+    assert len(notes) == 1  # none drawn: nothing said
 
 
 def test_the_runs_own_tokenizer_samples_and_exports_with_nothing_said(run, workdir, capsys):

@@ -81,3 +81,26 @@ def test_a_run_resumed_on_the_same_folder_says_nothing_and_compares_all(data_cop
     val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
     assert json.loads((run / "report.json").read_text())["best_val_loss"] == min(val)
     assert _best_record(run)["val_loss"] == min(val[1:])  # step 0's is never saved
+
+
+def _swap_two_tokens(path: Path) -> None:
+    """Another tokenizer of the same size: two of its tokens' ids exchanged."""
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tokenizer))
+
+
+def test_a_checkpoint_trained_with_another_tokenizer_is_refused(data_copy, workdir, capsys):
+    """The run's tokenizer.json and its data's agree, but not with the one the checkpoint's
+    weights were trained with (a checkpoint copied from another run, or both replaced)."""
+    _train(capsys, *_sets(data_copy))
+    run = workdir / "runs" / "r"
+    assert _best_record(run)["data"]["tokenizer_sha256"]
+    for path in (run / "tokenizer.json", data_copy / "tokenizer.json"):
+        _swap_two_tokens(path)
+    more = ("--resume", "--set", "train.steps=6")
+    assert main(["train", "--device", "cpu", "--name", "r", *more]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with another tokenizer than runs/r/tokenizer.json" in err

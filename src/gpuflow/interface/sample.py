@@ -24,6 +24,7 @@ from gpuflow.model.generate import generate_no_sync
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.config import RunConfig
+from gpuflow.train.resumed_data import check_checkpoint_tokenizer
 from gpuflow.train.runfolder import TOKENIZER_FILE, open_run
 from gpuflow.transfer.loader import upload_tokens
 from gpuflow.transfer.mirror import read_now
@@ -153,7 +154,8 @@ def open_trained(
     except ckpt.CheckpointDamaged as exc:
         raise GpuflowError(f"{exc}; {_another(run_dir, checkpoint)}") from None
     check_finite(model, checkpoint, record)
-    check_tokenizer(run_dir, run_config, record, say)
+    check_tokenizer(run_dir, run_config, record, say)  # names the data's to copy back
+    check_checkpoint_tokenizer(run_dir, checkpoint, record.get("data"))  # without the data
     return run_dir, run_config, checkpoint, model
 
 

@@ -9,8 +9,10 @@ checkpoint's, evaluated on the old ones, and the report's best counts only the e
 since.
 
 Each checkpoint's data record carries what these checks compare (``record_fields``): the
-validation set's digest, the step after which evaluations used it, and the train split's
-token count.
+validation set's digest, the step after which evaluations used it, the train split's token
+count, and the digest of the tokenizer the weights were trained with, which every command
+that reads a checkpoint compares with the run's tokenizer.json
+(``check_checkpoint_tokenizer``).
 """
 
 from __future__ import annotations
@@ -48,14 +50,38 @@ class Comparable:
     since: int | None
 
 
-def record_fields(val_set: str | None, since: int | None, train_tokens: int) -> dict[str, Any]:
-    """What a checkpoint's data record keeps for the next resume to compare."""
+def record_fields(
+    val_set: str | None, since: int | None, train_tokens: int, tokenizer: str | None
+) -> dict[str, Any]:
+    """What a checkpoint's data record keeps for the next resume (and ``sample``) to compare;
+    ``tokenizer``: ``tokenizer_digest`` of the run's."""
     fields: dict[str, Any] = {"train_tokens": train_tokens}
+    if tokenizer is not None:
+        fields["tokenizer_sha256"] = tokenizer
     if val_set is not None:
         fields["val_set"] = val_set
     if since is not None:
         fields["val_since"] = since
     return fields
+
+
+def tokenizer_digest(path: Path) -> str | None:
+    """The SHA-256 of the tokenizer.json at ``path`` (None where there is none)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def check_checkpoint_tokenizer(run_dir: Path, checkpoint: Path, data_record: Any) -> None:
+    """Refuse a checkpoint trained with another tokenizer than the run's tokenizer.json (one
+    copied from another run, or a tokenizer.json replaced since): its ids would be read as
+    other text. Checkpoints written before the digest was recorded are not checked."""
+    recorded = data_record.get("tokenizer_sha256") if isinstance(data_record, dict) else None
+    kept = run_dir / TOKENIZER_FILE
+    if recorded is not None and tokenizer_digest(kept) != recorded:
+        raise GpuflowError(
+            f"{checkpoint} was trained with another tokenizer than {kept} (a checkpoint copied "
+            "from another run, or a tokenizer.json replaced since); put back the run's own "
+            "tokenizer.json, or use the checkpoint in the run it came from"
+        )
 
 
 def check_tokenizer(run_dir: Path, data: TokenFolder, say: Callable[[str], None]) -> None:

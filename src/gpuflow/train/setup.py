@@ -37,7 +37,12 @@ from gpuflow.train.meter import IntervalPart
 from gpuflow.train.optim import StepOptimizer
 from gpuflow.train.optim.adamw import CapturableAdamW, build_optimizer
 from gpuflow.train.optim.master_adamw import MasterAdamW, with_fp32_masters
-from gpuflow.train.resumed_data import check_tokenizer, compare_with_checkpoints, validation_digest
+from gpuflow.train.resumed_data import (
+    check_checkpoint_tokenizer,
+    check_tokenizer,
+    compare_with_checkpoints,
+    validation_digest,
+)
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import StepOptions, compiled_forward
 from gpuflow.train.trackers import check_trackers
@@ -144,6 +149,7 @@ def build_setup(
         if checkpoint is None:
             say(f"{run_dir} has no checkpoint yet: training it from step 0")
         else:
+            check_checkpoint_tokenizer(run_dir, checkpoint.path, checkpoint.record.get("data"))
             ckpt.apply_checkpoint(checkpoint, model, adamw)
     start_step = checkpoint.step if checkpoint is not None else 0
     if start_step >= cfg.train.steps:

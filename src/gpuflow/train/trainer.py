@@ -39,8 +39,8 @@ from gpuflow.train.display import TrainDisplay
 from gpuflow.train.distributed import Ranks, agree, each_rank, ignore_sigterm, largest
 from gpuflow.train.meter import BusMeter, IntervalPart, Throughput
 from gpuflow.train.records import Records, Sink
-from gpuflow.train.resumed_data import record_fields
-from gpuflow.train.runfolder import MetricsLog, RunFolder, truncate_metrics
+from gpuflow.train.resumed_data import record_fields, tokenizer_digest
+from gpuflow.train.runfolder import TOKENIZER_FILE, MetricsLog, RunFolder, truncate_metrics
 from gpuflow.train.schedule import warmup_notice
 from gpuflow.train.setup import RunSetup, build_setup
 from gpuflow.train.step import StepOptions, StepParts, TrainStep, build_step
@@ -377,7 +377,8 @@ class Trainer:
         tc, setup = self.config.train, self.setup
         data = {
             "path": str(setup.path), "seed": tc.seed, "next_step": step,
-            **record_fields(setup.val_set, setup.val_since, setup.data.train_tokens),
+            **record_fields(setup.val_set, setup.val_since, setup.data.train_tokens,
+                            tokenizer_digest(self.run_dir / TOKENIZER_FILE)),
         }  # fmt: skip
         state = ckpt.RunState.now(
             self.device,

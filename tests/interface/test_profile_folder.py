@@ -186,3 +186,16 @@ def test_a_profile_that_fails_leaves_no_folder_it_made(workdir):
     with pytest.raises(GpuflowError, match="token folder missing does not exist"):
         profile_training(config, workdir / "new" / "prof", Device("cpu"), steps=1, warmup=0)
     assert not (workdir / "new" / "prof").exists()
+
+
+def test_the_cli_refuses_a_folder_before_announcing_the_run(prepared, workdir, capsys):
+    from gpuflow.interface.cli.main import main
+
+    mine = workdir / "myproj"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    sets = [a for s in (*FAST, f"data.dir={prepared}") for a in ("--set", s)]
+    argv = ["profile", "--device", "cpu", "--steps", "1", "--warmup", "0", "--out", "myproj"]
+    assert main([*argv, *sets]) == 2
+    out, err = capsys.readouterr()
+    assert "profiling" not in out and "not a gpuflow profile folder" in err

@@ -41,12 +41,14 @@ def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import out_console
     from gpuflow.device.accelerator import Device
     from gpuflow.interface.profile import OUTPUT_FILES, profile_training
+    from gpuflow.interface.profile_folder import check_output_folder
     from gpuflow.train.config import resolve_config
     from gpuflow.train.runfolder import RUNS_DIR
 
     device = Device.resolve(args.device)
     config = resolve_config(args.preset, args.config, args.set or ())
     out = Path(args.out) if args.out else RUNS_DIR / f"profile-{config.preset}"
+    check_output_folder(out)  # a refused folder is said before the run is announced
     out_console.print(f"profiling {args.steps} steps of {config.preset} on {device} into {out}")
     result = profile_training(config, out, device, steps=args.steps, warmup=args.warmup)
     _print_profile(result)

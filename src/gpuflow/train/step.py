@@ -110,14 +110,13 @@ class Update:
             with torch.no_grad():  # the global gradient: the same on every rank from here
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 grads = self.averager(params, None if loss is None else loss.detach())
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.grad_clip > 0 and not self.fused_clip:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        elif self.averager is not None:  # read through the flat buffers: the same norm
+            grad_norm = self.averager.grad_norm(grads)
         else:
-            # Averaged gradients are read through their flat buffers: the norm is the same.
-            grad_norm = (
-                global_grad_norm(grads) if self.averager is None else self.averager.grad_norm(grads)
+            grad_norm = global_grad_norm(
+                [p.grad for p in self.model.parameters() if p.grad is not None]
             )
         if self.grad_clip > 0 and self.fused_clip:
             # Fused AdamW divides each gradient by ``grad_scale`` as it reads it, so the clip

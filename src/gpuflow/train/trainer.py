@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +368,12 @@ class Trainer:
         (before a checkpoint). Collective: every rank calls it at the same step."""
         self.setup.optimizer.gather_state()
 
+    @cached_property
+    def _tokenizer_sha256(self) -> str | None:
+        """The digest of the run's tokenizer.json, which no step changes: read once, at the
+        first checkpoint, for every checkpoint's record."""
+        return tokenizer_digest(self.run_dir / TOKENIZER_FILE)
+
     def save(
         self, checkpointer: ckpt.Checkpointer, step: int, names: tuple[str, ...] | None = None,
         interval: IntervalPart | None = None,
@@ -378,7 +385,7 @@ class Trainer:
         data = {
             "path": str(setup.path), "seed": tc.seed, "next_step": step,
             **record_fields(setup.val_set, setup.val_since, setup.data.train_tokens,
-                            tokenizer_digest(self.run_dir / TOKENIZER_FILE)),
+                            self._tokenizer_sha256),
         }  # fmt: skip
         state = ckpt.RunState.now(
             self.device,

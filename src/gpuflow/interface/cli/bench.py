@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.interface.cli.bench_images import (
+    images_arguments,
+    images_config,
+    images_name,
+    run_images,
+)
 from gpuflow.interface.cli.common import DEVICE_HELP, unescape, use_allocator
 
 
@@ -277,78 +283,6 @@ def _scale(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     return results
 
 
-# ---- images -------------------------------------------------------------------------------------
-
-
-_IMAGES_DEFAULTS = {"batch_size": 512, "steps": 100, "rounds": 5, "widths": "32,64,128,256"}
-
-
-def _images_arguments(p: argparse.ArgumentParser) -> None:
-    d = _IMAGES_DEFAULTS
-    p.add_argument("--quick", action="store_true", help="tiny images: a smoke run in seconds")
-    p.add_argument(
-        "--batch-size", type=int, default=d["batch_size"], help="images per step (default 512)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=d["steps"], help="timed steps per round (default 100)"
-    )
-    p.add_argument(
-        "--rounds", type=int, default=d["rounds"], help="rounds of every feed (default 5)"
-    )
-    p.add_argument(
-        "--widths", default=d["widths"], metavar="A,B,C,D",
-        help="the net's channels per stage (default 32,64,128,256; narrower nets train faster "
-        "and so ask more of the feed)",
-    )  # fmt: skip
-
-
-def _images(args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    from gpuflow.bench.images import print_images_table, run_images_bench
-
-    results = run_images_bench(device, _images_config(args))
-    print_images_table(results)
-    return results
-
-
-def _images_config(args: argparse.Namespace) -> Any:
-    from gpuflow.bench.images import ImagesBenchConfig
-
-    if args.quick:
-        given = [
-            f"--{name.replace('_', '-')}" for name, default in _IMAGES_DEFAULTS.items()
-            if getattr(args, name) != default
-        ]  # fmt: skip
-        if given:
-            raise GpuflowError(
-                f"--quick runs its own small sizes, so {' and '.join(given)} would be ignored; "
-                "drop them, or drop --quick"
-            )
-        return ImagesBenchConfig.quick()
-    return ImagesBenchConfig(
-        batch_size=args.batch_size, steps=args.steps, rounds=args.rounds,
-        widths=_widths(args.widths),
-    )  # fmt: skip
-
-
-def _widths(text: str) -> tuple[int, int, int, int]:
-    try:
-        widths = tuple(int(w) for w in text.split(","))
-    except ValueError:
-        widths = ()
-    if len(widths) != 4 or min(widths) < 1:
-        raise GpuflowError(
-            f"--widths takes four positive channel counts, like 32,64,128,256; got {text!r}"
-        )
-    return widths
-
-
-def _images_name(args: argparse.Namespace) -> str:
-    if args.quick:
-        return "quick"
-    widths = _widths(args.widths)
-    return "cifar" if widths == (32, 64, 128, 256) else f"cifar-w{widths[0]}"
-
-
 # ---- reference ----------------------------------------------------------------------------------
 
 
@@ -446,8 +380,8 @@ BENCHES: dict[str, Bench] = {
     "images": Bench(
         "an image classifier fed by DataLoader (transforms on the host, or on the device "
         "after the copy), by ResidentLoader, and on one fixed batch: images/s",
-        _images_arguments, _images, _images_name,
-        overrides=False, check=lambda args, device: _images_config(args),
+        images_arguments, run_images, images_name,
+        overrides=False, check=lambda args, device: images_config(args),
     ),
     "reference": Bench(
         "the same training run in gpuflow and in nanoGPT's own train.py (--nanogpt DIR): both "

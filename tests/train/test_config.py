@@ -190,3 +190,13 @@ def test_a_managed_corpus_off_cuda_is_refused_before_the_run_starts(prepared, wo
 def test_absurd_numbers_are_one_line_errors(setting, said):
     with pytest.raises(GpuflowError, match=re.escape(said)):
         resolve_config("tiny", None, [setting])
+
+
+def test_fp8_on_the_cpu_is_refused_before_training(tmp_path):
+    from gpuflow.device.accelerator import Device
+    from gpuflow.train.trainer import Trainer
+
+    config = resolve_config("tiny", None, ["train.fp8=true", "train.steps=1"])
+    with pytest.raises(GpuflowError, match=r"FP8 tensor cores.*train\.fp8=false"):
+        Trainer(config, tmp_path / "runs" / "f", Device("cpu")).run()
+    assert not (tmp_path / "runs" / "f" / "metrics.jsonl").exists()

@@ -386,3 +386,25 @@ def test_checkpoints_of_a_captured_run_are_written_while_it_trains(accel, prepar
     more = resolve_config("tiny", None, [*sets, "train.steps=32"])
     resumed = Trainer(more, result.run_dir, Device("cpu")).run(resume=True)
     assert (resumed.start_step, resumed.last_step) == (30, 32)
+
+
+def test_fp8_products_train_like_bf16_in_the_captured_step(accel, prepared, workdir):
+    if accel.type != "cuda" or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 products need FP8 tensor cores")
+    from gpuflow.model.fp8 import FP8Linear
+
+    sets = [*FAST, f"data.dir={prepared}", "train.steps=40", "train.eval_interval=40",
+            "train.log_interval=1", "train.compile=true"]  # fmt: skip
+    losses, val = {}, {}
+    for fp8 in (False, True):
+        run_dir = workdir / "runs" / f"fp8-{fp8}"
+        config = resolve_config("tiny", None, [*sets, f"train.fp8={str(fp8).lower()}"])
+        trainer = Trainer(config, run_dir, accel)
+        assert isinstance(_run_keeping_step(trainer), GraphStep)
+        kinds = {type(m) for m in trainer.setup.model.blocks.modules()}
+        assert (FP8Linear in kinds) == fp8
+        losses[fp8] = _losses(run_dir)
+        val[fp8] = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    assert losses[True][-1] < losses[True][0] - 0.5  # it learns
+    assert losses[True] == pytest.approx(losses[False], rel=3e-2)
+    assert val[True][-1] == pytest.approx(val[False][-1], rel=2e-2)

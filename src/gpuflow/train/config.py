@@ -71,6 +71,9 @@ class TrainConfig:
     # Recompute each block's activations in the backward instead of keeping them: for a
     # micro-batch that does not fit otherwise, at the cost of one more forward a step.
     activation_checkpointing: bool = False
+    # The blocks' matrix products in FP8 (per-tensor scales, e4m3 forward, e5m2 gradients) on
+    # GPUs with FP8 tensor cores (gpuflow.model.fp8); the weights stay as they are.
+    fp8: bool = False
     # The CUDA allocator (gpuflow.device.allocator): auto (what PYTORCH_CUDA_ALLOC_CONF
     # selects, else native), native, cudaMallocAsync or expandable.
     allocator: str = "auto"

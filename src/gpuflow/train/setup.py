@@ -27,6 +27,7 @@ from gpuflow.data.token_bytes import target_bytes, token_bytes
 from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device
 from gpuflow.device.allocator import check_allocator
+from gpuflow.model.fp8 import check_fp8, use_fp8_products
 from gpuflow.model.gpt import GPT
 from gpuflow.train import checkpoint as ckpt
 from gpuflow.train.batching import Batching, device_fit, plan_batching, step_rows, validation_rows
@@ -345,6 +346,9 @@ def _model(cfg: RunConfig, device: Device) -> GPT:
     try:
         model = place(GPT(cfg.model), device.torch)
         model.recompute_blocks = cfg.train.activation_checkpointing
+        if cfg.train.fp8:
+            check_fp8(device.torch, cfg.model.d_model, cfg.model.max_len)
+            use_fp8_products(model)
         return model
     except RuntimeError as exc:  # the host's allocator refusing (a device's is below)
         if "can't allocate memory" not in str(exc):

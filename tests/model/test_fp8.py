@@ -124,3 +124,26 @@ def test_fp8_is_refused_for_sides_the_fp8_kernels_cannot_take():
         check_fp8(torch.device("cuda"), 72, 128)
     with pytest.raises(GpuflowError, match=r"model\.max_len to be a multiple of 16"):
         check_fp8(torch.device("cuda"), 64, 100)
+
+
+def _columns_taken(device: str) -> None:
+    x, w, grad = (t.to(device) for t in _operands())
+    xi = x.t().contiguous().t().requires_grad_()  # (256, 192) stored by columns
+    wi = w.clone().requires_grad_()
+    y = fp8_linear(xi, wi)
+    y.backward(grad.t().contiguous().t())  # the gradient by columns too
+    assert _rel(y, F.linear(x, w)) < 0.06
+    assert xi.grad.shape == x.shape and torch.isfinite(wi.grad).all()
+
+
+def test_operands_and_gradients_laid_out_by_columns_are_taken():
+    _columns_taken("cpu")
+
+
+@pytest.mark.gpu
+def test_operands_and_gradients_laid_out_by_columns_are_taken_on_fp8_tensor_cores():
+    # CUDA's FP8 products take only their first operand by rows: the others are laid out
+    # before they reach it.
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no CUDA GPU with FP8 tensor cores")
+    _columns_taken("cuda")

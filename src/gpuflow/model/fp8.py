@@ -27,8 +27,9 @@ MIN_AMAX = 1e-12
 # Hopper (sm_90) and Ada (sm_89) have FP8 tensor cores; torch's _scaled_mm refuses others.
 MIN_CAPABILITY = (8, 9)
 # Tensor cores' fast accumulation (no periodic promotion to fp32) in the forward's product
-# and in the backward's two.
-FAST_ACCUM = {"forward": True, "backward": False}
+# only: in the backward's two it would be faster still, kept off for the gradients' sake
+# (docs/decisions/050).
+FORWARD_FAST_ACCUM, BACKWARD_FAST_ACCUM = True, False
 
 
 def quantise(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,22 +58,22 @@ class _FP8Product(torch.autograd.Function):
         ctx.w_dtype = w.dtype
         return torch._scaled_mm(
             xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype,
-            use_fast_accum=FAST_ACCUM["forward"],
+            use_fast_accum=FORWARD_FAST_ACCUM,
         )  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         xq, x_inv, wq, w_inv = ctx.saved_tensors
-        gq, g_inv = quantise(grad, E5M2)  # (M, N)
+        gq, g_inv = quantise(grad.contiguous(), E5M2)  # (M, N), by rows as _scaled_mm takes it
         # (M, N) @ (N, K): the weight's FP8 copy laid out by columns.
         grad_x = torch._scaled_mm(
             gq, column_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype,
-            use_fast_accum=FAST_ACCUM["backward"],
+            use_fast_accum=BACKWARD_FAST_ACCUM,
         )  # fmt: skip
         # (N, M) @ (M, K): the gradient by rows of its transpose, the input by columns.
         grad_w = torch._scaled_mm(
             gq.t().contiguous(), column_major(xq), scale_a=g_inv, scale_b=x_inv,
-            out_dtype=grad.dtype, use_fast_accum=FAST_ACCUM["backward"],
+            out_dtype=grad.dtype, use_fast_accum=BACKWARD_FAST_ACCUM,
         )  # fmt: skip
         return grad_x, grad_w.to(ctx.w_dtype)
 
@@ -85,7 +86,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        y = _FP8Product.apply(x.reshape(-1, x.shape[-1]), weight)  # (M, N)
+        y = _FP8Product.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight)  # (M, N)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -213,7 +213,7 @@ def test_random_crop_takes_a_height_and_width_as_torchvision_does():
         (lambda: RandomCrop((4, 5, 6)), r"an int or \(height, width\), got \(4, 5, 6\)"),
         (lambda: RandomCrop((4.0, 5)), r"an int or \(height, width\), got \(4.0, 5\)"),
         (lambda: RandomCrop("4"), r"an int or \(height, width\), got '4'"),
-        (lambda: RandomCrop((0, 4)), "size >= 1"),
+        (lambda: RandomCrop((0, 4)), "at least 1 pixel"),
         (lambda: RandomCrop(4, padding=(1, 2)), r"one int of pixels, got padding=\(1, 2\)"),
     ],
 )
@@ -359,7 +359,7 @@ def test_same_keys_give_the_same_images_whatever_the_global_rng():
     "make,match",
     [
         (lambda: RandomCrop(4, 1, fill="edge"), "'reflect' or 'zeros'"),
-        (lambda: RandomCrop(0), "size >= 1"),
+        (lambda: RandomCrop(0), "at least 1 pixel"),
         (lambda: RandomCrop(4, -1), "padding >= 0"),
         (lambda: HorizontalFlip(1.5), "p in"),
         (lambda: Cutout(0), "size >= 1"),
@@ -396,3 +396,13 @@ def test_transforms_take_only_4d_images(transform):
 def test_normalize_refuses_another_channel_count():
     with pytest.raises(GpuflowError, match="3 channels' means, the images 1"):
         Normalize(MEAN, STD)(torch.ones(2, 1, 4, 4), _keys(2))
+
+
+def test_translate_and_crop_refusals_name_what_was_given():
+    for pixels in (-1, 1.5, True):
+        with pytest.raises(GpuflowError, match=r"Translate moves by a whole number of pixels"):
+            Translate(pixels)
+    with pytest.raises(GpuflowError, match="at least 1 pixel, got 0"):
+        RandomCrop(0)
+    with pytest.raises(GpuflowError, match="padding >= 0, got -2"):
+        RandomCrop(4, padding=-2)

@@ -520,6 +520,30 @@ def test_layouts_and_container_types_arrive_as_to_keeps_them():
         assert torch.equal(got["images"], images) and torch.equal(got["matrix"], matrix)
 
 
+def test_a_list_of_same_shape_tensors_keeps_their_strides():
+    # A pair of channels_last image batches (a siamese pair): the same shape and dtype.
+    a = torch.randn(8, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(8, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    plain = [torch.randn(8, 4), torch.randn(8, 4)]  # contiguous ones are still stacked
+    with DeviceLoader([((a, b), plain)] * 2, "cpu") as loader:
+        for (x, y), (p, q) in loader:
+            for got, want in ((x, a), (y, b)):
+                assert got.is_contiguous(memory_format=torch.channels_last)
+                assert got.stride() == want.to("cpu", copy=True).stride()
+                assert torch.equal(got, want)
+            assert torch.equal(p, plain[0]) and torch.equal(q, plain[1])
+
+
+def test_bad_depths_and_budget_limits_are_refused():
+    from gpuflow.accounting.budgets import Budget
+
+    for depth in (1.5, True, -1, "2"):
+        with pytest.raises(GpuflowError, match="depth must be a whole number"):
+            DeviceLoader([torch.ones(2)], "cpu", depth=depth)
+    with pytest.raises(GpuflowError, match="syncs must be a whole number"):
+        Budget(syncs=True)
+
+
 def test_finite_floats_beyond_the_lossy_codecs_range_are_refused_not_sent_as_inf():
     big = torch.tensor([1.0, 1e300], dtype=torch.float64)
     with pytest.raises(GpuflowError, match="beyond bf16's range"):

@@ -249,3 +249,27 @@ def test_a_tracked_mirror_of_an_inference_tensor_never_claims_fresh():
         table.add_(1)  # inference tensors keep no version counter
     assert not mirror.is_fresh()
     assert mirror.numpy().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("writes", ["unknown", "tracked"])
+def test_an_indexed_read_keeps_the_values_it_read(writes):
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    mirror = HostMirror(layer.weight, writes=writes)
+    row, block = mirror[0], mirror[0:2]  # stale reads: fetched (a cpu tensor's .cpu() aliases)
+    saved_row, saved_block = row.copy(), block.copy()
+    layer(torch.ones(1, 4)).sum().backward()
+    optimizer.step()  # every weight moves by -1
+    np.testing.assert_array_equal(row, saved_row)
+    np.testing.assert_array_equal(block, saved_block)
+    assert not np.array_equal(mirror[0], saved_row)
+    # Read from a fresh host copy, then the copy refreshed: the earlier read stays.
+    mirror.numpy()
+    fresh = mirror[1]
+    kept = fresh.copy()
+    with torch.no_grad():
+        layer.weight.add_(5.0)
+    mirror.refresh_async()
+    mirror.numpy()
+    np.testing.assert_array_equal(fresh, kept)
+    assert not fresh.flags.writeable

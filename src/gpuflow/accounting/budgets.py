@@ -68,7 +68,8 @@ class Budget:
     def __post_init__(self) -> None:
         for name in _LIMITS:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and (not whole or value < 0):
                 raise GpuflowError(f"budget {name} must be a whole number >= 0, got {value!r}")
 
     def check(self, totals: StepTotals, events: list[TransferEvent]) -> None:

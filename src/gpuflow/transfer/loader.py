@@ -136,8 +136,8 @@ class DeviceLoader:
         coalesce: bool = True,
         fresh_batches: bool = False,
     ) -> None:
-        if depth < 0:
-            raise GpuflowError(f"DeviceLoader depth must be >= 0, got {depth}")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise GpuflowError(f"DeviceLoader depth must be a whole number >= 0, got {depth!r}")
         self.device = Device.resolve(device)
         self.depth = depth
         self.fresh_batches = fresh_batches

@@ -155,7 +155,8 @@ class HostMirror:
     ``numpy()`` after ``refresh_async()`` returns the tensor as it was at the refresh
     (stream order), unless a signalled write came since. Views handed out are read-only
     numpy arrays, so reading can never stand for writing. An array from ``numpy()`` shares
-    the mirror's buffer: it stays valid until the next ``refresh_async`` or stale read.
+    the mirror's buffer: it stays valid until the next ``refresh_async`` or stale read. One
+    from indexing (``mirror[i]``, ``mirror[a:b]``) is its own, the values as they were read.
     """
 
     def __init__(self, tensor: torch.Tensor, *, writes: Writes = "unknown") -> None:
@@ -215,16 +216,18 @@ class HostMirror:
         return self.numpy().tolist()
 
     def __getitem__(self, index: Any) -> Any:
-        """An element or slice: from the host copy when fresh, else fetching just those
+        """An element or slice, as it is now, in an array of its own (a later write or
+        refresh does not change it): from the host copy when fresh, else fetching just those
         bytes (one small copy, no caching of the rest)."""
         if self._adopt_staged() or self.is_fresh():
             self._counts["hits"] += 1
-            part = _host_numpy(self._host)[index]
+            part = _host_numpy(self._host)[index].copy()  # the host copy is refreshed in place
         else:
             piece = self.tensor[index]
             self._counts["misses"] += 1
             self._counts["bytes_fetched"] += piece.nbytes
-            part = _host_numpy(piece.cpu())
+            # .to() copies even where the tensor is on the cpu already (.cpu() would alias it)
+            part = _host_numpy(piece.detach().to("cpu", copy=True))
         return part.item() if part.ndim == 0 else _read_only(part)
 
     def _queue_copy(self) -> tuple[Any, _Stamp]:

@@ -78,10 +78,10 @@ class RandomCrop:
                 f"RandomCrop pads every side by one int of pixels, got padding={padding!r}"
             )
         self.window = _crop_size(size)
-        if (self.window is not None and min(self.window) < 1) or padding < 0:
-            raise GpuflowError(
-                f"RandomCrop needs size >= 1 and padding >= 0, got {size} and {padding}"
-            )
+        if self.window is not None and min(self.window) < 1:
+            raise GpuflowError(f"RandomCrop needs a size of at least 1 pixel, got {size!r}")
+        if padding < 0:
+            raise GpuflowError(f"RandomCrop needs padding >= 0, got {padding}")
         if fill not in ("reflect", "zeros"):
             raise GpuflowError(f"RandomCrop fills with 'reflect' or 'zeros', got {fill!r}")
         self.size, self.padding, self.fill = size, padding, fill
@@ -106,6 +106,8 @@ class Translate(RandomCrop):
     of the image's own size from its zero padding."""
 
     def __init__(self, pixels: int) -> None:
+        if not isinstance(pixels, int) or isinstance(pixels, bool) or pixels < 0:
+            raise GpuflowError(f"Translate moves by a whole number of pixels >= 0, got {pixels!r}")
         super().__init__(size=None, padding=pixels, fill="zeros")
         self.name = "Translate"
 

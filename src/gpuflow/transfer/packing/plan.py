@@ -396,7 +396,8 @@ def _is_int_sequence(item: Any) -> bool:
 
 
 def _same_shape_tensors(items: list[Any] | tuple[Any, ...]) -> bool:
-    """Two or more host tensors of one dtype and shape: worth packing as one stacked leaf.
+    """Two or more contiguous host tensors of one dtype and shape: worth packing as one
+    stacked leaf (the stack is contiguous: others go one by one, to keep their strides).
 
     This runs once per item of every list, so it uses only the cheapest attribute reads.
     """
@@ -404,7 +405,11 @@ def _same_shape_tensors(items: list[Any] | tuple[Any, ...]) -> bool:
         return False
     dtype, shape = items[0].dtype, items[0].shape
     return all(
-        isinstance(t, torch.Tensor) and t.dtype is dtype and t.shape == shape and t.is_cpu
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and t.shape == shape
+        and t.is_cpu
+        and t.is_contiguous()
         for t in items
     )
 

@@ -559,3 +559,24 @@ def test_a_device_given_as_an_int_is_an_accelerator_index_as_in_torch():
     with pytest.raises(GpuflowError, match="no accelerator"):
         DeviceLoader([torch.zeros(2)], 0)
     assert Device.resolve("cpu").type == "cpu"
+
+
+def test_what_cannot_be_moved_or_copied_is_refused_in_words():
+    import copy
+    import pickle
+
+    from gpuflow.transfer.packing import unpack
+
+    with DeviceLoader([torch.ones(2)], "cpu") as loader:
+        for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(GpuflowError, match="cannot be copied or pickled"):
+                attempt(loader)
+    cases = {
+        "other byte order": np.arange(4, dtype=">i4"),
+        "only numbers can": np.array(["a", "b"], dtype=object),
+    }
+    for match, array in cases.items():
+        with pytest.raises(GpuflowError, match=match):
+            list(DeviceLoader([array], "cpu"))
+    with pytest.raises(GpuflowError, match="unpack takes what pack"):
+        unpack(torch.ones(3), "cpu")

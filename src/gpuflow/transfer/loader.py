@@ -295,6 +295,12 @@ class DeviceLoader:
     def __enter__(self) -> DeviceLoader:
         return self
 
+    def __reduce__(self) -> Any:
+        raise GpuflowError(
+            "a DeviceLoader cannot be copied or pickled: it holds a thread, pinned buffers and "
+            "batches in flight; make another DeviceLoader over the same source"
+        )
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 

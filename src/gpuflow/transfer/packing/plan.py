@@ -239,6 +239,7 @@ class Planner:
 
     def plan(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
+            _check_array(obj)
             # (ascontiguousarray would turn a 0-d array into a 1-d one)
             obj = torch.from_numpy(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
         if isinstance(obj, torch.Tensor):
@@ -362,6 +363,22 @@ def pack(
         out = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, pin_memory=pin_memory)
     plan.write_into(out)
     return Packed(out, plan.nbytes, plan.logical_nbytes, plan.spec)
+
+
+def _check_array(array: np.ndarray) -> None:
+    """Refuse, in words, a NumPy array torch cannot take: values that are not numbers (object,
+    str, datetime) or numbers stored in the other byte order (from a file, a '>i4' dtype)."""
+    if array.dtype.kind not in "biufc":
+        raise GpuflowError(
+            f"a NumPy array of {array.dtype} values cannot be moved: only numbers can; encode "
+            "them as numbers first (class names as integer ids, dates as integers), or keep "
+            "them out of the batch"
+        )
+    if not array.dtype.isnative:
+        raise GpuflowError(
+            f"a NumPy array of {array.dtype.str} is stored in the other byte order; give "
+            "array.astype(array.dtype.newbyteorder('=')) instead"
+        )
 
 
 def _memory_order(tensor: torch.Tensor) -> tuple[int, ...] | None:

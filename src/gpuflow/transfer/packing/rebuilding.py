@@ -99,6 +99,11 @@ def unpack(
     ``non_blocking`` only helps when ``packed.buffer`` is pinned; the caller must keep the
     host buffer unchanged until the copy completes (``DeviceLoader`` does this with events).
     """
+    if not isinstance(packed, Packed):
+        raise GpuflowError(
+            f"unpack takes what pack() returned, got a {type(packed).__name__}; move a "
+            "tensor with .to(), or pack() the batch first"
+        )
     target = device if isinstance(device, torch.device) else Device.resolve(device).torch
     try:
         on_device = packed.buffer[: packed.nbytes].to(target, non_blocking=non_blocking)

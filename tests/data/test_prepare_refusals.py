@@ -356,3 +356,42 @@ def test_a_file_named_twice_is_one_line_for_a_new_folder_as_for_append(tokens, c
         assert f"--data names {expected}" in one_error(capsys, code)
         assert hashes(workdir) == before
         assert hidden(workdir) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        ("9" * 5000, "Exceeds the limit (4300 digits)"),
+        ("[" * 5000 + "]" * 5000, "nested too deeply"),
+    ],
+)
+def test_json_lines_python_cannot_decode_are_one_line(workdir, capsys, field, reason):
+    good = [json.dumps({"text": f"a document {i}"}) for i in range(20)]
+    lines = [*good[:10], '{"text": "ok", "extra": ' + field + "}", *good[10:]]
+    (workdir / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    code = main(["prepare", "--data", "rows.jsonl", "--out", "o", "--vocab-size", "300"])
+    line = one_error(capsys, code)
+    assert f"rows.jsonl:11 cannot be read as JSON ({reason}" in line, line
+    assert "fix or remove that line" in line
+    assert sorted(p.name for p in workdir.iterdir()) == ["rows.jsonl"]
+
+
+def test_a_file_that_changes_while_it_is_read_is_refused_and_nothing_is_published(
+    workdir, small_corpus, capsys, monkeypatch
+):
+    import gpuflow.data.prepare.pipeline as pipeline
+
+    source = workdir / "book.txt"
+    source.write_text((small_corpus / "notes" / "note000.md").read_text() * 20)
+    encode = pipeline._encode
+
+    def encode_after_a_change(*args, **kwargs):  # the file truncated once the reading began
+        with open(source, "r+") as f:
+            f.truncate(source.stat().st_size // 2)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_encode", encode_after_a_change)
+    code = main(["prepare", "--data", "book.txt", "--out", "o", "--vocab-size", "300"])
+    line = one_error(capsys, code)
+    assert "book.txt changed while it was read" in line and "nothing was written" in line
+    assert sorted(p.name for p in workdir.iterdir()) == ["book.txt"]

@@ -138,6 +138,16 @@ class Corpus:
             return ["builtin", sys.version.split()[0], self.total_bytes]
         return [i.identity() for i in self.inputs]
 
+    def check_unchanged(self, identity: list[Any]) -> None:
+        """Refuse a corpus whose files changed since ``identity`` was taken (before they
+        were read): what was read is then in neither version of a file."""
+        for inp, now, then in zip(self.inputs, self.identity(), identity, strict=False):
+            if now != then:
+                raise GpuflowError(
+                    f"{inp.name} changed while it was read (its size or modification time "
+                    "moved); nothing was written: run again once it stops changing"
+                )
+
     def parts(self) -> Iterator[Part]:
         if self._builtin is not None:
             yield from (Part(d.text, True, d.size) for d in self._builtin)

@@ -214,6 +214,12 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
             raise GpuflowError(
                 f"{inp.name}:{line_no} is not valid JSON ({exc.msg}); each line must be one object"
             ) from None
+        except (ValueError, RecursionError) as exc:  # a number of >4300 digits, deep nesting
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise GpuflowError(
+                f"{inp.name}:{line_no} cannot be read as JSON ({reason.split(':')[0]}); fix or "
+                "remove that line"
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise GpuflowError(
                 f"{inp.name}:{line_no} has no string field {field!r}; each line must look like "

@@ -200,6 +200,7 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
     if target is None:
         check_replaceable(out_dir, config.force)
     corpus = Corpus(config.data, config.read_options)  # every input checked before writing
+    read_from = corpus.identity()
     if corpus.left_out:
         err_console.print(describe_left_out(corpus.left_out))
     if target is not None:
@@ -220,6 +221,7 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
         tokenizer, trained_s = _tokenizer(config, corpus, stage, target)
         summary = _encode(config, corpus, tokenizer, stage, state, target, started)
         summary = replace(summary, tokenizer_seconds=trained_s)
+        corpus.check_unchanged(read_from)
         if unseen := separator_unseen(config.separator, corpus.inputs, state.documents):
             err_console.print(unseen)
         (stage / PROGRESS_FILE).unlink(missing_ok=True)  # from here on a rerun starts afresh

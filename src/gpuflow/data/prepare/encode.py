@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
+from gpuflow.common.orphans import exit_with_parent
 from gpuflow.data.prepare.pieces import Cutter, Piece
 
 # Main-process code imports numpy where it runs: the workers import this module, and numpy
@@ -107,8 +108,9 @@ class IdEncoder:
             counts[owner] += len(these)
 
 
-def _start_worker(tokenizer_file: str, itemsize: int, batch_chars: int) -> None:
+def _start_worker(tokenizer_file: str, itemsize: int, batch_chars: int, parent: int) -> None:
     global _worker, _trim_heap
+    exit_with_parent(parent)
     # One process, one core: no pool of threads in tokenizers (they would each hold memory).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -154,7 +156,7 @@ class ParallelEncoder:
                 # Spawned, not forked: the parent may hold threads (tokenizers' own pool).
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(str(self.tokenizer_file), self.dtype.itemsize, BATCH_CHARS),
+                initargs=(str(self.tokenizer_file), self.dtype.itemsize, BATCH_CHARS, os.getpid()),
             )
         return self
 

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.orphans import exit_with_parent
 from gpuflow.common.procmem import resident_bytes
 from gpuflow.data.prepare.encode import usable_cores
 from gpuflow.data.prepare.pieces import Cutter
@@ -116,7 +117,8 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     child = context.Process(
-        target=_trainer_process, args=(theirs, vocab_size, threads), name="gpuflow-bpe-trainer",
+        target=_trainer_process, args=(theirs, vocab_size, threads, os.getpid()),
+        name="gpuflow-bpe-trainer",
         daemon=True,
     )  # fmt: skip
     child.start()
@@ -180,9 +182,10 @@ def _watch_memory(pid: int, over: threading.Event, done: threading.Event) -> Non
         done.wait(WATCH_S)
 
 
-def _trainer_process(conn: Connection, vocab_size: int, threads: int) -> None:
+def _trainer_process(conn: Connection, vocab_size: int, threads: int, parent: int) -> None:
     """The trainer's process: texts in, until ``None``; (failed, tokenizer JSON or why) out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it, and says why
+    exit_with_parent(parent)  # training would otherwise run on for minutes, for nobody
     # Read once, when tokenizers starts its pool of threads: in this process, in training.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
+from gpuflow.common.signals import handling
 from gpuflow.interface.cli.common import add_corpus_arguments, unescape
 
 
@@ -81,6 +83,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import err_console, out_console
     from gpuflow.common.errors import GpuflowError
@@ -103,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         sample_mb=args.tokenizer_sample_mb,
         workers=args.workers,
     )
-    summary = prepare(config)
+    # SIGTERM (kill, timeout, a scheduler) stops it as Ctrl-C does: its workers shut down, its
+    # finished shards kept and said so, rather than the process ending without a word.
+    with handling([signal.SIGTERM], _interrupt):
+        summary = prepare(config)
     out_console.print(summary.describe())
     # (train/config.py would load torch)
     from gpuflow.train.suggest import (

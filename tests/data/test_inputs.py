@@ -130,6 +130,31 @@ def test_links_to_nothing_are_counted_and_said_not_skipped(tmp_path):
         )
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_a_link_to_a_folder_inside_a_folder_is_counted_and_said_not_skipped(tmp_path):
+    """Its files were left out without a word; named in --data, the folder is read."""
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    elsewhere, data = tmp_path / "elsewhere", tmp_path / "data"
+    elsewhere.mkdir()
+    data.mkdir()
+    for i in range(3):
+        (elsewhere / f"doc{i}.txt").write_text(f"document {i}")
+    (data / "more").symlink_to(elsewhere)
+    with pytest.raises(GpuflowError, match=r"\(link to a folder 1\); links to folders are not"):
+        resolve_inputs([data])
+    (data / "real.txt").write_text("a document that is here")
+    left_out: Counter = Counter()
+    assert [i.path.name for i in resolve_inputs([data], left_out)] == ["real.txt"]
+    assert left_out == {"link to a folder": 1}
+    assert describe_left_out(left_out) == (
+        "note: 1 file in the folders and globs given is left out (link to a folder 1); links "
+        "to folders are not followed: name such a folder in --data to read it"
+    )
+    named = [i.path.name for i in resolve_inputs([data, data / "more"])]
+    assert named == ["real.txt", "doc0.txt", "doc1.txt", "doc2.txt"]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_a_pipe_in_a_folder_is_counted_and_said_not_skipped(tmp_path):
     from gpuflow.data.prepare.inputs import describe_left_out

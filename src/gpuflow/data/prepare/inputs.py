@@ -29,7 +29,11 @@ EMPTY = "empty"  # how empty files of the folders and globs given are counted as
 # (git-annex, DVC) holds only these, and would otherwise train on what else it holds unsaid.
 BROKEN_LINK = "link to nothing"
 NOT_A_FILE = "pipe or device"  # a named pipe, a socket, a device node: no text to read twice
-UNREADABLE = (EMPTY, BROKEN_LINK, NOT_A_FILE)  # left out for what they are, whatever the suffix
+# A link to a folder inside a folder given is not followed (it may lead out of the folder, or
+# back into it); counted, so its files are not left out unsaid.
+LINKED_FOLDER = "link to a folder"
+LINKED_ADVICE = "links to folders are not followed: name such a folder in --data to read it"
+UNREADABLE = (EMPTY, BROKEN_LINK, NOT_A_FILE, LINKED_FOLDER)  # left out whatever the suffix
 FETCH = "fetch what the links point at (git annex get, dvc pull)"
 LINKS_ADVICE = f"{FETCH}, or leave them out"
 # What a dataset folder written by ``datasets``' save_to_disk holds.
@@ -201,7 +205,12 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
         if is_dataset_folder(entry):
             found.append(Input(entry, "dataset"))
         elif not entry.is_file():  # a folder, a pipe, a link to nothing
-            if not entry.is_dir() and not inside_dataset(entry):
+            if inside_dataset(entry):
+                continue
+            if entry.is_dir():
+                if entry.is_symlink():
+                    here[LINKED_FOLDER] += 1
+            else:
                 here[BROKEN_LINK if _is_broken_link(entry) else NOT_A_FILE] += 1
             continue
         elif inside_dataset(entry):
@@ -217,6 +226,8 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
         advice = "point --data at the text"
         if here[BROKEN_LINK]:
             advice = LINKS_ADVICE
+        elif here[LINKED_FOLDER]:
+            advice = LINKED_ADVICE
         elif any(kind not in UNREADABLE for kind in here):
             advice = (f"to read its files as plain text, name them with a glob: --data "
                       f"'{folder}/**/*{_example_suffix(here)}'")  # fmt: skip
@@ -236,7 +247,7 @@ def describe_left_out(left_out: Counter[str]) -> str:
     files = sum(left_out.values())
     # The common kinds, and always what the advice below is about (links to nothing).
     shown = [kind for kind, _ in left_out.most_common(4)]
-    shown += [kind for kind in (BROKEN_LINK,) if left_out[kind] and kind not in shown]
+    shown += [kind for kind in (BROKEN_LINK, LINKED_FOLDER) if left_out[kind] and kind not in shown]
     common = ", ".join(f"{kind} {left_out[kind]:,}" for kind in shown)
     more = ", ..." if len(left_out) > len(shown) else ""
     many = f"{files:,} file{'s' if files != 1 else ''} in the folders and globs given " + (
@@ -244,6 +255,8 @@ def describe_left_out(left_out: Counter[str]) -> str:
     )
     if left_out[BROKEN_LINK]:
         return f"note: {many} left out ({common}{more}); {FETCH} to read them"
+    if left_out[LINKED_FOLDER]:
+        return f"note: {many} left out ({common}{more}); {LINKED_ADVICE}"
     if set(left_out) == {EMPTY}:
         return f"note: {many} empty and left out"
     if all(kind in UNREADABLE for kind in left_out):

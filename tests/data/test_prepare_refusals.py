@@ -188,6 +188,17 @@ def test_append_refuses_an_input_twice_and_a_bad_one_midway(tokens, capsys, smal
     assert "more.txt is already in tokens (the same file, unchanged); leave it out" in one_error(
         capsys, code
     )
+    with open(tokens.parent / "more.txt", "a") as f:  # it grew: its old text is in the folder
+        f.write("And a sentence added later. ")
+    code = main(["prepare", "--data", "more.txt", "--out", "tokens", "--append"])
+    line = one_error(capsys, code)
+    assert "more.txt is already in tokens as it was then (1,230 bytes; 1,258 now)" in line, line
+    assert "would add its old text twice" in line
+    assert hashes(tokens.parent) == before | {
+        str(tokens.parent / "more.txt"): hashlib.sha256(
+            (tokens.parent / "more.txt").read_bytes()
+        ).hexdigest()
+    }
     mixed = tokens.parent / "mixed"
     mixed.mkdir()
     shutil.copy(small_corpus / "records.jsonl", mixed / "a.jsonl")
@@ -395,3 +406,19 @@ def test_a_file_that_changes_while_it_is_read_is_refused_and_nothing_is_publishe
     line = one_error(capsys, code)
     assert "book.txt changed while it was read" in line and "nothing was written" in line
     assert sorted(p.name for p in workdir.iterdir()) == ["book.txt"]
+
+
+def test_append_refuses_a_vocab_size_and_records_how_its_files_were_read(tokens, capsys):
+    code = main(["prepare", "--data", "more.txt", "--out", "tokens", "--append",
+                 "--vocab-size", "9999"])  # fmt: skip
+    assert "leave --vocab-size out" in one_error(capsys, code)
+    first = json.loads((tokens / "meta.json").read_text())
+    assert "appends" not in first
+    args = ["--separator", r"\n\n", "--val-fraction", "0.5"]
+    assert main(["prepare", "--data", "more.txt", "--out", "tokens", "--append", *args]) == 0
+    meta = json.loads((tokens / "meta.json").read_text())
+    assert meta["separator"] == first["separator"]  # the folder's first run's, as before
+    assert meta["appends"] == [
+        {"source": "more.txt", "inputs": 1, "separator": "\n\n", "text_field": "text",
+         "val_fraction": 0.5}
+    ]  # fmt: skip

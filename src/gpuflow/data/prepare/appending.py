@@ -164,12 +164,22 @@ def _ranges(indices: list[int]) -> str:
 def refuse_repeats(
     inputs: Sequence[Input], identities: Sequence[Any], target: AppendTarget
 ) -> None:
-    """An input the folder already holds (the same file, unchanged) is refused."""
+    """An input the folder already holds is refused: the same file unchanged, or changed
+    since (a file that grew: its old text would be in the folder twice)."""
     known = {json.dumps(i, sort_keys=True) for i in target.meta["inputs"] if i}
+    by_path = {i["path"]: i for i in target.meta["inputs"] if isinstance(i, dict) and "path" in i}
     for inp, identity in zip(inputs, identities, strict=True):
-        if identity is not None and json.dumps(identity, sort_keys=True) in known:
+        if identity is None:
+            continue
+        if json.dumps(identity, sort_keys=True) in known:
             raise GpuflowError(
                 f"{inp.name} is already in {target.path} (the same file, unchanged); leave it out"
+            )
+        if (then := by_path.get(identity["path"])) is not None:
+            raise GpuflowError(
+                f"{inp.name} is already in {target.path} as it was then ({then['size']:,} bytes; "
+                f"{identity['size']:,} now): appending it again would add its old text twice; "
+                "put only its new text in a file of its own, or prepare a new folder"
             )
 
 
@@ -192,7 +202,8 @@ def _check_unchanged(target: AppendTarget) -> None:
 def commit(stage: Path, target: AppendTarget, added: dict[str, Any]) -> None:
     """Make ``stage`` (the new shards, nothing else) the whole new folder, then swap it in.
 
-    ``added``: the new shards' documents, tokens, shards (by split), largest id and inputs.
+    ``added``: the new shards' documents, tokens, shards (by split), largest id, inputs and
+    how they were read.
     """
     _check_unchanged(target)
     for name, *_ in target.files:
@@ -205,6 +216,10 @@ def commit(stage: Path, target: AppendTarget, added: dict[str, Any]) -> None:
         max_token=max(target.meta["max_token"], added["max_token"]),
         inputs=[*target.meta["inputs"], *added["inputs"]],
         source=f"{target.meta['source']}; {added['source']}".strip("; "),
+        appends=[
+            *target.meta.get("appends", []),
+            {"source": added["source"], "inputs": len(added["inputs"]), **added["read_with"]},
+        ],
     )
     write_text_atomic(stage / "meta.json", json.dumps(meta, indent=2) + "\n")
     fsync_dir(stage)

@@ -56,6 +56,9 @@ from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer_file import eot_id, load_tokenizer, vocab_bound
 
 DEFAULT_VOCAB = 16000
+# How inputs are read: meta.json keeps the first run's at its top, and each --append's in
+# its entry of "appends".
+READ_SETTINGS = ("separator", "text_field", "val_fraction")
 DEFAULT_SHARD_TOKENS = 100_000_000  # modded-nanogpt's shard size
 DEFAULT_SAMPLE_MB = 200  # text a tokenizer is trained on, drawn evenly from the corpus
 ALL_CHARS = 1 << 62  # more than any corpus holds: a sample this large (inf MB) is all of it
@@ -226,7 +229,7 @@ def _prepare(config: PrepareConfig, out_dir: Path, started: float) -> PrepareSum
             err_console.print(unseen)
         (stage / PROGRESS_FILE).unlink(missing_ok=True)  # from here on a rerun starts afresh
         if target is not None:
-            commit(stage, target, _added(summary, state, corpus))
+            commit(stage, target, _added(summary, state, corpus, config))
             summary = replace(summary, appended=True)
         else:
             _write_meta(stage, summary, corpus, config, state)
@@ -276,14 +279,18 @@ def _resumable(stage: Path, state: State, fingerprint: str | None) -> bool:
     return fingerprint is not None and finished and (stage / PROGRESS_FILE).is_file()
 
 
-def _added(summary: PrepareSummary, state: State, corpus: Corpus) -> dict[str, Any]:
-    """What an appending run adds to its folder's meta.json."""
+def _added(
+    summary: PrepareSummary, state: State, corpus: Corpus, config: PrepareConfig
+) -> dict[str, Any]:
+    """What an appending run adds to its folder's meta.json: counts, inputs, and how they
+    were read (separator, text field and val fraction may differ from the folder's first)."""
     counts = ("documents", "train_tokens", "val_tokens", "train_shards", "val_shards")
     return {
         **{key: getattr(summary, key) for key in counts},
         "max_token": state.max_token,
         "inputs": corpus.identity(),
         "source": corpus.description,
+        "read_with": {key: getattr(config, key) for key in READ_SETTINGS},
     }
 
 

@@ -30,7 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--vocab-size",
         type=int,
-        default=16000,
         help="BPE vocabulary size to train (default: 16000)",
     )
     p.add_argument(
@@ -90,15 +89,20 @@ def _interrupt(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     from gpuflow.common.console import err_console, out_console
     from gpuflow.common.errors import GpuflowError
-    from gpuflow.data.prepare.pipeline import PrepareConfig, prepare
+    from gpuflow.data.prepare.pipeline import DEFAULT_VOCAB, PrepareConfig, prepare
 
     for flag, value in (("--out", args.out), ("--tokenizer", args.tokenizer)):
         if value is not None and not value.strip():  # an unset shell variable: not the default
             raise GpuflowError(f"{flag} is empty; name a path, or leave {flag} out")
+    if args.append and args.vocab_size is not None:
+        raise GpuflowError(
+            "--append encodes with the folder's own tokenizer, whose vocabulary is set; leave "
+            "--vocab-size out"
+        )
     config = PrepareConfig(
         data=tuple(args.data or ()),
         out=args.out or "",
-        vocab_size=args.vocab_size,
+        vocab_size=DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size,
         tokenizer=args.tokenizer or "",
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,

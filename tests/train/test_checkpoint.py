@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import threading
 
 import pytest
@@ -121,3 +122,17 @@ def test_a_replacement_cut_short_gives_the_old_checkpoint_back(tmp_path):
     ]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000003"]
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_000003"]
+
+
+def test_a_run_folder_removed_during_the_run_is_not_made_again(tmp_path):
+    _, model, optimizer = _model_and_optimizer()
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    checkpointer = ckpt.Checkpointer(run_dir, Device("cpu"), keep=2)
+    checkpointer.save(1, model, optimizer, {})
+    checkpointer.wait()
+    shutil.rmtree(run_dir)  # a user's rm -rf while it trains
+    checkpointer.save(2, model, optimizer, {})
+    with pytest.raises(GpuflowError, match=r"the run folder .*r was removed or moved"):
+        checkpointer.wait()
+    assert list((tmp_path / "runs").iterdir()) == []

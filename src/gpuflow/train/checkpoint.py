@@ -259,7 +259,12 @@ class Checkpointer:
     def _write(self, snapshot: Snapshot, record: dict[str, Any], names: tuple[str, ...]) -> None:
         started = time.perf_counter()
         folder = checkpoint_dir(self.run_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        if not self.run_dir.is_dir():  # not made again: a folder of checkpoints alone is no run
+            raise GpuflowError(
+                f"the run folder {self.run_dir} was removed or moved during the run (its "
+                "config, metrics and tokenizer with it); the run stops, nothing more written"
+            )
+        folder.mkdir(exist_ok=True)
         if not real_dir(folder):  # refused at the start (check_checkpoint_folder); put since
             raise GpuflowError(
                 f"{folder} became a link or a file during the run; gpuflow writes its "

@@ -161,3 +161,22 @@ def test_export_takes_the_hf_format_alone(trained, tmp_path, capsys):
     assert refused.value.code == 2 and "invalid choice: 'onnx'" in capsys.readouterr().err
     assert main(["export", "--run", str(trained), "--out", str(tmp_path / "y"), "--format=hf"]) == 0
     assert (tmp_path / "y" / "model.safetensors").is_file()
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(trained, tmp_path, capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    import gpuflow.interface.export as export_module
+
+    def full(*args, **kwargs):  # what safetensors raises where the disk fills
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(export_module, "save_file", full)
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(trained), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "No space left on device" in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from gpuflow.common.atomic import fsync_dir, open_new
@@ -44,7 +45,13 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor], mode_of: Path) 
     """The safetensors file of ``tensors``, fsynced. safetensors makes its file 0600 (and
     replaces whatever is there): it is given the mode of ``mode_of``, a file ``_write_new``
     made, so that every file of the export reads the same."""
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:  # its own error for the system's: said as the system's
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     os.chmod(path, stat.S_IMODE(mode_of.stat().st_mode))
     with open(path, "rb") as f:
         os.fsync(f.fileno())

@@ -56,6 +56,32 @@ def test_tensorboard_event_files_hold_every_metric_of_every_record(prepared, wor
         assert expected[field] == plain[field], field
 
 
+def test_a_resumed_runs_tensorboard_shows_each_step_once(prepared, workdir):
+    """Steps past the checkpoint a run resumes from are trained and recorded again; the
+    earlier session's records of them are hidden, as metrics.jsonl drops them."""
+    pytest.importorskip("tensorboard")
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gpuflow.train import checkpoint as ckpt
+
+    sets = ("log.tensorboard=true", "train.checkpoint_interval=3")
+    run_dir = _run(prepared, workdir / "runs" / "tb", *sets)
+    shutil.rmtree(ckpt.checkpoint_dir(run_dir) / "step_000006")  # as if killed before it
+    config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", *SETS, *sets])
+    resumed = Trainer(config, run_dir, Device("cpu")).run(resume=True)
+    assert resumed.start_step == 3
+    events = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    events.Reload()
+    expected = _expected(run_dir)
+    for name in ("loss", "val_loss", "lr"):
+        steps = [e.step for e in events.Scalars(name)]
+        assert steps == sorted(expected[name]), (name, steps)
+        latest = {e.step: e.value for e in events.Scalars(name)}
+        assert latest == pytest.approx(expected[name], rel=1e-6), name
+
+
 def _log_records(path: Path) -> list[bytes]:
     """The records of a W&B transaction log (``run-*.wandb``): a 7-byte header, then
     LevelDB's log format (32 KiB blocks; each record a 7-byte header: checksum, length,

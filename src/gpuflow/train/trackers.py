@@ -37,13 +37,18 @@ def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    """Scalars in TensorBoard event files under ``runs/<name>/tensorboard/``."""
+    """Scalars in TensorBoard event files under ``runs/<name>/tensorboard/``. A resumed run
+    hides what an earlier session wrote from ``first_step`` on (steps trained again, as
+    metrics.jsonl drops them), so each step is shown once."""
 
-    def __init__(self, run_dir: Path, about: Mapping[str, Any]) -> None:
+    def __init__(self, run_dir: Path, about: Mapping[str, Any], first_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # (check_trackers found the package)
 
-        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
-        self._writer.add_text("run", f"```\n{json.dumps(about, indent=2)}\n```", 0)
+        self._writer = SummaryWriter(
+            log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=first_step
+        )
+        text = f"```\n{json.dumps(about, indent=2)}\n```"
+        self._writer.add_text("run", text, first_step or 0)
 
     def record(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
@@ -92,13 +97,16 @@ def check_trackers(config: RunConfig) -> None:
             ) from None
 
 
-def open_trackers(config: RunConfig, run_dir: Path, device: Mapping[str, Any]) -> list[Tracker]:
-    """The trackers ``config.log`` asks for, opened (``check_trackers`` first)."""
+def open_trackers(
+    config: RunConfig, run_dir: Path, device: Mapping[str, Any], first_step: int | None = None
+) -> list[Tracker]:
+    """The trackers ``config.log`` asks for, opened (``check_trackers`` first); a resumed
+    run's ``first_step`` is the first it records again (None: a new run)."""
     about = {"config": to_dict(config), "device": dict(device)}
     trackers: list[Tracker] = []
     try:
         if config.log.tensorboard:
-            trackers.append(TensorBoardTracker(run_dir, about))
+            trackers.append(TensorBoardTracker(run_dir, about, first_step))
         if config.log.wandb:
             trackers.append(
                 WandbTracker(run_dir, about, config.log.wandb_project, config.log.wandb_run)

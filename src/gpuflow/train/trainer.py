@@ -190,7 +190,8 @@ class Trainer:
             if main:
                 display = run.enter_context(TrainDisplay(tc.steps, step, show_bus))
                 metrics = run.enter_context(MetricsLog(self.run_dir))
-                trackers = open_trackers(self.config, self.run_dir, device.describe())
+                again = (step + 1 if latest else 0) if resume else None  # as metrics.jsonl
+                trackers = open_trackers(self.config, self.run_dir, device.describe(), again)
                 for tracker in trackers:
                     run.callback(tracker.close)
                 sinks = [metrics.write, *(t.record for t in trackers), display.record]

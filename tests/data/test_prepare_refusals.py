@@ -422,3 +422,20 @@ def test_append_refuses_a_vocab_size_and_records_how_its_files_were_read(tokens,
         {"source": "more.txt", "inputs": 1, "separator": "\n\n", "text_field": "text",
          "val_fraction": 0.5}
     ]  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("points_at", ["tokens", "empty", "nowhere"])
+def test_an_output_that_is_a_link_is_refused_and_kept(tokens, capsys, force, points_at):
+    """The new folder is renamed into --out's place: a link of the user's there was deleted
+    (--force onto a link to a token folder, or a link to an empty folder)."""
+    workdir = tokens.parent
+    (workdir / "empty").mkdir()
+    (workdir / "out").symlink_to(points_at)
+    before = hashes(workdir)
+    args = ["prepare", "--data", "more.txt", "--out", "out", "--vocab-size", "300"]
+    code = main(args + (["--force"] if force else []))
+    assert f"out is a link to {points_at}; pass --out the folder itself" in one_error(capsys, code)
+    assert hashes(workdir) == before
+    assert hidden(workdir) == []

@@ -226,6 +226,10 @@ def _is_own(entry: Path, pattern: re.Pattern[str] = _OWN_FILE) -> bool:
 
 def check_replaceable(out_dir: Path, force: bool) -> None:
     """Refuse to write ``out_dir`` unless replacing it loses nothing that prepare did not write."""
+    if out_dir.is_symlink():  # the new folder is renamed into its place: the link would go
+        raise GpuflowError(
+            f"{out_dir} is a link to {os.readlink(out_dir)}; pass --out the folder itself"
+        )
     if not os.path.lexists(out_dir) or (out_dir.is_dir() and not any(out_dir.iterdir())):
         return  # nothing there, or an empty folder: nothing to lose
     if Path.cwd().is_relative_to(out_dir.resolve()):

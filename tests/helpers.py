@@ -164,6 +164,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, state: dict, kee
     from gpuflow.train.checkpoint import Checkpointer
 
     device = Device.of(next(model.parameters()).device)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # the run's folder, as a run makes it
     checkpointer = Checkpointer(run_dir, device, keep, background=False)
     checkpointer.save(step, model, optimizer, state)
     checkpointer.close()

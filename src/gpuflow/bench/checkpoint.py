@@ -79,6 +79,8 @@ def _measure(
 ) -> dict[str, Any]:
     trainer = Trainer(config, scratch / "run", device)
     trainer.build(resume=False, say=lambda note: None)  # notes on the run, not on measuring it
+    for kind in ("async", "blocking"):  # the runs' folders, as a run's are made before it saves
+        (scratch / kind).mkdir()
     background = ckpt.Checkpointer(scratch / "async", device, keep=1)
     blocking = ckpt.Checkpointer(scratch / "blocking", device, keep=1, background=False)
     step = 0

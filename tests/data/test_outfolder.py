@@ -164,7 +164,7 @@ def test_one_writer_at_a_time_and_the_second_is_told_who(tmp_path):
             OutLock(out).acquire()
         assert str(refused.value) == (
             f"{out} is being written by another gpuflow prepare (process {holder.pid}, which "
-            f"holds {lock_path(out)}); wait for it to finish, or choose another --out"
+            f"holds {lock_path(out)}); wait for it to finish (or give prepare another --out)"
         )
         assert lock_path(out).read_bytes() == written  # the refused one touched nothing
     finally:

@@ -326,6 +326,14 @@ def test_train_on_a_raw_corpus_prepares_it_once(workdir, small_corpus, capsys):
 
     assert main(["train", "--data", "notes", "--set", "data.dir=x"]) == 2
     assert "--data and data.dir (x) both name" in capsys.readouterr().err
+    # Said in train's words: a tokenizer size out of range, a file named as a token folder.
+    assert main(["train", "--data", "notes", "--set", "model.vocab_size=100"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size must be between 257 and" in err and "--vocab-size" not in err
+    assert main(["train", "--set", "data.dir=notes/note000.md"]) == 2
+    err = capsys.readouterr().err
+    assert "token folder notes/note000.md is a file, not a folder" in err, err
+    assert "gpuflow train --data notes/note000.md" in err
 
 
 def _anon_peak(command: list[str], cwd) -> tuple[int, int]:

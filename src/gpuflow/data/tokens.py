@@ -49,6 +49,12 @@ class TokenFolder:
         """The folder at ``path``; ``vocab_size``, the model's, goes into the command a
         missing folder's refusal names, so that the folder it prepares fits the model."""
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise GpuflowError(
+                f"token folder {path} is a file, not a folder; data.dir names a folder that "
+                "gpuflow prepare wrote (to train on files as they are: gpuflow train --data "
+                f"{path})"
+            )
         if not path.is_dir():
             vocab = f" --vocab-size {vocab_size}" if (vocab_size or 0) >= MIN_VOCAB else ""
             raise GpuflowError(

@@ -129,8 +129,8 @@ class OutLock:
                 os.close(fd)
                 raise GpuflowError(
                     f"{self.out_dir} is being written by another gpuflow prepare (process "
-                    f"{holder}, which holds {self.path}); wait for it to finish, or choose "
-                    "another --out"
+                    f"{holder}, which holds {self.path}); wait for it to finish (or give "
+                    "prepare another --out)"
                 ) from None
             except BaseException:
                 os.close(fd)

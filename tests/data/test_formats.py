@@ -229,6 +229,17 @@ def test_parquet_is_read_a_batch_of_rows_at_a_time(tmp_path):
         documents([bad])
 
 
+def test_a_categorical_text_column_is_read_as_its_text(tmp_path):
+    """pandas writes a categorical column as a dictionary of strings: text all the same."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = [f"genre {i % 3} and some words" for i in range(40)]
+    path = tmp_path / "cats.parquet"
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), path)
+    assert pq.read_schema(path).field("text").type == pa.dictionary(pa.int32(), pa.string())
+    assert documents([path]) == texts
+
+
 def test_a_saved_dataset_is_read_from_its_train_split(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = {"text": ["alpha beta", "", "gamma"], "n": [1, 2, 3]}

@@ -252,6 +252,8 @@ def _string_rows(
     row, given, found = 0, 0, False
     while (batch := _next_batch(inp, batches, row)) is not None:
         column = batch.column(0)
+        if pa.types.is_dictionary(column.type):  # a pandas categorical: its values are text
+            column = column.dictionary_decode()
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             raise GpuflowError(
                 f"{inp.name}: {where} {field!r} holds {column.type}, not text; pass "

@@ -192,11 +192,12 @@ def test_absurd_numbers_are_one_line_errors(setting, said):
         resolve_config("tiny", None, [setting])
 
 
-def test_fp8_on_the_cpu_is_refused_before_training(tmp_path):
+def test_fp8_on_the_cpu_is_refused_before_training(workdir):
     from gpuflow.device.accelerator import Device
     from gpuflow.train.trainer import Trainer
 
     config = resolve_config("tiny", None, ["train.fp8=true", "train.steps=1"])
     with pytest.raises(GpuflowError, match=r"FP8 tensor cores.*train\.fp8=false"):
-        Trainer(config, tmp_path / "runs" / "f", Device("cpu")).run()
-    assert not (tmp_path / "runs" / "f" / "metrics.jsonl").exists()
+        Trainer(config, workdir / "runs" / "f", Device("cpu")).run()
+    assert not (workdir / "runs" / "f" / "metrics.jsonl").exists()
+    assert not (workdir / "data").exists()  # refused before the corpus was prepared

@@ -119,6 +119,8 @@ def build_setup(
     path_row = row(path)  # a baseline the bench has not registered is refused here
     if ranks.is_main:
         check_trackers(cfg)  # rank 0 alone tracks
+    if cfg.train.fp8:  # before the corpus is prepared: a refusal is immediate
+        check_fp8(device.torch, cfg.model.d_model, cfg.model.max_len)
     # Data-parallel: the eager paths leave the gradients to DDP, the others average them in
     # the step (the captured one inside its graph).
     ddp = ranks.distributed and path_row.ddp
@@ -347,7 +349,6 @@ def _model(cfg: RunConfig, device: Device) -> GPT:
         model = place(GPT(cfg.model), device.torch)
         model.recompute_blocks = cfg.train.activation_checkpointing
         if cfg.train.fp8:
-            check_fp8(device.torch, cfg.model.d_model, cfg.model.max_len)
             use_fp8_products(model)
         return model
     except RuntimeError as exc:  # the host's allocator refusing (a device's is below)

@@ -95,8 +95,8 @@ class FP8Linear(nn.Linear):
     gradients are on; inference (validation, sampling) keeps the exact product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
+        if not torch.is_grad_enabled():
+            return F.linear(x, self.weight)
         return fp8_linear(x, self.weight)
 
 

@@ -178,7 +178,8 @@ class Trainer:
             if folder is not None:
                 folder.start(self.config, setup.data.tokenizer_path)
             # Records past the checkpoint are trained again; with none, the baseline too.
-            if main and truncate_metrics(self.run_dir, step if latest else -1):
+            last_kept = step if latest else -1
+            if main and truncate_metrics(self.run_dir, last_kept):
                 say("dropped the torn last line of metrics.jsonl (the run was stopped while "
                     "writing it)")  # fmt: skip
             # closed on the way out: the last checkpoint is on disk before the run reports
@@ -190,7 +191,7 @@ class Trainer:
             if main:
                 display = run.enter_context(TrainDisplay(tc.steps, step, show_bus))
                 metrics = run.enter_context(MetricsLog(self.run_dir))
-                again = (step + 1 if latest else 0) if resume else None  # as metrics.jsonl
+                again = last_kept + 1 if resume else None  # the first step recorded again
                 trackers = open_trackers(self.config, self.run_dir, device.describe(), again)
                 for tracker in trackers:
                     run.callback(tracker.close)

@@ -166,21 +166,20 @@ def refuse_repeats(
 ) -> None:
     """An input the folder already holds is refused: the same file unchanged, or changed
     since (a file that grew: its old text would be in the folder twice)."""
-    known = {json.dumps(i, sort_keys=True) for i in target.meta["inputs"] if i}
     by_path = {i["path"]: i for i in target.meta["inputs"] if isinstance(i, dict) and "path" in i}
     for inp, identity in zip(inputs, identities, strict=True):
-        if identity is None:
+        then = None if identity is None else by_path.get(identity["path"])  # (None: stdin)
+        if then is None:
             continue
-        if json.dumps(identity, sort_keys=True) in known:
+        if then == identity:
             raise GpuflowError(
                 f"{inp.name} is already in {target.path} (the same file, unchanged); leave it out"
             )
-        if (then := by_path.get(identity["path"])) is not None:
-            raise GpuflowError(
-                f"{inp.name} is already in {target.path} as it was then ({then['size']:,} bytes; "
-                f"{identity['size']:,} now): appending it again would add its old text twice; "
-                "put only its new text in a file of its own, or prepare a new folder"
-            )
+        raise GpuflowError(
+            f"{inp.name} is already in {target.path} as it was then ({then['size']:,} bytes; "
+            f"{identity['size']:,} now): appending it again would add its old text twice; "
+            "put only its new text in a file of its own, or prepare a new folder"
+        )
 
 
 def _snapshot(folder: Path) -> tuple[tuple[str, int, int, int], ...]:

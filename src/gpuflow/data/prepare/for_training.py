@@ -19,8 +19,7 @@ from gpuflow.data.prepare.inputs import resolve_inputs
 from gpuflow.data.prepare.outfolder import is_token_folder, note
 from gpuflow.data.prepare.pieces import PIECE_CHARS
 from gpuflow.data.prepare.pipeline import PrepareConfig, default_data_dir, prepare
-from gpuflow.data.prepare.tokenizer import MAX_VOCAB
-from gpuflow.data.tokenizer_file import MIN_VOCAB
+from gpuflow.data.prepare.tokenizer import check_vocab_size
 
 CACHE_DIR = Path("data") / "cache"
 
@@ -34,11 +33,7 @@ def prepared_for_training(
     files go into ``data/cache/``, in a folder named by what it depends on (the inputs'
     paths, sizes and modification times, and the settings), so that the same files give the
     same folder and a changed file another."""
-    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:  # said in train's words, not prepare's
-        raise GpuflowError(
-            f"model.vocab_size must be between {MIN_VOCAB} and {MAX_VOCAB:,} where train "
-            f"prepares its corpus (it trains a tokenizer of that size), got {vocab_size:,}"
-        )
+    check_vocab_size(vocab_size, "model.vocab_size")  # in train's words, not prepare's
     if not data:
         folder = default_data_dir(vocab_size)
         if not folder.exists():  # whatever is there is opened, and refused if not a corpus

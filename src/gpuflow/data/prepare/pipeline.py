@@ -51,7 +51,7 @@ from gpuflow.data.prepare.outfolder import (
 )
 from gpuflow.data.prepare.pieces import PIECE_CHARS, Cutter, Pieces
 from gpuflow.data.prepare.resume import PROGRESS_FILE, State, fingerprint_of, take_over
-from gpuflow.data.prepare.tokenizer import MAX_VOCAB, TrainerOverMemory, train_tokenizer
+from gpuflow.data.prepare.tokenizer import TrainerOverMemory, check_vocab_size, train_tokenizer
 from gpuflow.data.shards import Shard, ShardWriter, token_dtype_for
 from gpuflow.data.tokenizer_file import eot_id, load_tokenizer, vocab_bound
 
@@ -86,11 +86,7 @@ class PrepareConfig:
             raise GpuflowError(f"--val-fraction must be in (0, 0.5], got {self.val_fraction}")
         if self.shard_tokens < 1024:
             raise GpuflowError(f"--shard-tokens must be at least 1024, got {self.shard_tokens}")
-        if not 257 <= self.vocab_size <= MAX_VOCAB:
-            raise GpuflowError(
-                f"--vocab-size must be between 257 and {MAX_VOCAB:,} (real tokenizers hold "
-                f"30,000 to 260,000 tokens), got {self.vocab_size:,}"
-            )
+        check_vocab_size(self.vocab_size, "--vocab-size")
         if not self.sample_mb > 0:  # (inf, or more than the corpus holds: all of it)
             raise GpuflowError(
                 f"--tokenizer-sample-mb must be a positive number of MB, got {self.sample_mb}"

@@ -66,6 +66,16 @@ class TrainerOverMemory(Exception):
         self.fed, self.limit = fed, limit
 
 
+def check_vocab_size(vocab_size: int, setting: str) -> None:
+    """Refuse a vocabulary prepare cannot train: below the 256 bytes and the end-of-text
+    token, or past ``MAX_VOCAB``; ``setting`` is what the user set it with."""
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise GpuflowError(
+            f"{setting} must be between {MIN_VOCAB} and {MAX_VOCAB:,} (real tokenizers hold "
+            f"30,000 to 260,000 tokens), got {vocab_size:,}"
+        )
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Learn a byte-level BPE of at most ``vocab_size`` tokens; ``EOT`` gets id 0.
 

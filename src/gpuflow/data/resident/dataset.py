@@ -30,6 +30,7 @@ from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.resident.tokens import default_budget
 from gpuflow.device.accelerator import Device
+from gpuflow.transfer.packing.plan import check_numeric_array
 from gpuflow.transfer.pinned import PinnedPool, size_class
 
 UPLOAD_BYTES = 64 << 20  # per copy: large enough to run at the link's full speed
@@ -88,11 +89,7 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         if value.ndim == 0:  # (ascontiguousarray would make it one sample, silently)
             raise GpuflowError(f"{what} is a single value; give an array with one first dimension")
-        if value.dtype.kind not in "biufc":
-            raise GpuflowError(
-                f"{what} holds {value.dtype} values, not numbers; encode them as numbers first "
-                "(class names as integer ids, dates as integers)"
-            )
+        check_numeric_array(value, what)
         if value.dtype.kind == "u" and value.itemsize > 1:
             # torch indexes no unsigned type but uint8: held as int64, which must hold them
             if value.size and value.max() > np.iinfo(np.int64).max:

@@ -239,7 +239,7 @@ class Planner:
 
     def plan(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            _check_array(obj)
+            check_numeric_array(obj, "a NumPy array in the batch")
             # (ascontiguousarray would turn a 0-d array into a 1-d one)
             obj = torch.from_numpy(obj if obj.flags.c_contiguous else np.ascontiguousarray(obj))
         if isinstance(obj, torch.Tensor):
@@ -365,18 +365,18 @@ def pack(
     return Packed(out, plan.nbytes, plan.logical_nbytes, plan.spec)
 
 
-def _check_array(array: np.ndarray) -> None:
+def check_numeric_array(array: np.ndarray, what: str) -> None:
     """Refuse, in words, a NumPy array torch cannot take: values that are not numbers (object,
-    str, datetime) or numbers stored in the other byte order (from a file, a '>i4' dtype)."""
+    str, datetime) or numbers stored in the other byte order (from a file, a '>i4' dtype);
+    ``what`` names it in the error."""
     if array.dtype.kind not in "biufc":
         raise GpuflowError(
-            f"a NumPy array of {array.dtype} values cannot be moved: only numbers can; encode "
-            "them as numbers first (class names as integer ids, dates as integers), or keep "
-            "them out of the batch"
+            f"{what} holds {array.dtype} values, not numbers (only numbers can be moved); "
+            "encode them as numbers first (class names as integer ids, dates as integers)"
         )
     if not array.dtype.isnative:
         raise GpuflowError(
-            f"a NumPy array of {array.dtype.str} is stored in the other byte order; give "
+            f"{what} is stored in the other byte order ({array.dtype.str}); give "
             "array.astype(array.dtype.newbyteorder('=')) instead"
         )
 

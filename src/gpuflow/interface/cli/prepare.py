@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--vocab-size",
         type=int,
-        help="BPE vocabulary size to train (default: 16000)",
+        help="BPE vocabulary size to train (default: 16000; not with --append, which keeps the "
+        "folder's tokenizer)",
     )
     p.add_argument(
         "--tokenizer",

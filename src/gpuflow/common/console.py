@@ -7,6 +7,9 @@ wrapped, never cut short with an ellipsis.
 
 from __future__ import annotations
 
+import os
+import signal
+
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, ConsoleDimensions, ConsoleOptions, RenderResult
@@ -42,6 +45,26 @@ class _Console(Console):
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
         Console.size.fset(self, new_size)
+
+    def on_broken_pipe(self) -> None:
+        """Whoever read this stream has gone (``gpuflow train | head``): write nothing more
+        to it and stop the command as Ctrl-C would, so that a run stops at its next step with
+        a checkpoint. Rich's own answer, exiting at once, would lose the steps since the last
+        one and leave a run folder with no checkpoint at all."""
+        self.quiet = True
+        # The stream's descriptor on the null device: Python's own flush of it at exit (and
+        # any print elsewhere) then fails no more.
+        try:
+            target = self.file.fileno()
+        except (OSError, ValueError):  # a stream with no descriptor (a test's capture)
+            target = None
+        if target is not None:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, target)
+            finally:
+                os.close(null)
+        signal.raise_signal(signal.SIGINT)
 
 
 # Progress and status go to stderr so that stdout carries only results (tables, JSON, text).

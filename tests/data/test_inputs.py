@@ -103,6 +103,26 @@ def test_empty_files_of_folders_and_globs_are_left_out_and_counted(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_parquet_files_of_no_rows_are_empty_files(tmp_path):
+    """A job writing a table by partitions leaves a Parquet file of no rows for an empty one:
+    a folder or glob leaves it out as an empty file, one named outright is refused as one."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = tmp_path / "table"
+    table.mkdir()
+    pq.write_table(pa.table({"text": ["one document", "another"]}), table / "part-0.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), table / "part-1.parquet")
+    for given in (table, f"{table}/*.parquet"):
+        left_out: Counter = Counter()
+        inputs = resolve_inputs([given], left_out)
+        assert [i.path.name for i in inputs] == ["part-0.parquet"] and left_out == {"empty": 1}
+    with pytest.raises(GpuflowError, match=r"part-1\.parquet is empty"):
+        resolve_inputs([table / "part-1.parquet"])
+    # Not Parquet inside: left to the reading, which names what is wrong.
+    (table / "part-2.parquet").write_bytes(b"not a table")
+    assert len(resolve_inputs([table])) == 2
+
+
 def test_links_to_nothing_are_counted_and_said_not_skipped(tmp_path):
     """A git-annex or DVC checkout not fetched holds links to a store that is not there: a
     folder counts them in its note, and one or a glob holding nothing else says to fetch."""

@@ -122,9 +122,25 @@ def resolve_inputs(
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
     _refuse_same_file_twice(inputs)
     for inp in inputs:
-        if inp.path is not None and inp.kind != "dataset" and inp.path.stat().st_size == 0:
+        if inp.path is not None and inp.kind != "dataset" and holds_nothing(inp.path):
             raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
     return inputs
+
+
+def holds_nothing(path: Path) -> bool:
+    """No bytes, or a Parquet file of no rows: what a job that writes a table by partitions
+    leaves for an empty one. Either is left out of a folder or glob, and refused when named."""
+    if path.stat().st_size == 0:
+        return True
+    if kind_of(path) != ("parquet", None):
+        return False
+    try:
+        import pyarrow.parquet as pq
+
+        with open(path, "rb") as source:  # pyarrow opens only names that are UTF-8
+            return pq.ParquetFile(source).metadata.num_rows == 0
+    except Exception:  # no pyarrow, or not Parquet: reading it says so, in its own words
+        return False
 
 
 def _refuse_same_file_twice(inputs: list[Input]) -> None:
@@ -159,7 +175,7 @@ def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:
         # What it matches counts as if each were named (a folder is read whole), less empty
         # files, which a tree of sources holds many of (a package's __init__.py).
         broken = {p for p in matched if _is_broken_link(p)}
-        empty = {p for p in matched if p.is_file() and p.stat().st_size == 0}
+        empty = {p for p in matched if p.is_file() and holds_nothing(p)}
         kept = [p for p in matched if p not in broken and p not in empty]
         if not kept:
             what = " or ".join(w for w, n in (("empty", empty), ("a link to nothing", broken)) if n)
@@ -217,7 +233,7 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
             continue
         elif not kind_of(entry)[0]:
             here[left_suffix(entry)] += 1
-        elif entry.stat().st_size == 0:
+        elif holds_nothing(entry):
             here[EMPTY] += 1
         else:
             found.append(_input_for(entry, str(entry)))

@@ -258,6 +258,14 @@ def test_sequences_that_are_all_empty_are_still_ragged():
     assert none.lengths() == [0, 0] and some.lengths() == [2, 0]
 
 
+def test_ragged_ids_past_int64_are_refused_in_words_and_its_ends_kept():
+    for beyond in (2**63, -(2**63) - 1):
+        with pytest.raises(GpuflowError, match="outside int64's range"):
+            pack({"ids": [[1, 2], [beyond]]})
+    ends = [[2**63 - 1], [-(2**63)]]
+    assert unpack(pack({"ids": ends}), "cpu")["ids"].values.tolist() == [2**63 - 1, -(2**63)]
+
+
 def test_the_fp16_range_check_sees_past_an_inf_already_there():
     with pytest.raises(GpuflowError, match="beyond fp16's range"):
         pack({"x": torch.tensor([float("inf"), 70000.0])}, lossy_float="fp16")

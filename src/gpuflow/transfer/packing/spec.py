@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuflow.common.errors import GpuflowError
+
 ALIGN = 16  # bytes: every view aligned for any dtype and for 16-byte vector loads
 SIDE_STREAM_BYTES = 4 << 20  # copies this large overlap compute on a stream of their own
 _MIN_RUN = 4  # children in a run: fewer are cheaper one by one
@@ -34,7 +36,13 @@ class Ragged:
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Sequence[int] | np.ndarray]) -> Ragged:
-        arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+        try:
+            arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+        except OverflowError:
+            raise GpuflowError(
+                "ragged sequences hold an integer outside int64's range, which they are stored "
+                "in; pass ids that fit in 64 bits"
+            ) from None
         lengths = [a.size for a in arrays]
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
         values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)

@@ -151,6 +151,42 @@ def test_a_mirror_is_fresh_after_a_fused_adamw_step(writes):
     np.testing.assert_array_equal(mirror[1], param.detach()[1].numpy())
 
 
+def test_a_tracked_mirror_sees_the_step_of_a_fused_optimizer_dropped_since():
+    # A fine-tuning helper makes its optimizer, steps and returns: the optimizer is gone by
+    # the time the mirror is read, and its step (no version bump) must still count.
+    import gc
+
+    from gpuflow import HostMirror
+
+    param, optimizer = _trained_param(fused=True)
+    mirror = HostMirror(param, writes="tracked")
+    mirror.numpy()
+    optimizer.step()
+    del optimizer
+    gc.collect()
+    assert not mirror.is_fresh()
+    np.testing.assert_array_equal(mirror.numpy(), param.detach().numpy())
+    assert mirror.is_fresh()  # the step is older than the copy now
+
+
+def test_a_mirror_refuses_to_be_copied_and_leaves_its_tensor_whole():
+    import copy
+    import gc
+    import pickle
+
+    from gpuflow.common.errors import GpuflowError
+
+    weights = torch.arange(1000.0)
+    mirror = HostMirror(weights, writes="tracked")
+    mirror.numpy()
+    for duplicate in (copy.copy, copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        with pytest.raises(GpuflowError, match="cannot be copied or pickled"):
+            duplicate(mirror)
+    gc.collect()
+    assert torch.equal(weights, torch.arange(1000.0))
+    assert mirror.is_fresh()
+
+
 def test_a_tracked_mirror_ignores_steps_of_optimizers_that_do_not_hold_its_tensor():
     from gpuflow import HostMirror
 

@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 
 Writes = Literal["unknown", "tracked"]
@@ -55,9 +56,13 @@ class _OptimizerSteps:
 
     def __init__(self) -> None:
         self.clock = 0  # steps so far, all optimizers
-        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+        # By optimizer: a box holding the clock at its last step (shared with its finalizer).
+        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = (
             weakref.WeakKeyDictionary()
         )
+        # An optimizer dropped after stepping leaves its last step against its parameters'
+        # storages, or a mirror read later would not know they were written.
+        self._retired: dict[int, int] = {}
         self._handle: Any = None
 
     def watch(self) -> None:
@@ -66,13 +71,26 @@ class _OptimizerSteps:
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.clock += 1
-        self._last[optimizer] = self.clock
+        box = self._last.get(optimizer)
+        if box is None:
+            box = self._last[optimizer] = [self.clock]
+            # The group list, not the optimizer: it keeps nothing alive the optimizer does not.
+            weakref.finalize(optimizer, self._retire, optimizer.param_groups, box)
+        box[0] = self.clock
+
+    def _retire(self, param_groups: list[dict[str, Any]], box: list[int]) -> None:
+        for group in param_groups:
+            for p in group["params"]:
+                storage = p.untyped_storage()._cdata
+                self._retired[storage] = max(self._retired.get(storage, 0), box[0])
 
     def touched(self, storage_id: int, since: int) -> bool:
         """Whether an optimizer holding a tensor on storage ``storage_id`` stepped after
-        ``since``."""
-        for optimizer, tick in list(self._last.items()):
-            if tick > since and any(
+        ``since`` (one dropped since included)."""
+        if self._retired.get(storage_id, 0) > since:
+            return True
+        for optimizer, box in list(self._last.items()):
+            if box[0] > since and any(
                 p.untyped_storage()._cdata == storage_id
                 for group in optimizer.param_groups
                 for p in group["params"]
@@ -173,6 +191,12 @@ class HostMirror:
         self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0}
         if writes == "tracked":
             _STEPS.watch()
+
+    def __reduce__(self) -> Any:
+        raise GpuflowError(
+            "a HostMirror cannot be copied or pickled: it vouches for one tensor in this "
+            "process; make a new HostMirror over the tensor (or copy mirror.numpy())"
+        )
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -60,6 +60,20 @@ class Boom(Exception):
     pass
 
 
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_empty_containers_come_back_as_given(coalesce):
+    # Batches of one layout are rebuilt as a run: a container with nothing in it is still one
+    # empty container a batch, beside tensors or alone.
+    batches = [{"x": torch.full((4,), float(i)), "tags": [], "meta": {}, "t": ()} for i in range(3)]
+    with DeviceLoader(batches, "cpu", coalesce=coalesce) as loader:
+        got = list(loader)
+    assert [b["x"].tolist() for b in got] == [[float(i)] * 4 for i in range(3)]
+    assert all(b["tags"] == [] and b["meta"] == {} and b["t"] == () for b in got)
+    for empty in ([(), ()], [[], []], [{}, {}]):
+        with DeviceLoader(empty, "cpu", coalesce=coalesce) as loader:
+            assert list(loader) == empty
+
+
 def test_an_error_in_the_source_reaches_the_consumer_with_its_traceback():
     def source():
         yield np.zeros(4, dtype=np.int64)

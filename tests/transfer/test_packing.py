@@ -251,6 +251,13 @@ def test_what_cannot_be_packed_is_refused_not_left_on_the_host():
             pack(batch)
 
 
+def test_an_unpacked_batch_is_its_own_when_the_buffer_is_used_again():
+    # On the cpu the copy lands on the buffer's own device: the batch must not be the buffer.
+    buffer = torch.empty(1024, dtype=torch.uint8)
+    batches = [unpack(pack({"x": torch.full((4,), float(i))}, out=buffer), "cpu") for i in range(3)]
+    assert [b["x"].tolist() for b in batches] == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+
+
 def test_sequences_that_are_all_empty_are_still_ragged():
     some = unpack(pack({"ids": [[1, 2], []]}), "cpu")["ids"]
     none = unpack(pack({"ids": [[], []]}), "cpu")["ids"]

@@ -82,7 +82,10 @@ def rebuild_run(
             lambda child: rebuild_run(buffer, child, offset, stride, n, direct),
             lambda whole: _run_columns(rebuild_run(buffer, whole, offset, stride, n)),
         )
-        return [spec.build(list(row)) for row in zip(*columns, strict=True)]
+        columns = list(columns)
+        # No children (an empty list, tuple or dict): still one empty container a batch.
+        rows = zip(*columns, strict=True) if columns else ([] for _ in range(n))
+        return [spec.build(list(row)) for row in rows]
     return [spec] * n  # a value that is not data to move
 
 
@@ -106,7 +109,9 @@ def unpack(
         )
     target = device if isinstance(device, torch.device) else Device.resolve(device).torch
     try:
-        on_device = packed.buffer[: packed.nbytes].to(target, non_blocking=non_blocking)
+        # copy=True: to the buffer's own device (the cpu) .to() would hand back the buffer
+        # itself, and the batch would change with the buffer's next use.
+        on_device = packed.buffer[: packed.nbytes].to(target, non_blocking=non_blocking, copy=True)
     except (AssertionError, RuntimeError):
         # A torch.device is taken as it is, unchecked on the way (once a batch); a copy that
         # fails is checked here, so a device this machine lacks is one line, as elsewhere.

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -358,6 +359,37 @@ def test_a_budget_entered_again_inside_itself_checks_both_regions():
             _meta_copy()  # 16 bytes in the inner region: within it
     assert caught.value.over == {"h2d_bytes": (32, 16)}  # the outer region saw both
     assert _get_current_dispatch_mode() is None
+
+
+def test_one_budget_guarding_two_threads_checks_each_threads_region():
+    # The clean thread leaves first: its exit must close its own region, not the other's.
+    guard, x, results = budget(syncs=0, device="cpu"), torch.ones(3), {}
+    clean_in, dirty_in = threading.Event(), threading.Event()
+
+    def clean() -> None:
+        with guard:
+            clean_in.set()
+            dirty_in.wait()
+            x * 2
+        results["clean"] = "passed"
+
+    def dirty() -> None:
+        clean_in.wait()
+        try:
+            with guard:
+                dirty_in.set()
+                time.sleep(0.2)
+                x.sum().item()  # a host read: over syncs=0
+            results["dirty"] = "passed"
+        except BudgetExceeded:
+            results["dirty"] = "over"
+
+    threads = [threading.Thread(target=clean), threading.Thread(target=dirty)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == {"clean": "passed", "dirty": "over"}
 
 
 def test_the_marker_and_the_fixture_in_one_test(pytester, monkeypatch):

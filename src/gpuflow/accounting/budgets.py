@@ -16,6 +16,7 @@ fixture: docs/architecture/ledger.md (Budgets).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,7 +103,9 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         self.device = device
         self.at_site = at_site
         self.ledger: TransferLedger | None = None  # the last checked region's ledger
-        self._active: list[Any] = []  # the open regions, innermost last
+        # Each thread's open regions, innermost last: one budget may guard regions on
+        # several threads at once, and each thread's exit closes its own.
+        self._open = threading.local()
 
     @contextmanager
     def _region(self) -> Iterator[TransferLedger]:
@@ -134,11 +137,16 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
     def __enter__(self) -> TransferLedger:
         region = self._region()
         ledger = region.__enter__()
-        self._active.append(region)  # a budget entered again, nested, checks both regions
+        self._regions().append(region)  # a budget entered again, nested, checks both regions
         return ledger
 
     def __exit__(self, *exc: Any) -> bool | None:
-        return self._active.pop().__exit__(*exc)
+        return self._regions().pop().__exit__(*exc)
+
+    def _regions(self) -> list[Any]:
+        if not hasattr(self._open, "regions"):
+            self._open.regions = []
+        return self._open.regions
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)

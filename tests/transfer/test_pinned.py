@@ -126,6 +126,16 @@ def test_releasing_twice_is_an_error():
         pool.release(buf)
 
 
+def test_a_buffer_goes_back_only_to_the_pool_that_lent_it():
+    lender, other = PinnedPool("cpu"), PinnedPool("cpu")
+    buf = lender.acquire(10)
+    with pytest.raises(GpuflowError, match="lent by another PinnedPool"):
+        other.release(buf)
+    assert other.stats.bytes_in_use == 0 and lender.stats.bytes_in_use == buf.capacity
+    lender.release(buf)
+    assert lender.stats.bytes_in_use == 0
+
+
 def test_per_size_retention_cap_unpins_the_extras():
     pool = PinnedPool("cpu", max_cached_per_class=2)
     bufs = [pool.acquire(4096) for _ in range(5)]

@@ -45,12 +45,13 @@ class PoolStats:
 class PinnedBuffer:
     """A buffer lent by a ``PinnedPool``: ``bytes`` is its uint8 storage of ``capacity``."""
 
-    __slots__ = ("_lent", "bytes", "capacity")
+    __slots__ = ("_lent", "_pool", "bytes", "capacity")
 
-    def __init__(self, storage: torch.Tensor) -> None:
+    def __init__(self, storage: torch.Tensor, pool: PinnedPool) -> None:
         self.bytes = storage  # (capacity,) uint8, page-locked where the device supports it
         self.capacity = storage.numel()
         self._lent = True
+        self._pool = pool  # the one pool it goes back to
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The buffer's first bytes seen as a tensor of ``dtype`` and ``shape``."""
@@ -113,7 +114,7 @@ class PinnedPool:
                 storage = self._take(capacity)
                 if storage is not None:
                     self._counts["waits"] += waited
-                    return PinnedBuffer(storage)
+                    return PinnedBuffer(storage, self)
                 waited = True
                 if self._in_flight:
                     event, _ = self._in_flight[0]
@@ -139,6 +140,11 @@ class PinnedPool:
     def release(self, buffer: PinnedBuffer, after: Any = None) -> None:
         """Return ``buffer``; it is lent again only once ``after`` (a device event recorded
         after the buffer's last copy was queued) has completed."""
+        if buffer._pool is not self:
+            raise GpuflowError(
+                "this pinned buffer was lent by another PinnedPool; release it to the pool "
+                "that lent it"
+            )
         with self._lock:
             if not buffer._lent:
                 raise GpuflowError("this pinned buffer was already released to its pool")

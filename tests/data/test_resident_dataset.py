@@ -160,6 +160,7 @@ def test_over_budget_the_dataset_stays_on_the_host():
         ((torch.zeros(2), np.array(["cat", "dog"])), "field 1 holds <U3 values, not numbers"),
         ((np.array([{}, 1], dtype=object),), "field 0 holds object values"),
         ((np.array(["2026-11-28"] * 2, dtype="datetime64[D]"),), "holds datetime64"),
+        ((torch.eye(4).to_sparse(),), "field 0 is a torch.sparse_coo tensor; pass .to_dense"),
     ],
     ids=[
         "none",
@@ -172,6 +173,7 @@ def test_over_budget_the_dataset_stays_on_the_host():
         "strings",
         "objects",
         "dates",
+        "sparse",
     ],
 )
 def test_bad_tensors_are_refused(tensors, match):

@@ -206,6 +206,14 @@ def test_a_negative_depth_is_refused_and_depth_zero_reads_on_demand():
         assert [b.sum().item() for b in loader] == [0.0, 4.0]
 
 
+@pytest.mark.parametrize("device", [True, 1.5, ["cpu"]])
+def test_a_device_that_is_no_name_index_or_torch_device_is_refused_in_words(device):
+    with pytest.raises(GpuflowError, match="a device is a name"):
+        Device.resolve(device)
+    with pytest.raises(GpuflowError, match="a device is a name"):
+        DeviceLoader([torch.ones(3)], device)
+
+
 def test_a_torch_device_is_accepted_wherever_a_device_is():
     assert Device.resolve(torch.device("cpu")) == Device("cpu")
     batches = token_batches(3)
@@ -362,11 +370,18 @@ def test_an_exception_in_the_loop_without_with_exits_with_its_status(tmp_path):
     assert "terminate called" not in done.stderr
 
 
-def test_a_pool_too_small_for_a_batch_names_the_loaders_knob():
-    loader = DeviceLoader([np.zeros(1 << 20, dtype=np.float32)], "cpu", pool_bytes=1 << 16)
+@pytest.mark.parametrize("pool_bytes", [1 << 16, 16])  # 16: below any buffer's least size
+def test_a_pool_too_small_for_a_batch_names_the_loaders_knob(pool_bytes):
+    loader = DeviceLoader([np.zeros(1 << 20, dtype=np.float32)], "cpu", pool_bytes=pool_bytes)
     with pytest.raises(GpuflowError, match="raise pool_bytes"):
         next(loader)
     loader.close()
+
+
+@pytest.mark.parametrize("pool_bytes", [-1, 1.5, True])
+def test_a_pool_size_that_is_no_byte_count_is_refused(pool_bytes):
+    with pytest.raises(GpuflowError, match="pool_bytes must be a whole number of bytes"):
+        DeviceLoader([torch.ones(3)], "cpu", pool_bytes=pool_bytes)
 
 
 def test_batches_are_their_own_whatever_their_dtype():

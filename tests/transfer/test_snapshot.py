@@ -161,6 +161,7 @@ def test_snapshot_copies_every_tensor_and_waits_for_its_release():
         ({"w": torch.ones(2)}, "group 'w' is a Tensor: pass a state dict in a group"),
         ({"model": {"w": [1.0, 2.0]}}, "'model'/'w' is a list, not a tensor"),
         ([torch.ones(2)], "got list"),
+        ({"model": {"w": torch.eye(3).to_sparse()}}, "'model'/'w' is torch.sparse_coo"),
     ],
 )
 def test_anything_but_groups_of_named_tensors_is_one_line_and_frees_the_buffer(given, words):

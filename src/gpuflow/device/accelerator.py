@@ -137,6 +137,11 @@ class Device:
             spec = f"{kinds[0]}:{spec}"
         if isinstance(spec, torch.device):
             spec = str(spec)  # "cuda" without an index is taken as cuda:0, as the string is
+        if spec is not None and not isinstance(spec, str):
+            raise GpuflowError(
+                f"a device is a name ('cuda', 'cuda:1', 'cpu', 'auto'), an index or a "
+                f"torch.device, got {spec!r}"
+            )
         spec = (spec or "auto").strip().lower()
         if spec == "auto":
             for device_type in ACCELERATOR_TYPES:

@@ -138,6 +138,13 @@ class DeviceLoader:
     ) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise GpuflowError(f"DeviceLoader depth must be a whole number >= 0, got {depth!r}")
+        if pool_bytes is not None and (
+            not isinstance(pool_bytes, int) or isinstance(pool_bytes, bool) or pool_bytes < 0
+        ):
+            raise GpuflowError(
+                f"DeviceLoader pool_bytes must be a whole number of bytes (or None: as many as "
+                f"the batches need), got {pool_bytes!r}"
+            )
         self.device = Device.resolve(device)
         self.depth = depth
         self.fresh_batches = fresh_batches

@@ -89,6 +89,11 @@ def _check_groups(groups: Any) -> None:
                     f"capture takes {{group: {{name: tensor}}}}; {group!r}/{name!r} is a "
                     f"{type(tensor).__name__}, not a tensor"
                 )
+            if tensor.layout != torch.strided:
+                raise GpuflowError(
+                    f"capture takes dense tensors; {group!r}/{name!r} is {tensor.layout}: "
+                    "pass .to_dense() (or its values and indices as tensors of their own)"
+                )
 
 
 class Snapshot:

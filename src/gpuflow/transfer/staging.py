@@ -119,7 +119,9 @@ class Stager:
         self.depth, self.planner = depth, planner
         self.coalesce = coalesce and depth > 0
         self.pool_bytes, self.times, self.epochs = pool_bytes, times, epochs
-        self.pool = PinnedPool(device, max_bytes=pool_bytes or size_class(0))
+        # A cap below one buffer's least size is refused where staging runs out, in the
+        # cap's own words, as any cap too small for the batches is.
+        self.pool = PinnedPool(device, max_bytes=max(pool_bytes or 0, size_class(0)))
         self.writer: ThreadPoolExecutor | None = None  # started by the first large write
         # Copies a pinned host tensor to the device at once: (device tensor, done event,
         # start event when timed). The issuer's (``Pipeline`` sets it), whose counts and

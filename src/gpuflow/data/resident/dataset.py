@@ -83,6 +83,8 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise GpuflowError(f"{what} is on {value.device}; give the dataset host tensors")
+        if value.layout != torch.strided:
+            raise GpuflowError(f"{what} is a {value.layout} tensor; pass .to_dense()")
         if value.dtype not in _WIDE_UNSIGNED:
             return value
         value = value.numpy()  # torch finds no min or max of these: through NumPy

@@ -370,6 +370,20 @@ def test_an_exception_in_the_loop_without_with_exits_with_its_status(tmp_path):
     assert "terminate called" not in done.stderr
 
 
+def test_the_bytes_counted_are_the_bytes_the_copies_move_padding_included():
+    # A uint8 then a float64: 15 bytes of padding between them and 8 after, which the staging
+    # copy carries too; coalesced, the four batches cross in one copy of 4 x 32 bytes.
+    from gpuflow.accounting.ledger import TransferLedger
+    from gpuflow.transfer.packing import plan_pack
+
+    batches = [(torch.ones(1, dtype=torch.uint8), torch.ones(1, dtype=torch.float64))] * 4
+    share = plan_pack(batches[0]).nbytes
+    assert share == 32
+    with TransferLedger("cpu") as ledger, DeviceLoader(batches, "cpu") as loader:
+        assert len(list(loader)) == 4
+    assert loader.stats.bytes_moved == ledger.summary().totals.h2d_bytes == 4 * share
+
+
 @pytest.mark.parametrize("pool_bytes", [1 << 16, 16])  # 16: below any buffer's least size
 def test_a_pool_too_small_for_a_batch_names_the_loaders_knob(pool_bytes):
     loader = DeviceLoader([np.zeros(1 << 20, dtype=np.float32)], "cpu", pool_bytes=pool_bytes)

@@ -180,7 +180,9 @@ class Issuer:
         """Count a batch handed out (its copies are counted as they are queued)."""
         counts = self.counts
         counts["batches"] += 1
-        wire = plan.wire_nbytes
+        # What its copies move: the staging copy takes the buffer's share whole, alignment
+        # padding included, so the crossings' bytes add up to what crossed.
+        wire = plan.layout.copied_nbytes
         counts["bytes_moved"] += wire
         counts["logical_bytes"] += plan.logical_nbytes
         report_copy("h2d", wire, "DeviceLoader batch", "uint8", True)

@@ -198,10 +198,13 @@ class PackLayout:
     of them at once.
 
     ``nbytes`` is the buffer's share (staged leaves, alignment padding included);
-    ``wire_nbytes`` every byte of the batch that crosses the bus, direct leaves included."""
+    ``wire_nbytes`` the batch's bytes from its first staged tensor to its last (the padding
+    between them included) and its direct leaves; ``copied_nbytes`` what its copies move:
+    the buffer's share, which the staging copy takes whole, and its direct leaves."""
 
-    __slots__ = ("direct", "direct_leaves", "direct_only", "has_direct", "has_staged", "leaves",
-                 "logical_nbytes", "nbytes", "spec", "wire_nbytes", "write_runs")  # fmt: skip
+    __slots__ = ("copied_nbytes", "direct", "direct_leaves", "direct_only", "has_direct",
+                 "has_staged", "leaves", "logical_nbytes", "nbytes", "spec", "wire_nbytes",
+                 "write_runs")  # fmt: skip
 
     def __init__(
         self, spec: Any, nbytes: int, logical_nbytes: int, leaves: tuple[Leaf, ...]
@@ -211,7 +214,9 @@ class PackLayout:
         self.direct = tuple(leaf.direct for leaf in leaves)
         self.direct_leaves = tuple(i for i, leaf in enumerate(leaves) if leaf.direct)
         staged_end = max((x.offset + x.nbytes for x in leaves if not x.direct), default=0)
-        self.wire_nbytes = staged_end + sum(x.nbytes for x in leaves if x.direct)
+        direct_nbytes = sum(x.nbytes for x in leaves if x.direct)
+        self.wire_nbytes = staged_end + direct_nbytes
+        self.copied_nbytes = nbytes + direct_nbytes
         self.has_staged = not all(self.direct)
         self.has_direct = any(self.direct)
         # every tensor copied from the pinned memory where it lies, none pinned first, in

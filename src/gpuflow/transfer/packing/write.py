@@ -44,7 +44,8 @@ class PackPlan:
 
     @property
     def wire_nbytes(self) -> int:
-        """Bytes of the batch itself on the wire: staged and direct tensors, no padding."""
+        """Bytes of the batch on the wire: from its first staged tensor to its last (the
+        alignment padding between them included), and its direct tensors."""
         return self.layout.wire_nbytes
 
     @property

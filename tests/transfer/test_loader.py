@@ -60,6 +60,28 @@ class Boom(Exception):
     pass
 
 
+def test_a_second_thread_reading_one_epoch_at_once_is_refused_not_fed_twice():
+    entered, gate = threading.Event(), threading.Event()
+
+    def source():
+        entered.set()
+        assert gate.wait(30)
+        yield torch.zeros(2)
+        yield torch.ones(2)
+
+    with DeviceLoader(source(), "cpu") as loader:
+        epoch, first = iter(loader), []
+        reader = threading.Thread(target=lambda: first.append(next(epoch)))
+        reader.start()
+        assert entered.wait(30)  # the reader is inside next(), waiting for the source
+        with pytest.raises(GpuflowError, match="read by another thread; give each thread"):
+            next(epoch)
+        gate.set()
+        reader.join(timeout=30)
+        assert [b.tolist() for b in first] == [[0.0, 0.0]]
+        assert next(epoch).tolist() == [1.0, 1.0]  # the refused call took nothing
+
+
 @pytest.mark.parametrize("coalesce", [True, False])
 def test_empty_containers_come_back_as_given(coalesce):
     # Batches of one layout are rebuilt as a run: a container with nothing in it is still one

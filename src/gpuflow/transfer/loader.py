@@ -226,6 +226,17 @@ class DeviceLoader:
         return self._next_of(self._own_epoch)
 
     def _next_of(self, epoch: Epoch) -> Any:
+        if not epoch.reading.acquire(blocking=False):
+            raise GpuflowError(
+                "this DeviceLoader epoch is being read by another thread; give each thread "
+                "an iterator of its own, iter(loader)"
+            )
+        try:
+            return self._take_next(epoch)
+        finally:
+            epoch.reading.release()
+
+    def _take_next(self, epoch: Epoch) -> Any:
         self._check_open()
         if epoch.ended:
             raise StopIteration

@@ -10,6 +10,7 @@ docs/architecture/transfer-pipeline.md.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -104,6 +105,9 @@ class Epoch:
         self.issued: deque[Crossing] = deque()  # copies queued, batches still to hand out
         self.held: BatchTiming | None = None  # the timing of the batch in use
         self.ended = False
+        # Taken while a batch is handed out: a second thread reading the same epoch at once
+        # is refused rather than handed batches twice or never (a generator does the same).
+        self.reading = threading.Lock()
 
 
 class Stager:

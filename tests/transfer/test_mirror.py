@@ -115,6 +115,26 @@ def test_async_scalars_take_what_a_training_loop_has():
     with pytest.raises(ValueError, match="names from"):
         scalars.add(los=1.0)
     assert AsyncScalars(["x"], torch.device("cpu")).device == AsyncScalars(["x"], "cpu").device
+    for complex_value in (1 + 2j, torch.tensor(1 + 2j)):
+        with pytest.raises(ValueError, match="takes a real number"):
+            scalars.add(loss=complex_value)
+
+
+def test_async_scalars_added_from_several_threads_lose_nothing():
+    import threading
+
+    scalars = AsyncScalars("loss", "cpu")
+
+    def adds() -> None:
+        for _ in range(10_000):
+            scalars.add(loss=1.0)
+
+    threads = [threading.Thread(target=adds) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert scalars.drain(1) == [(1, {"loss": 1.0})]
 
 
 def test_a_host_mirror_of_a_parameter_reads_like_any_tensor():

@@ -3,6 +3,7 @@ few steps through pinned memory without making the host wait."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +63,9 @@ class AsyncScalars:
         # (slot, tag, event, counts, host sums) per flush in flight
         self._pending: list[tuple[int, int, Any, np.ndarray, np.ndarray]] = []
         self._next_slot = 0
+        # add, flush and drain one at a time: sums added from several threads (a metric
+        # counted where it is made) would otherwise lose some of their additions.
+        self._lock = threading.Lock()
 
     def add(self, **values: torch.Tensor | float) -> None:
         """Accumulate one value per name given (any subset of ``names``): a 0-d or
@@ -70,8 +74,16 @@ class AsyncScalars:
         unknown = set(values) - set(self.names)
         if unknown:
             raise ValueError(f"add() takes names from {self.names}, got {sorted(unknown)}")
+        with self._lock:
+            self._add(values)
+
+    def _add(self, values: dict[str, torch.Tensor | float]) -> None:
         on_device = {}
         for name, value in values.items():
+            if isinstance(value, complex) or (
+                isinstance(value, torch.Tensor) and value.is_complex()
+            ):
+                raise ValueError(f"add({name}=...) takes a real number, got {value!r}")
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise ValueError(
@@ -103,7 +115,8 @@ class AsyncScalars:
 
     def count(self, n: int = 1) -> None:
         """``n`` more steps were summed by ``accumulate`` (or a graph replaying it)."""
-        self._counts += n
+        with self._lock:
+            self._counts += n
 
     def flush(self, tag: int) -> list[tuple[int, dict[str, float]]]:
         """Start copying the means since the last flush (labelled ``tag``) to the host, and
@@ -111,6 +124,10 @@ class AsyncScalars:
 
         On the cpu the copy is synchronous, so the current means come back at once.
         """
+        with self._lock:
+            return self._flush(tag)
+
+    def _flush(self, tag: int) -> list[tuple[int, dict[str, float]]]:
         ready = []
         if self._counts.any():
             if len(self._pending) == len(self._host):
@@ -127,8 +144,9 @@ class AsyncScalars:
 
     def drain(self, tag: int) -> list[tuple[int, dict[str, float]]]:
         """Flush and wait for everything: all results not yet returned, in order."""
-        ready = self.flush(tag)
-        return ready + self._collect(wait_for=len(self._pending))
+        with self._lock:
+            ready = self._flush(tag)
+            return ready + self._collect(wait_for=len(self._pending))
 
     def _record_event(self) -> Any:
         event = self.device.new_event()

@@ -246,6 +246,7 @@ def test_what_cannot_be_packed_is_refused_not_left_on_the_host():
         ({"x": Moves()}, "has .to\\(\\)"),
         ({"x": torch.eye(3).to_sparse()}, "sparse_coo tensor cannot be packed"),
         ({"x": _nested()}, "nested"),
+        ({"x": torch.ones(3, device="meta")}, "a meta tensor holds no data to move"),
     ]:
         with pytest.raises(GpuflowError, match=match):
             pack(batch)

@@ -249,6 +249,11 @@ class Planner:
                     "packed: only dense tensors can; pass .to_dense() (or .values() and "
                     "indices as their own tensors), or move it with .to() yourself"
                 )
+            if obj.device.type == "meta":
+                raise GpuflowError(
+                    "a meta tensor holds no data to move (it has a shape and no values); make "
+                    "it on the cpu or the device instead"
+                )
             return obj if obj.device.type != "cpu" else self._leaf(obj)
         if isinstance(obj, Ragged):
             return self._ragged(obj)

@@ -110,6 +110,38 @@ def test_best_shares_the_files_of_its_step_and_outlives_pruning(tmp_path):
     assert ckpt.read_record(folder / "best")["step"] == 1
 
 
+def test_files_the_user_put_in_checkpoints_outlive_pruning_and_replacement(tmp_path):
+    # docs/cli.md: gpuflow removes or replaces only what it wrote in a run folder.
+    _, model, optimizer = _model_and_optimizer()
+    checkpointer = ckpt.Checkpointer(tmp_path, Device("cpu"), keep=1)
+    checkpointer.save(1, model, optimizer, {"val_loss": 3.0}, ("step_000001", ckpt.BEST))
+    checkpointer.wait()
+    folder = ckpt.checkpoint_dir(tmp_path)
+    (folder / "step_000001" / "NOTES.txt").write_text("why this one")
+    (folder / ckpt.BEST / "WHY_BEST.txt").write_text("lowest so far")
+    checkpointer.save(2, model, optimizer, {"val_loss": 2.0}, ("step_000002", ckpt.BEST))
+    checkpointer.save(3, model, optimizer, {"val_loss": 2.5})
+    checkpointer.close()
+    # step 1 holds the user's note: kept whole past keep=1; step 2 pruned as usual
+    assert sorted(p.name for p in folder.iterdir()) == ["best", "step_000001", "step_000003"]
+    assert (folder / "step_000001" / "NOTES.txt").read_text() == "why this one"
+    assert ckpt.read_record(folder / "step_000001")["step"] == 1
+    # best replaced by step 2's, the user's file moved along with it
+    assert ckpt.read_record(folder / ckpt.BEST)["step"] == 2
+    assert (folder / ckpt.BEST / "WHY_BEST.txt").read_text() == "lowest so far"
+
+
+def test_a_replacement_killed_after_moving_the_users_files_gives_them_back(tmp_path):
+    _, model, optimizer = _model_and_optimizer()
+    path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)
+    successor = path.parent / ".step_000003.tmp-4242"  # killed before it was renamed in
+    successor.mkdir()
+    (successor / "NOTES.txt").write_text("mine")
+    assert ckpt.remove_stale_temporaries(tmp_path) == [".step_000003.tmp-4242"]
+    assert (path / "NOTES.txt").read_text() == "mine"
+    assert ckpt.read_record(path)["step"] == 3
+
+
 def test_a_replacement_cut_short_gives_the_old_checkpoint_back(tmp_path):
     _, model, optimizer = _model_and_optimizer()
     path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)

@@ -44,6 +44,7 @@ from gpuflow.train.checkpoint_folder import (
     best_checkpoint,
     check_checkpoint_folder,
     checkpoint_dir,
+    foreign_entries,
     is_step_name,
     latest_checkpoint,
     latest_step,
@@ -307,8 +308,11 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Delete all but the newest ``keep`` step checkpoints: each is renamed out of sight
-        first, so a crash mid-delete leaves a temporary, never half a checkpoint."""
+        first, so a crash mid-delete leaves a temporary, never half a checkpoint. One that
+        holds files gpuflow did not write is kept whole, theirs with it."""
         for old in list_checkpoints(self.run_dir)[: -self.keep]:
+            if foreign_entries(old):
+                continue
             doomed = old.with_name(f".{old.name}.pruned-{os.getpid()}")
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
@@ -324,6 +328,9 @@ def _install(tmp: Path, final: Path) -> None:
             f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
             f"was left as it is: move it out of {final.parent} and resume"
         )
+    if os.path.lexists(final):  # what the user put in the one replaced moves to its successor
+        for name in foreign_entries(final):
+            os.replace(final / name, tmp / name)
     replace_folder(tmp, final, retired)
     shutil.rmtree(retired, ignore_errors=True)
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 from gpuflow.common.atomic import fsync_dir
 from gpuflow.common.errors import GpuflowError
-from gpuflow.train.checkpoint_record import STATE_FILE, CheckpointDamaged, read_record
+from gpuflow.train.checkpoint_record import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    CheckpointDamaged,
+    read_record,
+)
 
 STEP_PREFIX = "step_"
 BEST = "best"
@@ -54,6 +60,23 @@ def written_here(path: Path) -> bool:
     state.json (written last, inside it) is a real file."""
     state = path / STATE_FILE
     return real_dir(path) and state.is_file() and not state.is_symlink()
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """What a checkpoint folder holds that gpuflow did not write there (a note, a file of
+    the user's), by name: gpuflow neither deletes nor replaces it."""
+    ours = {STATE_FILE, MODEL_FILE, OPTIMIZER_FILE}
+    return sorted(name for name in os.listdir(path) if name not in ours)
+
+
+def _give_back_foreign(temporary: Path, final: Path) -> None:
+    """The user's files that a writer killed mid-replace had moved into ``temporary``, put
+    back into the checkpoint ``final`` before the temporary is removed."""
+    if not written_here(final):
+        return
+    for name in foreign_entries(temporary):
+        if not os.path.lexists(final / name):
+            os.replace(temporary / name, final / name)
 
 
 def check_checkpoint_folder(run_dir: Path) -> None:
@@ -118,6 +141,7 @@ def remove_stale_temporaries(run_dir: Path) -> list[str]:
             if match.group(2) == "old" and not os.path.lexists(final):
                 os.replace(path, final)
             else:
+                _give_back_foreign(path, final)
                 shutil.rmtree(path)
             handled.append(path.name)
     if handled:

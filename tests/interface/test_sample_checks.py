@@ -117,6 +117,29 @@ def test_a_replaced_tokenizer_is_refused_by_the_checkpoints_record_without_its_d
     _refused(argv, workdir, capsys, said, "put back the run's own tokenizer.json")
 
 
+@pytest.mark.parametrize("argv", [SAMPLE, EXPORT], ids=["sample", "export"])
+def test_a_config_edited_to_another_model_of_the_same_weights_is_refused(
+    run, workdir, capsys, argv
+):
+    # 4 heads of 16 instead of 2 of 32: every weight keeps its shape, the model computes
+    # something else. The checkpoint's record of the shape it was trained as catches it.
+    config = run / "config.toml"
+    text = config.read_text()
+    assert "n_head = 2\n" in text
+    config.write_text(text.replace("n_head = 2\n", "n_head = 4\n"))
+    said = "gives model n_head 4 (trained with 2), but checkpoint runs/r/checkpoints/"
+    _refused(argv, workdir, capsys, said, "put the run's config.toml back as it was trained")
+
+
+def test_resuming_with_a_config_edited_to_another_model_is_refused(run, workdir, capsys):
+    config = run / "config.toml"
+    config.write_text(config.read_text().replace("n_head = 2\n", "n_head = 4\n"))
+    before = entry_hashes(workdir)
+    assert main(["train", "--name", "r", "--resume", "--steps", "4", "--device", "cpu"]) == 2
+    one_error(capsys.readouterr().err, "gives model n_head 4 (trained with 2)")
+    assert entry_hashes(workdir) == before
+
+
 def test_ids_the_tokenizer_lacks_are_said_not_dropped_silently():
     notes = []
     _say_unknown_ids([5, 301, 7, 400], 300, Path("runs/r"), notes.append)

@@ -148,6 +148,10 @@ def open_trained(
             f"{run_dir} has no {TOKENIZER_FILE} (its data came without one), so its tokens "
             f"cannot be turned into text; copy the data's tokenizer.json to {tokenizer_path}"
         )
+    try:  # the shape it was trained as, before a model of the config's is built
+        ckpt.check_model_record(ckpt.read_record(checkpoint), run_config.model, checkpoint)
+    except ckpt.CheckpointDamaged as exc:
+        raise GpuflowError(f"{exc}; {_another(run_dir, checkpoint)}") from None
     model = GPT(run_config.model)
     try:
         record = ckpt.load_weights(checkpoint, model)

@@ -28,6 +28,9 @@ from gpuflow.common.errors import GpuflowError
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
+# The model's shape (ModelConfig's fields) the weights were trained as: a config.toml edited
+# since is caught by it, where the weights' shapes alone may still fit (another head count).
+MODEL_KEY = "model"
 FORMAT_KEY = "format"
 FORMAT = 2  # what this version writes: see the module docstring
 RECORD_DIGEST = "state_sha256"  # state.json's own checksum, inside it
@@ -139,6 +142,7 @@ def _check_fields(record: dict[str, Any], file: Path, version: int) -> None:
         "tokens_seen": (lambda v: _is_int(v) and v >= 0, "a count of tokens", False),
         "val_loss": (lambda v: v is None or _is_number(v), "a number or null", False),
         "interval": (_interval, "the steps and means of a logging interval's part", False),
+        MODEL_KEY: (_model_shape, "the model's shape (positive whole numbers by name)", False),
     }
     for key, (good, what, required) in checks.items():
         if key not in record and not required:
@@ -148,6 +152,10 @@ def _check_fields(record: dict[str, Any], file: Path, version: int) -> None:
             raise CheckpointDamaged(
                 f"{file}: its {key} {value}, not {what}; the checkpoint is damaged"
             )
+
+
+def _model_shape(value: Any) -> bool:
+    return isinstance(value, dict) and all(_is_int(v) and v > 0 for v in value.values())
 
 
 def _is_int(value: Any) -> bool:

@@ -153,6 +153,7 @@ def build_setup(
             say(f"{run_dir} has no checkpoint yet: training it from step 0")
         else:
             check_checkpoint_tokenizer(run_dir, checkpoint.path, checkpoint.record.get("data"))
+            ckpt.check_model_record(checkpoint.record, cfg.model, checkpoint.path)
             ckpt.apply_checkpoint(checkpoint, model, adamw)
     start_step = checkpoint.step if checkpoint is not None else 0
     if start_step >= cfg.train.steps:

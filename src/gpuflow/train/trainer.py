@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -396,7 +396,8 @@ class Trainer:
             self.last_val,
             interval.as_record() if interval is not None else None,
         )
-        checkpointer.save(step, setup.model, setup.optimizer, state.as_record(), names)
+        record = {**state.as_record(), ckpt.MODEL_KEY: asdict(self.config.model)}
+        checkpointer.save(step, setup.model, setup.optimizer, record, names)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """The job's ``tokens_per_s`` as a fraction of its GPUs' bf16 peak."""

@@ -364,6 +364,26 @@ def test_a_diverged_run_stops_before_saving_nan_weights(prepared, workdir, capsy
         assert all(torch.isfinite(t).all() for t in weights.values()), path
 
 
+def test_a_resumed_run_that_diverges_names_the_checkpoint_an_earlier_session_left(
+    prepared, workdir, capsys
+):
+    assert (
+        _train_cli(prepared, "--name", "rd", "--steps", "2", sets=("train.checkpoint_interval=2",))
+        == 0
+    )
+    capsys.readouterr()
+    # no checkpoint of its own before it diverges
+    sets = (
+        "train.lr=1e6",
+        "train.grad_clip=0",
+        "train.log_interval=1",
+        "train.checkpoint_interval=1000",
+    )
+    assert _train_cli(prepared, "--name", "rd", "--resume", "--steps", "30", sets=sets) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "training diverged" in last and "its last good checkpoint is step_000002" in last
+
+
 def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     prepared, workdir, capsys
 ):

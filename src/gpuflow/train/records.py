@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
-from gpuflow.train.checkpoint import Checkpointer
+from gpuflow.train.checkpoint import Checkpointer, latest_checkpoint
 from gpuflow.train.config import TrainConfig
 from gpuflow.train.meter import Interval, IntervalPart, Throughput
 from gpuflow.train.schedule import lr_at
@@ -104,9 +104,9 @@ class Records:
         """Stop a run whose loss is no longer a number, before it saves such weights."""
         self.checkpointer.wait()
         written = self.checkpointer.written
-        where = (
-            f"its last good checkpoint is {written[-1].name}" if written else "it has no checkpoint"
-        )
+        # This session's newest, else one an earlier session left (a resumed run's)
+        last = written[-1] if written else latest_checkpoint(self.checkpointer.run_dir)
+        where = f"its last good checkpoint is {last.name}" if last else "it has no checkpoint"
         raise GpuflowError(
             f"training diverged: the loss is {loss} at step {step} ({where}); lower train.lr "
             f"(now {self.config.lr:g}) or raise train.warmup_steps and train again"

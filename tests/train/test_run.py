@@ -384,6 +384,23 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_an_earlier_session_lef
     assert "training diverged" in last and "its last good checkpoint is step_000002" in last
 
 
+def test_a_metrics_line_edited_by_hand_is_named_or_drawn_not_a_traceback(prepared, workdir, capsys):
+    sets = ("train.checkpoint_interval=2", "train.log_interval=1")
+    assert _train_cli(prepared, "--name", "hand", "--steps", "2", sets=sets) == 0
+    metrics = workdir / "runs" / "hand" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    # text where a figure goes, in the middle: named, nothing trained
+    metrics.write_text("".join([lines[0], '{"step": 1, "loss": "abc"}\n', *lines[1:]]))
+    capsys.readouterr()
+    assert _train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "metrics.jsonl:2 is not a metrics record; delete that line" in last
+    # a record without a rate: the run trains on and draws its plot
+    metrics.write_text("".join([*lines, '{"step": 2, "loss": 7.0}\n']))
+    assert _train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 0
+    assert (workdir / "runs" / "hand" / "training.png").stat().st_size > 0
+
+
 def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     prepared, workdir, capsys
 ):

@@ -227,7 +227,7 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        if _is_record(record):
             records.append(record)
         elif number == len(lines):
             return records, True
@@ -236,6 +236,22 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
                 f"{path}:{number} is not a metrics record; delete that line and try again"
             )
     return records, False
+
+
+# The figures a record's readers compare and draw: numbers (or null) wherever they appear.
+_FIGURES = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "val_loss", "val_bpb")
+
+
+def _is_record(record: Any) -> bool:
+    """A metrics record as gpuflow writes it: an object with a whole step number and its
+    figures numbers (a line edited by hand to hold text there would fail the report)."""
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return False
+    return all(
+        record[key] is None or type(record[key]) in (int, float)
+        for key in _FIGURES
+        if key in record
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

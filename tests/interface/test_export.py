@@ -97,6 +97,15 @@ def test_the_cli_exports_a_named_checkpoint_and_refuses_a_folder_in_use(trained,
     assert main(["export", "--run", str(trained), "--out", str(tmp_path / "link")]) == 2
     assert f"link is a link to {empty}; pass --out" in capsys.readouterr().err
     assert (tmp_path / "link").is_symlink() and not any(empty.iterdir())
+    here = tmp_path / "here"  # an empty current folder: no folder can be swapped in for it
+    here.mkdir()
+    os.chdir(here)
+    try:
+        assert main(["export", "--run", str(trained), "--out", "."]) == 2
+    finally:
+        os.chdir(tmp_path)
+    assert ". is the current folder or holds it; choose another --out" in capsys.readouterr().err
+    assert list(tmp_path.glob(".*tmp-*")) == [] and not any(here.iterdir())
     with pytest.raises(GpuflowError, match="has no checkpoint 'step_999999'"):
         export_hf(trained, tmp_path / "x", "step_999999")
     assert not (tmp_path / "x").exists()

@@ -401,6 +401,15 @@ def test_a_metrics_line_edited_by_hand_is_named_or_drawn_not_a_traceback(prepare
     assert (workdir / "runs" / "hand" / "training.png").stat().st_size > 0
 
 
+def test_a_link_to_nothing_where_a_run_would_go_is_named_as_a_link(prepared, workdir, capsys):
+    (workdir / "runs").mkdir()
+    (workdir / "runs" / "dang").symlink_to(workdir / "nowhere")
+    assert _train_cli(prepared, "--name", "dang", "--steps", "1") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "runs/dang is a link to" in last and "pass another --name" in last
+    assert not (workdir / "nowhere").exists()
+
+
 def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     prepared, workdir, capsys
 ):

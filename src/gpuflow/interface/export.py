@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from gpuflow.common.atomic import fsync_dir, open_new
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.prepare.outfolder import pid_is_running
+from gpuflow.data.prepare.outfolder import check_out_place, pid_is_running
 from gpuflow.data.tokenizer_file import EOT, eot_id, load_tokenizer
 from gpuflow.interface.sample import open_trained
 from gpuflow.model.hf import gpt2_config, gpt2_weights
@@ -58,6 +58,7 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor], mode_of: Path) 
 
 
 def _check_out(out: Path) -> None:
+    check_out_place(out)  # the current folder cannot be swapped for the export, as for prepare
     if out.is_symlink():  # the folder is renamed into its place: the link itself would go
         raise GpuflowError(
             f"{out} is a link to {os.readlink(out)}; pass --out a new or empty folder itself"

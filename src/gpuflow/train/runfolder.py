@@ -65,14 +65,19 @@ def new_run_dir(base_name: str, explicit: bool) -> Path:
     given explicitly; an explicit name that is taken is an error (work is never overwritten)."""
     check_name(base_name)
     path = RUNS_DIR / base_name
-    if not path.exists():
+    if not os.path.lexists(path):  # (a link to nothing takes the name too)
         return path
+    if explicit and path.is_symlink():
+        raise GpuflowError(
+            f"{path} is a link to {os.readlink(path)}; gpuflow makes its run folders itself "
+            "and never follows a link: pass another --name"
+        )
     if explicit:
         raise GpuflowError(
             f"{path} already exists; pass --resume to continue it, or another --name"
         )
     n = 2
-    while (RUNS_DIR / f"{base_name}-{n}").exists():
+    while os.path.lexists(RUNS_DIR / f"{base_name}-{n}"):
         n += 1
     return RUNS_DIR / f"{base_name}-{n}"
 

@@ -142,6 +142,32 @@ def test_a_replacement_killed_after_moving_the_users_files_gives_them_back(tmp_p
     assert ckpt.read_record(path)["step"] == 3
 
 
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (
+            lambda m, k: m.__setitem__(k, torch.zeros(3, 3)),
+            r"exp_avg is \(3, 3\), not the parameter.s",
+        ),
+        (lambda m, k: m.pop(k), "has no exp_avg; the checkpoint is damaged"),
+        (
+            lambda m, k: m.__setitem__(k.replace("exp_avg", "step"), torch.zeros(5)),
+            "its step is not one number",
+        ),
+    ],
+    ids=["shape", "missing", "step"],
+)
+def test_moments_that_do_not_fit_their_parameters_are_one_line(tmp_path, damage, said):
+    # A record whose checksums hold may come from another writer: its moments are checked
+    # against the live parameters before torch would fail in the middle of a step.
+    _, model, optimizer = _model_and_optimizer()
+    data = ckpt.read_checkpoint(save_checkpoint(tmp_path, 1, model, optimizer, {}, keep=1))
+    key = next(k for k in data.moments if k.endswith(".exp_avg"))
+    damage(data.moments, key)
+    with pytest.raises(GpuflowError, match=said):
+        ckpt.apply_checkpoint(data, model, optimizer)
+
+
 def test_a_replacement_cut_short_gives_the_old_checkpoint_back(tmp_path):
     _, model, optimizer = _model_and_optimizer()
     path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)

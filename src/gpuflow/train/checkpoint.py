@@ -134,6 +134,31 @@ def _json_value(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _check_moments(
+    path: Path, slots: dict[int, dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+    names: list[str],
+) -> None:  # fmt: skip
+    """Refuse, in one line, moments that do not fit their parameters: a record that verifies
+    may still come from a writer that was not gpuflow's, and torch would fail mid-step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, state in slots.items():
+        where = f"checkpoint {path}: the optimizer state of {names[index]}"
+        missing = [name for name in ("step", *_MOMENTS) if name not in state]
+        if missing:
+            raise GpuflowError(f"{where} has no {', '.join(missing)}; the checkpoint is damaged")
+        for name in _MOMENTS:
+            if state[name].shape != params[index].shape:
+                raise GpuflowError(
+                    f"{where}: {name} is {tuple(state[name].shape)}, not the parameter's "
+                    f"{tuple(params[index].shape)}; the checkpoint is damaged"
+                )
+        if state["step"].numel() != 1:
+            raise GpuflowError(f"{where}: its step is not one number; the checkpoint is damaged")
+
+
 def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Parameter names in the optimizer's own order (the indices of its state_dict)."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -455,6 +480,7 @@ def apply_checkpoint(
         if param_name not in index_of:
             raise GpuflowError(f"checkpoint {path} has optimizer state for unknown {param_name}")
         slots.setdefault(index_of[param_name], {})[slot] = value
+    _check_moments(path, slots, optimizer, list(index_of))
     live_groups = optimizer.state_dict()["param_groups"]
     if len(live_groups) != len(data.record["param_groups"]):
         raise GpuflowError(f"checkpoint {path} was saved by a different optimizer setup")

@@ -131,6 +131,22 @@ def test_files_the_user_put_in_checkpoints_outlive_pruning_and_replacement(tmp_p
     assert (folder / ckpt.BEST / "WHY_BEST.txt").read_text() == "lowest so far"
 
 
+def test_a_replacement_that_fails_leaves_the_users_files_where_they_were(tmp_path, monkeypatch):
+    _, model, optimizer = _model_and_optimizer()
+    path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)
+    (path / "NOTES.txt").write_text("mine")
+    successor = ckpt._linked_copy(path, path.parent / ".step_000003.tmp-4242")
+    (successor / "NOTES.txt").unlink()  # a successor holds only what gpuflow writes
+
+    def refused(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "replace_folder", refused)
+    with pytest.raises(OSError):
+        ckpt._install(successor, path)
+    assert (path / "NOTES.txt").read_text() == "mine"
+
+
 def test_a_replacement_killed_after_moving_the_users_files_gives_them_back(tmp_path):
     _, model, optimizer = _model_and_optimizer()
     path = save_checkpoint(tmp_path, 3, model, optimizer, {}, keep=3)

@@ -354,10 +354,16 @@ def _install(tmp: Path, final: Path) -> None:
             f"{final} appeared during the run and is not a checkpoint gpuflow wrote; it "
             f"was left as it is: move it out of {final.parent} and resume"
         )
-    if os.path.lexists(final):  # what the user put in the one replaced moves to its successor
-        for name in foreign_entries(final):
-            os.replace(final / name, tmp / name)
-    replace_folder(tmp, final, retired)
+    # What the user put in the one replaced moves to its successor (and back if it fails).
+    theirs = foreign_entries(final) if os.path.lexists(final) else []
+    for name in theirs:
+        os.replace(final / name, tmp / name)
+    try:
+        replace_folder(tmp, final, retired)
+    except OSError:
+        for name in theirs:
+            os.replace(tmp / name, final / name)
+        raise
     shutil.rmtree(retired, ignore_errors=True)
 
 

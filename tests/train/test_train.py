@@ -127,12 +127,21 @@ def test_finished_run_asks_for_more_steps(prepared, workdir):
 def test_checkpoint_of_another_model_shape_is_refused(prepared, workdir):
     run_dir = workdir / "runs" / "shape"
     _train(_config(prepared, "train.steps=2"), run_dir)
+    wider = _config(prepared, "train.steps=4", "model.d_model=96")
+    with pytest.raises(GpuflowError, match=r"gives model d_model 96 \(trained with 64\)"):
+        _train(wider, run_dir, resume=True)
+    # A checkpoint from before the model's shape was recorded: its weights' shapes tell.
+    state = ckpt.checkpoint_dir(run_dir) / "step_000002" / ckpt.STATE_FILE
+    record = json.loads(state.read_text())
+    del record[ckpt.MODEL_KEY]
+    record[ckpt.RECORD_DIGEST] = ckpt.record_digest(record)
+    state.write_text(json.dumps(record))
     with pytest.raises(
         GpuflowError,
         match=r"wte.weight of shape \(512, 64\) but this model's "
         r"is \(512, 96\)",
     ):
-        _train(_config(prepared, "train.steps=4", "model.d_model=96"), run_dir, resume=True)
+        _train(wider, run_dir, resume=True)
 
 
 def test_incomplete_checkpoint_folders_are_ignored(prepared, workdir):

@@ -140,6 +140,16 @@ def test_resuming_with_a_config_edited_to_another_model_is_refused(run, workdir,
     assert entry_hashes(workdir) == before
 
 
+def test_sample_without_a_run_takes_the_most_recently_active_one(run, workdir, capsys):
+    _, err = _sampled(["sample", "--device", "cpu", "--max-tokens", "3"], capsys)
+    assert "sampling runs/r, the run most recently active in runs/" in err
+
+
+def test_sample_without_a_run_and_no_runs_says_so(workdir, capsys):
+    assert main(["sample", "--device", "cpu"]) == 2
+    one_error(capsys.readouterr().err, "there is no run in runs/")
+
+
 def test_ids_the_tokenizer_lacks_are_said_not_dropped_silently():
     notes = []
     _say_unknown_ids([5, 301, 7, 400], 300, Path("runs/r"), notes.append)

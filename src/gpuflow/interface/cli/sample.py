@@ -16,7 +16,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "are drawn on the device; the model sees the last model.max_len of them, so the text "
         "may run past its context. It stops at the first <|endoftext|>, which it leaves out.",
     )
-    p.add_argument("--run", required=True, metavar="DIR", help="a run folder, e.g. runs/tiny")
+    p.add_argument(
+        "--run",
+        metavar="DIR",
+        help="a run folder, e.g. runs/tiny (default: the run most recently active in runs/)",
+    )
     add_checkpoint_argument(p)
     p.add_argument("--prompt", default="", help="text to continue (default: start a document)")
     p.add_argument(
@@ -56,5 +60,11 @@ def run(args: argparse.Namespace) -> int:
     )
     from gpuflow.common.console import err_console
 
-    print(sample(args.run, config, Device.resolve(args.device), say=err_console.print))
+    run_dir = args.run
+    if run_dir is None:  # as `train --resume` without --name takes it
+        from gpuflow.train.runfolder import latest_run_dir
+
+        run_dir = latest_run_dir()
+        err_console.print(f"sampling {run_dir}, the run most recently active in runs/")
+    print(sample(run_dir, config, Device.resolve(args.device), say=err_console.print))
     return 0

@@ -139,8 +139,7 @@ def test_train_then_sample_through_their_command_modules(workdir, prepared, caps
     report = json.loads((workdir / "runs" / "cli" / "report.json").read_text())
     assert report["steps_done"] == 4 and report["config"]["model"]["d_model"] == 64
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        parse("sample")  # --run is required
+    assert parse("sample").run is None  # the run most recently active, chosen when it runs
     defaults = parse("sample", "--run", "runs/cli")
     assert (defaults.checkpoint, defaults.temperature, defaults.top_k) == ("best", 0.8, 50)
     args = parse("sample", "--run", "runs/cli", "--prompt", "The", "--max-tokens", "5",

@@ -84,6 +84,14 @@ class Budget:
             raise BudgetExceeded(over, events)
 
 
+class _OpenRegions(threading.local):
+    """A budget's open regions on each thread, innermost last: one budget may guard regions
+    on several threads at once, and each thread's exit closes its own."""
+
+    def __init__(self) -> None:
+        self.regions: list[Any] = []
+
+
 class budget:  # lower case: used like a function, ``with budget(...)`` or ``@budget(...)``
     """See the module docstring. ``device`` is whose allocator counts ``device_allocs``."""
 
@@ -103,9 +111,7 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         self.device = device
         self.at_site = at_site
         self.ledger: TransferLedger | None = None  # the last checked region's ledger
-        # Each thread's open regions, innermost last: one budget may guard regions on
-        # several threads at once, and each thread's exit closes its own.
-        self._open = threading.local()
+        self._open = _OpenRegions()
 
     @contextmanager
     def _region(self) -> Iterator[TransferLedger]:
@@ -137,16 +143,11 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
     def __enter__(self) -> TransferLedger:
         region = self._region()
         ledger = region.__enter__()
-        self._regions().append(region)  # a budget entered again, nested, checks both regions
+        self._open.regions.append(region)  # a budget entered again, nested, checks both regions
         return ledger
 
     def __exit__(self, *exc: Any) -> bool | None:
-        return self._regions().pop().__exit__(*exc)
-
-    def _regions(self) -> list[Any]:
-        if not hasattr(self._open, "regions"):
-            self._open.regions = []
-        return self._open.regions
+        return self._open.regions.pop().__exit__(*exc)
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)

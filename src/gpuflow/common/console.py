@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import suppress
 
 from rich import box
 from rich.cells import cell_len
@@ -53,17 +54,9 @@ class _Console(Console):
         one and leave a run folder with no checkpoint at all."""
         self.quiet = True
         # The stream's descriptor on the null device: Python's own flush of it at exit (and
-        # any print elsewhere) then fails no more.
-        try:
-            target = self.file.fileno()
-        except (OSError, ValueError):  # a stream with no descriptor (a test's capture)
-            target = None
-        if target is not None:
-            null = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(null, target)
-            finally:
-                os.close(null)
+        # any print elsewhere) then fails no more. (A stream with no descriptor: a test's.)
+        with suppress(OSError, ValueError), open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), self.file.fileno())
         signal.raise_signal(signal.SIGINT)
 
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from gpuflow.common.atomic import fsync_dir, open_new, replace_folder
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.device.accelerator import Device
-from gpuflow.model.gpt import ModelConfig, check_state_shapes
+from gpuflow.model.gpt import check_state_shapes
 from gpuflow.train.checkpoint_folder import (
     BEST,
     STEP_PREFIX,
@@ -63,6 +63,7 @@ from gpuflow.train.checkpoint_record import (
     RECORD_DIGEST,
     STATE_FILE,
     CheckpointDamaged,
+    check_model_record,
     file_digest,
     read_record,
     record_digest,
@@ -447,22 +448,6 @@ def resumable_checkpoint(run_dir: Path, say: Callable[[str], None]) -> Checkpoin
             "another --name"
         )
     return None
-
-
-def check_model_record(record: dict[str, Any], config: ModelConfig, path: Path) -> None:
-    """Refuse a run config whose model is not the one checkpoint ``path`` was trained as
-    (its config.toml edited since): with another head count, say, the weights still load and
-    the model computes something else. Checkpoints from before the shape was recorded pass."""
-    saved = record.get(MODEL_KEY)
-    if saved is None:
-        return
-    now = asdict(config)
-    changed = [f"{k} {now.get(k)} (trained with {v})" for k, v in saved.items() if now.get(k) != v]
-    if changed:
-        raise GpuflowError(
-            f"the run's config gives model {', '.join(changed)}, but checkpoint {path} was "
-            "trained as the other; put the run's config.toml back as it was trained"
-        )
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -20,10 +20,14 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuflow.common.errors import GpuflowError
+
+if TYPE_CHECKING:
+    from gpuflow.model.gpt import ModelConfig
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -123,6 +127,22 @@ def verify_files(path: Path, record: dict[str, Any], names: Iterable[str]) -> No
                 f"checkpoint file {file} is not the bytes written (its checksum differs): it "
                 "is damaged"
             )
+
+
+def check_model_record(record: dict[str, Any], config: ModelConfig, path: Path) -> None:
+    """Refuse a run config whose model is not the one checkpoint ``path`` was trained as
+    (its config.toml edited since): with another head count, say, the weights still load and
+    the model computes something else. Checkpoints from before the shape was recorded pass."""
+    saved = record.get(MODEL_KEY)
+    if saved is None:
+        return
+    now = asdict(config)
+    changed = [f"{k} {now.get(k)} (trained with {v})" for k, v in saved.items() if now.get(k) != v]
+    if changed:
+        raise GpuflowError(
+            f"the run's config gives model {', '.join(changed)}, but checkpoint {path} was "
+            "trained as the other; put the run's config.toml back as it was trained"
+        )
 
 
 # ---- the fields, checked once the checksum holds ----------------------------------------------

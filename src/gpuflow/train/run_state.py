@@ -1,6 +1,6 @@
 """What a run records in a checkpoint beyond its weights and moments (``RunState``: random
 states, data position, tokens seen, latest validation loss, the logging interval it came
-inside), and the best checkpoint's validation loss."""
+inside, the model's shape), and the best checkpoint's validation loss."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from gpuflow.device.accelerator import Device
 from gpuflow.train.checkpoint_folder import best_checkpoint
-from gpuflow.train.checkpoint_record import CheckpointDamaged, read_record
+from gpuflow.train.checkpoint_record import MODEL_KEY, CheckpointDamaged, read_record
 
 
 def encode_tensor(t: torch.Tensor) -> str:
@@ -41,14 +41,16 @@ class RunState:
     rng_torch: torch.Tensor
     rng_device: torch.Tensor | None
     interval: dict[str, Any] | None = None
+    model: dict[str, int] | None = None  # the shape trained (ModelConfig's fields)
 
     @classmethod
     def now(
         cls, device: Device, data: dict[str, Any], tokens_seen: int, val_loss: float | None,
-        interval: dict[str, Any] | None = None,
+        interval: dict[str, Any] | None = None, model: dict[str, int] | None = None,
     ) -> RunState:  # fmt: skip
         """The run's state after its latest step, random states read now."""
-        return cls(data, tokens_seen, val_loss, torch.get_rng_state(), device.rng_state(), interval)
+        rng = torch.get_rng_state(), device.rng_state()
+        return cls(data, tokens_seen, val_loss, *rng, interval, model)
 
     def as_record(self) -> dict[str, Any]:
         rng_device = encode_tensor(self.rng_device) if self.rng_device is not None else None
@@ -58,6 +60,7 @@ class RunState:
             "tokens_seen": self.tokens_seen,
             "val_loss": self.val_loss,
             **({"interval": self.interval} if self.interval is not None else {}),
+            **({MODEL_KEY: self.model} if self.model is not None else {}),
         }
 
     @classmethod
@@ -71,6 +74,7 @@ class RunState:
             rng_torch=decode_byte_tensor(rng["torch"]),
             rng_device=decode_byte_tensor(rng["device"]) if rng.get("device") else None,
             interval=record.get("interval"),
+            model=record.get(MODEL_KEY),
         )
 
     def restore_rng(self, device: Device) -> None:

@@ -395,9 +395,9 @@ class Trainer:
             setup.tokens_seen + (step - setup.start_step) * self.tokens_per_step,
             self.last_val,
             interval.as_record() if interval is not None else None,
+            asdict(self.config.model),
         )
-        record = {**state.as_record(), ckpt.MODEL_KEY: asdict(self.config.model)}
-        checkpointer.save(step, setup.model, setup.optimizer, record, names)
+        checkpointer.save(step, setup.model, setup.optimizer, state.as_record(), names)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """The job's ``tokens_per_s`` as a fraction of its GPUs' bf16 peak."""

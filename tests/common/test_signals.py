@@ -1,12 +1,16 @@
-"""Signal handlers for the length of a block: installed, called, and the old ones put back."""
+"""Signal handlers for the length of a block: installed, called, and the old ones put back;
+interrupts held while a child process starts, and settled in the child."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
 
-from gpuflow.common.signals import handling
+import pytest
+
+from gpuflow.common.signals import handling, interrupts_held, take_interrupts_in_child
 
 
 def test_the_handler_runs_inside_the_block_and_the_old_one_is_back_after():
@@ -53,3 +57,49 @@ def test_off_the_main_thread_nothing_changes_and_the_block_still_runs():
     thread.start()
     thread.join(timeout=10)
     assert seen == [before]  # Python allows no handler there: the block ran unchanged
+
+
+def test_an_interrupt_in_a_held_block_reaches_the_handler_there_was_once_it_ends():
+    caught: list[int] = []
+    with handling([signal.SIGTERM], lambda signum, frame: caught.append(signum)):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes at which Python would run a handler
+                pass
+            assert caught == []
+        assert caught == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_in_a_held_block_raises_after_it():
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        reached_the_end = True
+    assert reached_the_end
+
+
+def _report_interrupts(conn) -> None:
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    take_interrupts_in_child()
+    conn.send(
+        (blocked, signal.pthread_sigmask(signal.SIG_BLOCK, []), signal.getsignal(signal.SIGINT))
+    )
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
+def test_a_child_started_in_a_held_block_boots_with_interrupts_blocked_until_its_entry():
+    """A Ctrl-C at a terminal reaches the child too: while it boots, the signal waits; at its
+    entry point Ctrl-C is ignored (the parent stops it) and SIGTERM is taken again."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    with interrupts_held():
+        child = context.Process(target=_report_interrupts, args=(theirs,))
+        child.start()
+    assert ours.poll(60)
+    booted_with, after_entry, on_ctrl_c = ours.recv()
+    child.join(30)
+    assert {signal.SIGINT, signal.SIGTERM} <= booted_with
+    assert not {signal.SIGINT, signal.SIGTERM} & after_entry
+    assert on_ctrl_c == signal.SIG_IGN
+    assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])

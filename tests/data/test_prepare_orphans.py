@@ -141,3 +141,48 @@ def test_a_child_told_to_exit_with_its_parent_does_even_when_busy(tmp_path):
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# prepare, told SIGTERM the moment its ``nth`` child has been started and not yet sent its
+# arguments: the child then boots with nothing to read.
+SIGTERM_AT_A_START = """
+import os, signal, sys
+from multiprocessing import util
+
+started = util.spawnv_passfds
+spawned = 0
+
+def spawnv_passfds(path, args, passfds):
+    global spawned
+    pid = started(path, args, passfds)
+    if "spawn_main" in str(args):
+        spawned += 1
+        if spawned == int(sys.argv[1]):
+            os.kill(os.getpid(), signal.SIGTERM)
+    return pid
+
+if __name__ == "__main__":
+    util.spawnv_passfds = spawnv_passfds
+    from gpuflow.interface.cli.main import main
+    raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("nth", "sample_mb"), [(1, 10), (1, 2), (2, 2)], ids=["trainer", "worker", "second-worker"]
+)
+def test_sigterm_as_a_child_starts_stops_prepare_in_words(corpus, tmp_path, nth, sample_mb):
+    """A SIGTERM while a child was starting left it to boot with half its arguments, or after
+    its files were gone, and each printed a traceback; in the pool's own start, prepare
+    itself failed with one. The interrupt now waits for the start to finish."""
+    (tmp_path / "stop.py").write_text(SIGTERM_AT_A_START)
+    result = subprocess.run(
+        [sys.executable, "stop.py", str(nth), "prepare", "--data", str(corpus), "--out", "o",
+         "--vocab-size", "300", "--workers", "2", "--tokenizer-sample-mb", str(sample_mb)],
+        cwd=tmp_path, env=child_env({"PYTHONUNBUFFERED": "1"}), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "interrupted" in result.stderr
+    assert not (tmp_path / "o").exists()

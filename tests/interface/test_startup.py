@@ -1,4 +1,5 @@
-"""The command line answers --help without loading torch, which takes seconds to import."""
+"""The command line answers --help without loading torch, which takes seconds to import, and
+says a Ctrl-C while it loads in a word."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_help_does_not_load_torch(tmp_path, argv):
     )  # fmt: skip
     assert "usage:" in out.stdout
     assert out.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_ctrl_c_while_the_commands_load_is_said_in_a_word(monkeypatch, capsys):
+    """Loading the commands takes a fifth of a second, long enough for a Ctrl-C."""
+    from gpuflow.interface.cli import main as cli
+    from gpuflow.interface.cli.common import EXIT_INTERRUPTED
+
+    def interrupted(sub: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.COMMANDS[-1], "add_parser", interrupted)
+    assert cli.main(["info"]) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "interrupted\n"

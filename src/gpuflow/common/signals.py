@@ -25,3 +25,51 @@ def handling(
         for sig, old in previous.items():
             if signal.getsignal(sig) is handler:
                 signal.signal(sig, old)
+
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+_MASKS = hasattr(signal, "pthread_sigmask")  # (not on Windows)
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the block to end, then act as they would have; for the
+    start of a child process, which an interrupt part way through leaves unable to boot (its
+    arguments half sent, or the pool never told of it), so that it prints a traceback.
+
+    Children started inside begin with both signals blocked: a Ctrl-C at a terminal, which
+    reaches the whole process group, would otherwise stop each child in its imports, with a
+    traceback. ``take_interrupts_in_child`` at the child's entry point settles them. Off
+    the main thread, nothing changes."""
+    arrived: list[int] = []
+    try:
+        previous = {sig: signal.signal(sig, lambda signum, _: arrived.append(signum))
+                    for sig in INTERRUPTS}  # fmt: skip
+    except ValueError:
+        yield
+        return
+    mask = None
+    if _MASKS:
+        # multiprocessing starts its resource tracker with the first child, and unblocks both
+        # signals once it has: started first, it leaves the mask alone.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+    try:
+        yield
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (runs what was pending)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            signal.raise_signal(arrived[0])  # to the handler there was before
+
+
+def take_interrupts_in_child() -> None:
+    """In a child started under ``interrupts_held``: ignore Ctrl-C (the parent stops it, and
+    says why) and take SIGTERM again, a pending one included."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _MASKS:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)

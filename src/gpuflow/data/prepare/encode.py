@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import Tokenizer
 
 from gpuflow.common.orphans import exit_with_parent
+from gpuflow.common.signals import interrupts_held, take_interrupts_in_child
 from gpuflow.data.prepare.pieces import Cutter, Piece
 
 # Main-process code imports numpy where it runs: the workers import this module, and numpy
@@ -110,6 +111,7 @@ class IdEncoder:
 
 def _start_worker(tokenizer_file: str, itemsize: int, batch_chars: int, parent: int) -> None:
     global _worker, _trim_heap
+    take_interrupts_in_child()
     exit_with_parent(parent)
     # One process, one core: no pool of threads in tokenizers (they would each hold memory).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -183,7 +185,9 @@ class ParallelEncoder:
         assert self._pool is not None
         flight: deque[tuple[list[Piece], Future]] = deque()
         for task in tasks:
-            flight.append((task, self._pool.submit(_encode_in_worker, [p.text for p in task])))
+            with interrupts_held():  # a submit may start a worker
+                future = self._pool.submit(_encode_in_worker, [p.text for p in task])
+            flight.append((task, future))
             if len(flight) >= 2 * self.workers:
                 done, future = flight.popleft()
                 yield from _split(done, *_as_numpy(*future.result(), self.dtype))

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from gpuflow.common.errors import GpuflowError
 from gpuflow.common.orphans import exit_with_parent
 from gpuflow.common.procmem import resident_bytes
+from gpuflow.common.signals import interrupts_held, take_interrupts_in_child
 from gpuflow.data.prepare.encode import usable_cores
 from gpuflow.data.prepare.pieces import Cutter
 from gpuflow.data.tokenizer_file import EOT, MIN_VOCAB
@@ -131,7 +132,8 @@ def _train_in_child(texts: Iterator[str], vocab_size: int, threads: int) -> Toke
         name="gpuflow-bpe-trainer",
         daemon=True,
     )  # fmt: skip
-    child.start()
+    with interrupts_held():
+        child.start()
     theirs.close()
     over, done = threading.Event(), threading.Event()
     watcher = threading.Thread(
@@ -194,7 +196,7 @@ def _watch_memory(pid: int, over: threading.Event, done: threading.Event) -> Non
 
 def _trainer_process(conn: Connection, vocab_size: int, threads: int, parent: int) -> None:
     """The trainer's process: texts in, until ``None``; (failed, tokenizer JSON or why) out."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it, and says why
+    take_interrupts_in_child()
     exit_with_parent(parent)  # training would otherwise run on for minutes, for nobody
     # Read once, when tokenizers starts its pool of threads: in this process, in training.
     os.environ["RAYON_NUM_THREADS"] = str(threads)

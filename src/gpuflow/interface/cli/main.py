@@ -57,7 +57,11 @@ def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except KeyboardInterrupt:  # Ctrl-C while the commands load
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     args, extras = parser.parse_known_args(argv)
     if extras:
         _refuse_unknown(_parser_of(parser, args), extras)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -110,6 +111,41 @@ class Epoch:
         self.reading = threading.Lock()
 
 
+class _SourceCopies:
+    """The copies, by every loader in the process, still reading memory that a source yielded
+    and may write again: two loaders over one source share that memory, so a read of a
+    source waits for the other loader's copies too, not only its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writes: set[Future[object]] = set()  # writer-thread jobs
+        self._stagers: weakref.WeakSet[Stager] = weakref.WeakSet()  # their early copies
+
+    def add_stager(self, stager: Stager) -> None:
+        with self._lock:
+            self._stagers.add(stager)
+
+    def add_writes(self, futures: list[Future[object]]) -> None:
+        with self._lock:
+            self._writes.update(futures)
+        for future in futures:  # (outside the lock: a job done already calls back at once)
+            future.add_done_callback(self._done)
+
+    def _done(self, future: Future[object]) -> None:
+        with self._lock:
+            self._writes.discard(future)
+
+    def pending(self) -> tuple[list[Future[object]], list[Any]]:
+        """The writer jobs still running, and each loader's last early copy (its event)."""
+        with self._lock:
+            stagers = list(self._stagers)
+            writes = list(self._writes)
+        return writes, [s.early_done for s in stagers if s.early_done is not None]
+
+
+SOURCE_COPIES = _SourceCopies()
+
+
 class Stager:
     """Reads the epochs' sources ahead and stages their batches, into a pool of pinned
     staging buffers capped at ``depth + 2`` crossings per epoch (``pool_bytes`` caps it
@@ -133,6 +169,7 @@ class Stager:
         # xpu) have direct tensors.
         self.cross_early: Callable[[torch.Tensor], tuple[torch.Tensor, Any, Any]]
         self.early_done: Any = None  # after the last of those copies, of any epoch (in order)
+        SOURCE_COPIES.add_stager(self)
 
     def top_up(self, ep: Epoch) -> None:
         """Read and stage batches until ``depth + 1`` crossings are on their way."""
@@ -246,28 +283,28 @@ class Stager:
             if self.writer is None:
                 self.writer = ThreadPoolExecutor(_WRITERS, thread_name_prefix="gpuflow-write")
             jobs = plan.write_jobs(staging, _WRITE_CHUNK, offset)
-            crossing.writes += [self.writer.submit(job) for job in jobs]
+            futures = [self.writer.submit(job) for job in jobs]
+            crossing.writes += futures
+            if not ep.owned:
+                SOURCE_COPIES.add_writes(futures)
             return
         plan.write_into(staging, offset)
 
     def _settle_writes(self, ep: Epoch) -> None:
         """Wait until the writer threads, and the copies made as batches were read, have read
-        every batch read so far, by this epoch or another under way (two epochs of one source
-        may share the memory it refills). The writers' errors are raised in their turn, by
+        every batch read so far of a source that may write its memory again: by this epoch,
+        another under way (two epochs of one source may share the memory it refills), or
+        another loader (``SOURCE_COPIES``). The writers' errors are raised in their turn, by
         ``issue_ready``."""
-        pending = [
-            f for e in self.epochs for c in (*e.pulled, e.carried) if c is not None
-            for f in c.writes
-        ]  # fmt: skip
-        if not pending and self.early_done is None:
+        writes, early = SOURCE_COPIES.pending()
+        if not writes and not early:
             return
         started = time.perf_counter()
         with housekeeping():
-            if pending:
-                wait(pending)
-            if self.early_done is not None:
-                self.early_done.synchronize()  # copies run in order: the last one covers all
-                self.early_done = None
+            wait(writes)
+            for done in early:
+                done.synchronize()  # a loader's copies run in order: its last covers all
+            self.early_done = None
         self.times["stall_s"] += time.perf_counter() - started
 
     def drop_staging(self, crossing: Crossing) -> None:

@@ -8,9 +8,10 @@ batch of one structure, shapes and codecs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -51,9 +52,32 @@ class Ragged:
     def __len__(self) -> int:
         return len(self.host_offsets) - 1
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        start, end = self.host_offsets[i], self.host_offsets[i + 1]
-        return self.values[start:end]
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Ragged: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | Ragged:
+        """Sequence ``i`` (negative counts from the end), or the sequences of a slice as a
+        ``Ragged`` sharing this one's values."""
+        if isinstance(i, slice):
+            first, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError(f"a Ragged slice takes sequences in a row, not step {step}")
+            stop = max(first, stop)
+            start = self.host_offsets[first]
+            return Ragged(
+                self.values[start : self.host_offsets[stop]],
+                self.offsets[first : stop + 1] - start,
+                tuple(o - start for o in self.host_offsets[first : stop + 1]),
+            )
+        index = operator.index(i)
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"sequence {i} of a Ragged of {n}")
+        index %= n
+        return self.values[self.host_offsets[index] : self.host_offsets[index + 1]]
 
     def lengths(self) -> list[int]:
         return [b - a for a, b in zip(self.host_offsets, self.host_offsets[1:], strict=False)]

@@ -217,6 +217,25 @@ def test_from_dataset_of_numbers_arrays_and_bools():
     assert ints.dtype == torch.int64 and ints.tolist() == list(range(5))
 
 
+@pytest.mark.parametrize(
+    ("values", "dtype"),
+    [([1, 1.5, 2.75], torch.float32), ([True, 5, 0], torch.int64),
+     ([np.array([1], np.int8), np.array([300], np.int16), np.array([-3], np.int8)], torch.int16),
+     ([torch.tensor(1, dtype=torch.uint8), torch.tensor(-3), 7], torch.int64),
+     ([torch.tensor(1.0, dtype=torch.float16), 70000.0, 0.5], torch.float32)],
+    ids=["int-then-float", "bool-then-int", "int8-then-300", "uint8-then-negative",
+         "half-then-past-its-range"],
+)  # fmt: skip
+def test_a_field_whose_items_differ_in_dtype_takes_the_type_they_all_fit(values, dtype):
+    """Each item was written into a field of item 0's dtype: 1.5 became 1, 300 in int8 44."""
+    items = [(torch.zeros(2), v) for v in values]
+    data = ResidentDataset.from_dataset(_Items(items), device="cpu", show_progress=False)
+    got = _all(data)[1].reshape(len(values))
+    assert got.dtype == dtype
+    sent = [torch.as_tensor(v).reshape(-1)[0].item() for v in values]
+    assert got.tolist() == [float(v) if dtype.is_floating_point else int(v) for v in sent]
+
+
 def test_from_dataset_of_single_tensors():
     values = torch.arange(12.0).reshape(4, 3)
     data = ResidentDataset.from_dataset(_Items(list(values)), device="cpu", show_progress=False)

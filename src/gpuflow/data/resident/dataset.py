@@ -220,7 +220,8 @@ class ResidentDataset(Dataset):
         show_progress: bool = True,
     ) -> ResidentDataset:
         """Read a map-style dataset once (``dataset[i]`` for every i, with a progress bar):
-        each item a tensor, array, number or PIL image, or a tuple of them."""
+        each item a tensor, array, number or PIL image, or a tuple of them. A field whose
+        items differ in dtype takes the type they all promote to, as ``torch.stack`` gives."""
         n = len(dataset)
         if n == 0:
             raise GpuflowError("the dataset is empty")
@@ -244,6 +245,10 @@ class ResidentDataset(Dataset):
                             f"{tuple(value.shape)}, item 0 {tuple(out.shape[1:])}; give "
                             "samples of one shape (resize images first)"
                         )
+                    if value.dtype != out.dtype:  # (1 then 1.5): the type both fit, as stack
+                        wider = torch.promote_types(out.dtype, value.dtype)
+                        if wider != out.dtype:
+                            out = host[field] = out.to(wider)
                     out[i] = value
                 if bar and (i % 256 == 0 or i == n - 1):
                     bar.update(task, completed=i + 1)

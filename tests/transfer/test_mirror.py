@@ -120,6 +120,21 @@ def test_async_scalars_take_what_a_training_loop_has():
             scalars.add(loss=complex_value)
 
 
+@pytest.mark.parametrize(
+    "refused", [{"loss": 5.0, "acc": torch.ones(3)}, {"loss": 5.0, "acc": "high"},
+                {"loss": torch.tensor(5.0), "acc": 1j}],
+    ids=["a-tensor-of-three", "a-string", "complex"],
+)  # fmt: skip
+def test_a_refused_add_adds_nothing(refused):
+    """The loss of a refused call was summed before its later name was refused, and not
+    counted: the next mean held it."""
+    scalars = AsyncScalars(["loss", "acc"], "cpu")
+    with pytest.raises(ValueError, match=r"add\(acc=...\) takes"):
+        scalars.add(**refused)
+    scalars.add(loss=1.0, acc=0.5)
+    assert scalars.drain(1) == [(1, {"loss": 1.0, "acc": 0.5})]
+
+
 def test_async_scalars_added_from_several_threads_lose_nothing():
     import threading
 

@@ -3,6 +3,7 @@ few steps through pinned memory without making the host wait."""
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -78,11 +79,11 @@ class AsyncScalars:
             self._add(values)
 
     def _add(self, values: dict[str, torch.Tensor | float]) -> None:
-        on_device = {}
+        # Every value checked before any is summed: a refused call adds nothing.
+        on_device, on_host = {}, {}
         for name, value in values.items():
-            if isinstance(value, complex) or (
-                isinstance(value, torch.Tensor) and value.is_complex()
-            ):
+            if (value.is_complex() if isinstance(value, torch.Tensor)
+                    else not isinstance(value, numbers.Real)):  # fmt: skip
                 raise ValueError(f"add({name}=...) takes a real number, got {value!r}")
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -94,7 +95,9 @@ class AsyncScalars:
                     on_device[name] = value
                     continue
                 value = value.detach().reshape(()).item()  # a host tensor: no wait
-            self._host_sums[self._index[name]] += float(value)
+            on_host[name] = float(value)
+        for name, number in on_host.items():
+            self._host_sums[self._index[name]] += number
         if len(on_device) == len(self.names):
             self.accumulate(**on_device)
         else:

@@ -570,3 +570,26 @@ def test_what_cannot_be_moved_or_copied_is_refused_in_words():
             list(DeviceLoader([array], "cpu"))
     with pytest.raises(GpuflowError, match="unpack takes what pack"):
         unpack(torch.ones(3), "cpu")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda t: (t, t + 1), lambda t: {k: t * i for i, k in enumerate("abcd")}, lambda t: t,
+     lambda t: [t.repeat(1000, 1), t.repeat(1000, 1) * 2]],
+    ids=["stacked-pair", "dict-run", "lone", "large"],
+)  # fmt: skip
+def test_tensors_that_require_grad_cross_as_their_values(make):
+    """Two or more such tensors in a list, or four in a dict, failed inside torch (stacked
+    with out=, which autograd refuses); one crossed detached: every one now does."""
+    noisy = torch.randn(8, 16, requires_grad=True)
+    batch = make(noisy)
+    with DeviceLoader([batch], "cpu") as loader:
+        (got,) = list(loader)
+
+    def tensors(batch):
+        if isinstance(batch, dict):
+            return list(batch.values())
+        return list(batch) if isinstance(batch, list | tuple) else [batch]
+
+    for s, r in zip(tensors(batch), tensors(got), strict=True):
+        assert not r.requires_grad and torch.equal(r, s.detach())

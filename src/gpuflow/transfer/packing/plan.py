@@ -254,6 +254,8 @@ class Planner:
                     "a meta tensor holds no data to move (it has a shape and no values); make "
                     "it on the cpu or the device instead"
                 )
+            if obj.requires_grad:  # a batch is data: its values cross, not its graph
+                obj = obj.detach()
             return obj if obj.device.type != "cpu" else self._leaf(obj)
         if isinstance(obj, Ragged):
             return self._ragged(obj)
@@ -288,6 +290,8 @@ class Planner:
         return _Node.of(type(obj), children, keys, keywords=True)
 
     def _stack(self, items: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> _StackSpec:
+        if any(t.requires_grad for t in items):  # (stacked with out=, which autograd refuses)
+            items = type(items)(t.detach() for t in items)
         first = items[0]
         stacked_shape = (len(items), *first.shape)
         if codec_reads_values(first.dtype, self.narrow, self.lossy):

@@ -251,3 +251,24 @@ def test_either_path_checks_ids_as_unsigned(posix_kvikio, tmp_path, io, dtype, b
     with pytest.raises(GpuflowError, match=f"{shards[1].path.name}.*{bad}"):
         ResidentTokens(shards, "cpu", B, T, vocab_size=60000, io=io)
     assert threading.active_count() == threads  # the refused corpus's readers are gone
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_resident_tokens_dropped_without_close_close_their_files(tmp_path):
+    """Each reader kept one open file per shard until close(), which a dropped one never
+    had: 200 made and dropped held 200 files open."""
+    import gc
+
+    shards = _shards(tmp_path)
+
+    def open_files() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    ResidentTokens(shards, "cpu", 2, 8, io="pinned", show_progress=False).close()
+    before = open_files()
+    for _ in range(20):
+        tokens = ResidentTokens(shards, "cpu", 2, 8, io="pinned", show_progress=False)
+        tokens.sample()
+        del tokens
+    assert open_files() <= before

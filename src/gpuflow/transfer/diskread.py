@@ -14,6 +14,7 @@ docs/architecture/crossings.md (File bytes into device memory).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ class HostFileReader:
         self._n_threads = max(1, threads)
         self._threads = ThreadPoolExecutor(self._n_threads, thread_name_prefix="gpuflow-read")
         self._files: dict[Path, int] = {}
+        # A reader dropped without close() (its owner collected) closes its files then.
+        self._close_files = weakref.finalize(self, _close_all, self._files)
 
     def read(self, path: Path, file_offset: int, out: Any) -> None:
         """Fill ``out`` (a writable buffer of bytes: a uint8 array) from ``file_offset``."""
@@ -209,9 +212,13 @@ class HostFileReader:
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
+        self._close_files()
+
+
+def _close_all(files: dict[Path, int]) -> None:
+    for fd in files.values():
+        os.close(fd)
+    files.clear()
 
 
 def _short_read(path: Path, got: int, wanted: int, offset: int) -> GpuflowError:

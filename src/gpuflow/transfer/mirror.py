@@ -42,8 +42,14 @@ def _read_only(array: np.ndarray) -> np.ndarray:
     return array
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+
+
 def _host_numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+    """numpy has no bfloat16, float8 or complex32: those widen to float32 and complex64."""
+    if tensor.dtype == torch.complex32:
+        tensor = tensor.to(torch.complex64)
+    elif tensor.is_floating_point() and tensor.dtype not in _NUMPY_FLOATS:
         tensor = tensor.float()
     return tensor.numpy()
 

@@ -171,6 +171,24 @@ def test_budget_as_a_decorator_checks_every_call():
     step(False)
 
 
+def test_budget_refuses_to_decorate_what_runs_after_the_call():
+    """A generator's body runs as it is iterated, after the checked call has returned: the
+    decorator checked nothing at all."""
+
+    def syncs():
+        yield Device("cpu").new_event().synchronize()
+
+    async def later():
+        Device("cpu").synchronize()
+
+    async def stream():
+        yield 1
+
+    for fn in (syncs, later, stream):
+        with pytest.raises(TypeError, match=f"cannot check {fn.__name__}: .* inside it"):
+            budget(syncs=0, device="cpu")(fn)
+
+
 def test_errors_in_the_region_pass_through_unchanged():
     with pytest.raises(KeyError), budget(syncs=0, device="cpu"):
         Device("cpu").synchronize()

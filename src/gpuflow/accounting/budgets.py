@@ -16,6 +16,7 @@ fixture: docs/architecture/ledger.md (Budgets).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -150,6 +151,17 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         return self._open.regions.pop().__exit__(*exc)
 
     def __call__(self, fn: _F) -> _F:
+        if (
+            inspect.isgeneratorfunction(fn)
+            or inspect.iscoroutinefunction(fn)
+            or (inspect.isasyncgenfunction(fn))
+        ):
+            # Calling one runs none of its body: the region would check nothing.
+            raise TypeError(
+                f"@budget cannot check {fn.__name__}: a generator or async function's body "
+                "runs after the call returns; put `with budget(...):` inside it instead"
+            )
+
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
             with self._region():

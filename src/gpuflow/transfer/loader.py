@@ -48,10 +48,12 @@ def upload_tokens(tokens: np.ndarray, device: Device) -> torch.Tensor:
 class LoaderStats:
     """What a DeviceLoader moved, and where its host time went.
 
-    ``copies`` counts host->device copy calls: fewer than ``batches`` when small batches were
-    coalesced. ``source_s`` is host time inside the source's ``next``; ``stall_s``, host time
-    waiting for a staging buffer to come free (the device falling behind). The device times
-    need ``timing=True`` (events off the hot path otherwise):
+    ``copies`` counts host->device copy calls as they are queued: fewer than ``batches``
+    when small batches were coalesced, more when batches read ahead were dropped (a
+    ``break``). ``batches`` and the bytes count those handed out, as a ledger sees them.
+    ``source_s`` is host time inside the source's ``next``; ``stall_s``, host time waiting
+    for a staging buffer to come free (the device falling behind). The device times need
+    ``timing=True`` (events off the hot path otherwise):
     ``transfer_ms`` on the copy stream; ``exposed_ms``, the consumer stream's waits for copies
     (transfer not hidden); ``compute_ms``, the consumer stream's time from having a batch to
     moving on to the next.
@@ -59,7 +61,7 @@ class LoaderStats:
 
     batches: int
     copies: int
-    bytes_moved: int  # as they crossed the bus
+    bytes_moved: int  # the batches handed out, as they crossed the bus
     logical_bytes: int  # as the source produced them
     source_s: float
     stall_s: float

@@ -583,8 +583,8 @@ def test_tensors_that_require_grad_cross_as_their_values(make):
     with out=, which autograd refuses); one crossed detached: every one now does."""
     noisy = torch.randn(8, 16, requires_grad=True)
     batch = make(noisy)
-    with DeviceLoader([batch], "cpu") as loader:
-        (got,) = list(loader)
+    with DeviceLoader([batch] * 3, "cpu") as loader:  # the first planned, the others alike
+        *_, got = list(loader)
 
     def tensors(batch):
         if isinstance(batch, dict):
@@ -593,3 +593,10 @@ def test_tensors_that_require_grad_cross_as_their_values(make):
 
     for s, r in zip(tensors(batch), tensors(got), strict=True):
         assert not r.requires_grad and torch.equal(r, s.detach())
+
+
+def test_dict_keys_that_are_equal_but_of_other_types_come_back_as_given():
+    batches = [{1: torch.ones(2)}, {True: torch.ones(2)}, {1.0: torch.ones(2)}]
+    with DeviceLoader(batches, "cpu") as loader:
+        got = [type(next(iter(batch))) for batch in loader]
+    assert got == [int, bool, float]

@@ -175,6 +175,8 @@ class Planner:
         if kind is torch.Tensor:
             if not obj.is_cpu or obj.layout != torch.strided or obj.is_nested:
                 return False
+            if obj.requires_grad:  # as ``plan`` takes it: its values
+                obj = obj.detach()
             order = _memory_order(obj)
             if order is not None:
                 obj = obj.permute(order)  # contiguous: stored in its memory order
@@ -186,7 +188,8 @@ class Planner:
                 staged.append((obj, wire))
             return True
         if kind is dict:
-            signature.append(("dict", *obj))
+            # the keys' types too: 1, 1.0 and True are equal keys, but not the same batch
+            signature.append(("dict", *obj, *map(type, obj)))
             return all(
                 self._walk(value, signature, sources, staged, pinned) for value in obj.values()
             )

@@ -76,6 +76,44 @@ def test_starts_cover_the_corpus_and_depend_on_the_seed(tmp_path):
     assert (other != starts).float().mean() > 0.99
 
 
+def test_seeds_that_share_their_low_half_draw_other_windows(tmp_path):
+    """All 64 bits of the seed count, as they do for ResidentLoader; seeds below 2**32 draw
+    the windows they always have."""
+    shards, _ = _shards(tmp_path)
+    steps, rows, n = torch.arange(50)[:, None], torch.arange(B), torch.tensor(2000)
+    low = window_starts(1, steps, rows, n)
+    assert (window_starts(1 + 2**32, steps, rows, n) != low).float().mean() > 0.99
+    for seed in (1 + 2**32, 2**64 - 1, -1):
+        drawn = [ResidentTokens(shards, "cpu", B, T, seed=seed, world_size=2, rank=r)
+                 for r in range(2)]  # fmt: skip
+        for tokens in drawn:
+            for step in range(5):
+                x, _ = tokens.sample()
+                starts = _expected_starts(tokens, step)
+                assert x[:, 0].tolist() == [int(v) for v in tokens_at(shards, starts)]
+    assert torch.equal(
+        ResidentTokens(shards, "cpu", B, T, seed=-1).sample()[0],
+        ResidentTokens(shards, "cpu", B, T, seed=2**64 - 1).sample()[0],
+    )  # as torch.manual_seed reads a negative seed
+
+
+def tokens_at(shards, starts):
+    corpus = np.concatenate([np.asarray(s.tokens) for s in shards])
+    return corpus[starts]
+
+
+@pytest.mark.parametrize(
+    ("shards", "batch_size", "seq_len", "seed", "message"),
+    [(None, 0, T, 0, "at least 1, got 0 and 16"), (None, B, 0, 0, "at least 1, got 4 and 0"),
+     ([], B, T, 0, "no train shards"), (None, B, T, 2**64, "seed must be an integer"),
+     (None, B, T, 1.5, "seed must be an integer")],
+)  # fmt: skip
+def test_bad_arguments_are_refused_in_words(tmp_path, shards, batch_size, seq_len, seed, message):
+    made, _ = _shards(tmp_path)
+    with pytest.raises(GpuflowError, match=message):
+        ResidentTokens(made if shards is None else shards, "cpu", batch_size, seq_len, seed=seed)
+
+
 def test_ranks_draw_disjoint_windows(tmp_path):
     shards, corpus = _shards(tmp_path)
     spans = {}

@@ -66,11 +66,16 @@ def sample_keys(seed: int, epoch: int | torch.Tensor, positions: torch.Tensor) -
     base = hash32(torch.full_like(positions, seed & MASK32) ^ STREAMS[0])
     with_epoch = hash32(base ^ (epoch & MASK32))
     keys = hash32(with_epoch ^ (positions & MASK32))
-    if seed >> 32:
-        # The high half mixed in after the place: seeds that share their low half differ at
-        # every place, and seeds below 2**32 keep the keys they have always had.
-        keys = hash32(keys ^ _hash32_int((seed >> 32) ^ _HIGH_SEED))
-    return keys
+    return mix_high_seed(keys, seed)
+
+
+def mix_high_seed(keys: torch.Tensor, seed: int) -> torch.Tensor:
+    """``keys`` with the high half of a 64-bit ``seed`` mixed in: seeds that share their low
+    half differ at every key, and seeds below 2**32 keep the keys they have always had."""
+    seed &= MASK64
+    if not seed >> 32:
+        return keys
+    return hash32(keys ^ _hash32_int((seed >> 32) ^ _HIGH_SEED))
 
 
 def stream_keys(keys: torch.Tensor, stream: int) -> torch.Tensor:

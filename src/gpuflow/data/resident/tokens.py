@@ -30,7 +30,7 @@ from rich.progress import DownloadColumn
 
 from gpuflow.common.console import progress_bar
 from gpuflow.common.errors import GpuflowError
-from gpuflow.data.resident.keyed import MASK32, STREAMS, hash32
+from gpuflow.data.resident.keyed import MASK32, MASK64, STREAMS, check_seed, hash32, mix_high_seed
 from gpuflow.data.shards import HEADER_BYTES, Shard
 from gpuflow.data.tokens import check_ids
 from gpuflow.device.accelerator import Device
@@ -58,7 +58,7 @@ def window_starts(
     A pure function of its inputs, so eager, captured and resumed runs draw the same windows.
     """
     key = (step * rows.numel() + rows) & MASK32  # (B,)
-    base = hash32(torch.full_like(key, seed & MASK32) ^ STREAMS[0])
+    base = mix_high_seed(hash32(torch.full_like(key, seed & MASK32) ^ STREAMS[0]), seed)
     high = hash32(hash32(key ^ base) ^ STREAMS[0]) >> 1  # 31 bits: keeps the sum < 2**63
     low = hash32(hash32(key ^ base) ^ STREAMS[1])
     return ((high << 32) | low) % n_starts
@@ -85,10 +85,20 @@ class ResidentTokens:
     ) -> None:
         if not 0 <= rank < world_size:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
+        if batch_size < 1 or seq_len < 1:
+            raise GpuflowError(
+                f"batch_size and seq_len must be at least 1, got {batch_size} and {seq_len}"
+            )
+        if not shards:
+            raise GpuflowError("no train shards were given: prepare a token folder first")
         self.device = Device.resolve(device)
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        # Each rank its own draws: equal slices must not be read at the same offsets.
-        self._draw_seed = seed if world_size == 1 else (seed + rank * STREAMS[1]) & MASK32
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, check_seed(seed)
+        # Each rank its own draws: equal slices must not be read at the same offsets (the
+        # rank moves the seed's low half; its high half, a negative seed's as its two's
+        # complement, is mixed in as it is).
+        full = self.seed & MASK64
+        low = (full + rank * STREAMS[1]) & MASK32
+        self._draw_seed = full if world_size == 1 else (full & ~MASK32) | low
         self.vocab_size = vocab_size  # ids at or past it are refused as they upload
         self.window = seq_len + 1
         dtypes = {s.dtype for s in shards}

@@ -360,3 +360,14 @@ def test_a_mirror_of_a_dtype_numpy_lacks_reads_it_widened(dtype, wide):
     assert mirror.numpy().tolist() == values.to(torch.complex64 if dtype.is_complex else
                                                 torch.float32).tolist()  # fmt: skip
     assert mirror[1] == values[1].item()
+
+
+@pytest.mark.parametrize("index", [slice(None, None, -1), (slice(None), slice(None, None, -2))])
+def test_a_stale_read_with_a_negative_step_reads_as_a_fresh_one(index):
+    """A fresh read gave numpy's reversed array; a stale one failed in torch's indexing."""
+    values = torch.arange(12.0).reshape(3, 4)
+    mirror = HostMirror(values)
+    fresh = mirror[index]
+    values.add_(1)
+    mirror.mark_dirty()
+    assert np.array_equal(mirror[index], fresh + 1)

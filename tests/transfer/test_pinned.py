@@ -38,6 +38,12 @@ def test_size_classes_are_powers_of_two_with_a_floor():
     ]
 
 
+@pytest.mark.parametrize("nbytes", [10.5, -1, True, "64"])
+def test_a_size_that_is_not_a_whole_number_of_bytes_is_refused_in_words(nbytes):
+    with pytest.raises(GpuflowError, match=f"whole number of bytes, got {nbytes!r}"):
+        PinnedPool("cpu", max_bytes=1 << 20).acquire(nbytes)
+
+
 def test_a_returned_buffer_is_lent_again():
     pool = PinnedPool("cpu", max_bytes=1 << 20)
     first = pool.acquire(5000)

@@ -162,6 +162,7 @@ def test_snapshot_copies_every_tensor_and_waits_for_its_release():
         ({"model": {"w": [1.0, 2.0]}}, "'model'/'w' is a list, not a tensor"),
         ([torch.ones(2)], "got list"),
         ({"model": {"w": torch.eye(3).to_sparse()}}, "'model'/'w' is torch.sparse_coo"),
+        ({"opt": {0: torch.ones(2), "lr": torch.ones(1)}}, "group 'opt' mixes int and str"),
     ],
 )
 def test_anything_but_groups_of_named_tensors_is_one_line_and_frees_the_buffer(given, words):

@@ -45,6 +45,13 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
+def _numpy_only(index: Any) -> bool:
+    """Whether ``index`` holds a slice with a negative step, which numpy takes and torch
+    refuses."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, slice) and p.step is not None and p.step < 0 for p in parts)
+
+
 def _host_numpy(tensor: torch.Tensor) -> np.ndarray:
     """numpy has no bfloat16, float8 or complex32: those widen to float32 and complex64."""
     if tensor.dtype == torch.complex32:
@@ -252,6 +259,9 @@ class HostMirror:
         if self._adopt_staged() or self.is_fresh():
             self._counts["hits"] += 1
             part = _host_numpy(self._host)[index].copy()  # the host copy is refreshed in place
+        elif _numpy_only(index):  # (a negative step): torch cannot cut those bytes alone
+            self._ensure_whole()
+            part = _host_numpy(self._host)[index].copy()
         else:
             piece = self.tensor[index]
             self._counts["misses"] += 1

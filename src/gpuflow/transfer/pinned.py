@@ -12,6 +12,7 @@ pinned pool).
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import deque
@@ -99,6 +100,13 @@ class PinnedPool:
         that would be a wait forever, so it raises; a positive ``timeout`` (or None, no
         limit) waits that long for another thread to release one.
         """
+        try:
+            whole = -1 if isinstance(nbytes, bool) else operator.index(nbytes)
+        except TypeError:
+            whole = -1
+        if whole < 0:
+            raise GpuflowError(f"acquire takes a whole number of bytes, got {nbytes!r}")
+        nbytes = whole
         capacity = size_class(nbytes)
         if capacity > self.max_bytes:
             raise GpuflowError(

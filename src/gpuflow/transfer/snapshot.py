@@ -83,6 +83,12 @@ def _check_groups(groups: Any) -> None:
                 f"{type(tensors).__name__}: pass a state dict in a group, as in "
                 "capture({'model': model.state_dict()})"
             )
+        kinds = {type(name).__name__ for name in tensors}
+        if len(kinds) > 1:  # (the tensors are laid out in the order of their names)
+            raise GpuflowError(
+                f"capture takes names of one type in a group; group {group!r} mixes "
+                f"{' and '.join(sorted(kinds))}"
+            )
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
                 raise GpuflowError(

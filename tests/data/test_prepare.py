@@ -78,6 +78,28 @@ def test_single_document_corpus_holds_out_its_tail(tmp_path, stdlib_documents):
     assert f"the tokenizer trained in {summary.tokenizer_seconds:.1f} s" in summary.describe()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_boundary_token_written_in_a_document_is_encoded_as_its_text(
+    tmp_path, stdlib_documents, workers
+):
+    """Tokenizer code and pages about one hold "<|endoftext|>" as text: it was encoded as the
+    boundary token, splitting its document for the model (and its bytes counted as none)."""
+    texts = [d.text for d in stdlib_documents[:40]]
+    texts[3] += "\nThe separator is <|endoftext|>, then the next document."
+    texts[7] = f"{EOT}{texts[7]}{EOT}"
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    out = tmp_path / "out"
+    prepare(PrepareConfig(data=(str(tmp_path / "docs.jsonl"),), out=str(out), vocab_size=500,
+                          workers=workers))  # fmt: skip
+    tokenizer = load_tokenizer(out / "tokenizer.json")
+    folder = TokenFolder.open(out)
+    tokens = np.concatenate([s.tokens for s in (*folder.train, *folder.val)])
+    eot = tokenizer.token_to_id(EOT)
+    assert int((tokens == eot).sum()) == len(texts)
+    docs = np.split(tokens, np.flatnonzero(tokens == eot)[1:])
+    assert sorted(tokenizer.decode(d[1:].tolist()) for d in docs) == sorted(texts)
+
+
 def test_small_shards_and_a_reused_tokenizer(tmp_path, prepared, small_corpus):
     out = tmp_path / "resharded"
     summary = prepare(

@@ -78,6 +78,11 @@ class IdEncoder:
     ``itemsize`` bytes each, and each text's count of them. Uses no numpy (see above)."""
 
     def __init__(self, tokenizer: Tokenizer, itemsize: int, batch_chars: int = BATCH_CHARS) -> None:
+        # A document's own text is text: "<|endoftext|>" written in it (tokenizer code, a web
+        # page about one) is encoded as its characters, not as the boundary token, which
+        # only prepare puts between documents. On a copy: the caller's tokenizer is its own.
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        tokenizer.encode_special_tokens = True
         self.tokenizer, self.batch_chars = tokenizer, batch_chars
         self.typecode = next(code for code in "HI" if array(code).itemsize == itemsize)
         # Cut only where the cut is proven harmless: anything else is encoded whole.

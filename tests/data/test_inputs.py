@@ -244,3 +244,48 @@ def test_one_file_named_twice_is_refused_as_append_refuses_one_it_holds(tmp_path
         with pytest.raises(GpuflowError, match=f"^--data names {re.escape(twice)}"):
             resolve_inputs(named)
     assert [i.path for i in resolve_inputs([first, other])] == [first, other]
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+@pytest.mark.parametrize("given", ["folder", "glob"])
+def test_a_folder_or_glob_that_reaches_one_file_twice_reads_it_once(tmp_path, given):
+    """A link beside its target (/usr/share/doc holds such, as does a Python install) made
+    the whole folder a refusal that no option could get past."""
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "a.txt").write_text("the one document")
+    (data / "b.txt").symlink_to("a.txt")
+    os.link(data / "a.txt", data / "c.txt")
+    (data / "d.txt").write_text("another")
+    left_out: Counter = Counter()
+    named = data if given == "folder" else f"{data}/*.txt"
+    inputs = resolve_inputs([named], left_out)
+    assert [i.path.name for i in inputs] == ["a.txt", "d.txt"]
+    assert left_out == {"name of a file read": 2}
+    assert describe_left_out(left_out) == (
+        "note: 2 files in the folders and globs given are another name of a file read once "
+        "and left out"
+    )
+
+
+def test_json_left_out_of_a_folder_gets_advice_that_works(tmp_path):
+    """The note said to name .json files with a glob, which then refused them as JSON."""
+    from gpuflow.data.prepare.inputs import describe_left_out
+
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    left_out: Counter = Counter()
+    resolve_inputs([tmp_path], left_out)
+    note = describe_left_out(left_out)
+    assert "(.json 1); JSON files are read only as documents in .jsonl or .parquet" in note
+    assert "--data" not in note
+    (tmp_path / "a.txt").unlink()
+    with pytest.raises(GpuflowError, match=r"\(\.json 1\); JSON files are read only as"):
+        resolve_inputs([tmp_path])
+    (tmp_path / "notes.rst").write_text("text")
+    (tmp_path / "b.txt").write_text("text")
+    left_out = Counter()
+    resolve_inputs([tmp_path], left_out)
+    assert describe_left_out(left_out).endswith("--data 'FOLDER/**/*.rst'")

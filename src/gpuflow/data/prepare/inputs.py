@@ -34,6 +34,9 @@ NOT_A_FILE = "pipe or device"  # a named pipe, a socket, a device node: no text 
 LINKED_FOLDER = "link to a folder"
 LINKED_ADVICE = "links to folders are not followed: name such a folder in --data to read it"
 UNREADABLE = (EMPTY, BROKEN_LINK, NOT_A_FILE, LINKED_FOLDER)  # left out whatever the suffix
+# A folder or glob reaching one file twice (a link beside its target, a hard link) reads it
+# once: counted, as the other names are left out.
+SAME_FILE = "name of a file read"
 FETCH = "fetch what the links point at (git annex get, dvc pull)"
 LINKS_ADVICE = f"{FETCH}, or leave them out"
 # What a dataset folder written by ``datasets``' save_to_disk holds.
@@ -112,7 +115,7 @@ def resolve_inputs(
     left_out = Counter() if left_out is None else left_out
     for raw in paths:
         try:
-            inputs.extend(_inputs_named(str(raw), left_out))
+            inputs.extend(_once_each(_inputs_named(str(raw), left_out), left_out))
         except PermissionError as exc:  # a folder it may not look into, on the way or inside
             raise GpuflowError(
                 f"cannot read {exc.filename or raw} (permission denied), from --data {raw}; "
@@ -141,6 +144,22 @@ def holds_nothing(path: Path) -> bool:
             return pq.ParquetFile(source).metadata.num_rows == 0
     except Exception:  # no pyarrow, or not Parquet: reading it says so, in its own words
         return False
+
+
+def _once_each(inputs: list[Input], left_out: Counter[str]) -> list[Input]:
+    """The inputs of one --data argument (a folder's or a glob's files), each file once:
+    another name of one already there is counted as ``SAME_FILE``."""
+    seen: set[tuple[int, int]] = set()
+    kept = []
+    for inp in inputs:
+        if inp.path is not None and inp.kind != "dataset":
+            stat = inp.path.stat()
+            if (stat.st_dev, stat.st_ino) in seen:
+                left_out[SAME_FILE] += 1
+                continue
+            seen.add((stat.st_dev, stat.st_ino))
+        kept.append(inp)
+    return kept
 
 
 def _refuse_same_file_twice(inputs: list[Input]) -> None:
@@ -245,8 +264,10 @@ def _folder_inputs(folder: Path, left_out: Counter[str]) -> list[Input]:
         elif here[LINKED_FOLDER]:
             advice = LINKED_ADVICE
         elif any(kind not in UNREADABLE for kind in here):
-            advice = (f"to read its files as plain text, name them with a glob: --data "
-                      f"'{folder}/**/*{_example_suffix(here)}'")  # fmt: skip
+            advice = _plain_text_advice(
+                here,
+                f"to read its files as plain text, name them with a glob: --data '{folder}/**/*",
+            )
         raise GpuflowError(f"folder {folder} holds no {_supported()} ({held}); {advice}")
     left_out.update(here)
     return found
@@ -273,15 +294,32 @@ def describe_left_out(left_out: Counter[str]) -> str:
         return f"note: {many} left out ({common}{more}); {FETCH} to read them"
     if left_out[LINKED_FOLDER]:
         return f"note: {many} left out ({common}{more}); {LINKED_ADVICE}"
-    if set(left_out) == {EMPTY}:
-        return f"note: {many} empty and left out"
-    if all(kind in UNREADABLE for kind in left_out):
+    if set(left_out) <= {EMPTY, SAME_FILE}:
+        what = " or ".join(
+            w for w, kind in (("empty", EMPTY), ("another name of a file read once", SAME_FILE))
+            if left_out[kind]
+        )  # fmt: skip
+        return f"note: {many} {what} and left out"
+    if all(kind in (*UNREADABLE, SAME_FILE) for kind in left_out):
         return f"note: {many} left out ({common}{more}): prepare reads regular files only"
     why = "empty or of no kind prepare reads" if EMPTY in left_out else "of no kind prepare reads"
-    return (
-        f"note: {many} left out, {why} ({common}{more}); to read such files as plain text, "
-        f"name them, as a glob does: --data 'FOLDER/**/*{_example_suffix(left_out)}'"
+    advice = _plain_text_advice(
+        left_out, "to read such files as plain text, name them, as a glob does: --data 'FOLDER/**/*"
     )
+    return f"note: {many} left out, {why} ({common}{more}); {advice}"
+
+
+def _plain_text_advice(left_out: Counter[str], glob_advice: str) -> str:
+    """How to read files left out for their suffix: ``glob_advice``, which ends where the
+    suffix goes, except for JSON, CSV and TSV, which a glob would have refused."""
+    suffix = _example_suffix(left_out)
+    if suffix == ".EXT" and any(kind in STRUCTURED for kind in left_out):
+        names = "/".join(STRUCTURED[k] for k in STRUCTURED if left_out[k])
+        return (
+            f"{names} files are read only as documents in .jsonl or .parquet (the text in "
+            "--text-field): their syntax would be trained on as text"
+        )
+    return f"{glob_advice}{suffix}'"
 
 
 def separator_unseen(separator: str | None, inputs: list[Input], documents: int) -> str | None:
@@ -300,7 +338,7 @@ def separator_unseen(separator: str | None, inputs: list[Input], documents: int)
 def _example_suffix(left_out: Counter[str]) -> str:
     """The most common suffix left out that a glob can name (".py"), else ".EXT"."""
     for kind, _ in left_out.most_common():
-        if kind.startswith(".") and kind.count(".") == 1:
+        if kind.startswith(".") and kind.count(".") == 1 and kind not in STRUCTURED:
             return kind
     return ".EXT"
 

@@ -150,6 +150,19 @@ def test_wandb_offline_run_holds_every_metric_and_the_config(prepared, workdir, 
     assert config["config"]["preset"] == "tiny" and config["device"]["device"] == "cpu"
 
 
+def test_wandb_without_a_login_is_one_line_that_says_what_to_do(prepared, workdir, monkeypatch):
+    """The package is installed with gpuflow's test extras, so this is where a newcomer who
+    sets log.wandb=true stands: it was a traceback from inside wandb, and status 1."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_ANONYMOUS", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(workdir))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(workdir / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(GpuflowError, match=r"could not start a W&B run: .*wandb login.*offline"):
+        _run(prepared, workdir / "runs" / "nokey", "log.wandb=true")
+
+
 def test_a_tracker_without_its_package_is_refused_before_the_run_starts(
     prepared, workdir, monkeypatch
 ):  # fmt: skip

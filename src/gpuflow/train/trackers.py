@@ -68,10 +68,17 @@ class WandbTracker:
 
         run_dir = Path(run_dir).absolute()
         run_id = f"{run_dir.name[:40]}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}"
-        self._run = wandb.init(
-            project=project, name=name or run_dir.name, id=run_id, resume="allow",
-            dir=str(run_dir), config=dict(about),
-        )  # fmt: skip
+        try:
+            self._run = wandb.init(
+                project=project, name=name or run_dir.name, id=run_id, resume="allow",
+                dir=str(run_dir), config=dict(about),
+            )  # fmt: skip
+        except wandb.Error as exc:  # no login, no network, a project it may not write to
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GpuflowError(
+                f"log.wandb could not start a W&B run: {why}; run `wandb login`, or set "
+                "WANDB_MODE=offline to keep the run on disk (log.wandb=false to go without)"
+            ) from None
 
     def record(self, record: Mapping[str, Any]) -> None:
         self._run.log(_scalars(record), step=int(record["step"]))

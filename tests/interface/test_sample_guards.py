@@ -130,6 +130,30 @@ def test_a_checkpoint_without_its_checksums_is_refused(run, workdir, capsys, cha
     )
 
 
+def test_a_damaged_best_does_not_suggest_its_own_step_which_shares_its_bytes(run, workdir, capsys):
+    """``best`` is hard links to its step's files: a byte flipped in one is flipped in both,
+    and the suggestion named the step, which then failed the same way."""
+    import os
+
+    checkpoints = run / "checkpoints"
+    best = checkpoints / "best"
+    step = next(p for p in ckpt.list_checkpoints(run)
+                if (p / "model.safetensors").read_bytes()
+                == (best / "model.safetensors").read_bytes())  # fmt: skip
+    for file in best.iterdir():  # as the trainer makes it (a copied run folder has copies)
+        file.unlink()
+        os.link(step / file.name, file)
+    with open(best / "model.safetensors", "r+b") as weights:
+        weights.seek(-100, os.SEEK_END)
+        byte = weights.read(1)
+        weights.seek(-100, os.SEEK_END)
+        weights.write(bytes([byte[0] ^ 1]))
+    others = [p.name for p in ckpt.list_checkpoints(run) if p != step]
+    line = _refused(SAMPLE, workdir, capsys, "best/model.safetensors is not the bytes written",
+                    f"choose another with --checkpoint ({', '.join(others)})")  # fmt: skip
+    assert step.name not in line.split("choose another")[1]
+
+
 def test_an_older_checkpoint_with_sizes_alone_still_loads(run, capsys):
     """What gpuflow wrote before checksums: each file's size, no format, no digest."""
 

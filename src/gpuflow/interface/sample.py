@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,10 +209,27 @@ def _train_tokens(data_dir: Path) -> int | None:
         return None
 
 
+def _file_ids(folder: Path) -> set[tuple[int, int]]:
+    """(device, inode) of each file in ``folder``: which files two folders share."""
+    ids = set()
+    with suppress(OSError):
+        for entry in os.scandir(folder):
+            with suppress(OSError):
+                if entry.is_file(follow_symlinks=False):
+                    stat = entry.stat(follow_symlinks=False)
+                    ids.add((stat.st_dev, stat.st_ino))
+    return ids
+
+
 def _another(run_dir: Path, damaged: Path) -> str:
     """What to do when ``damaged`` cannot be read: which checkpoints are left to choose."""
     others = [ckpt.best_checkpoint(run_dir), *ckpt.list_checkpoints(run_dir)]
-    names = [p.name for p in others if p is not None and p != damaged]
+    # ``best`` shares its files with its step's checkpoint (hard links): the same bytes
+    damaged_files = _file_ids(damaged)
+    names = [
+        p.name for p in others
+        if p is not None and p != damaged and not _file_ids(p) & damaged_files
+    ]  # fmt: skip
     if not names:
         return "the run has no other checkpoint: train it again"
     return f"choose another with --checkpoint ({', '.join(names)})"

@@ -306,8 +306,28 @@ def test_resume_with_data_says_how_to_go_on_over_other_text(prepared, workdir, c
     assert main(resumed) == 2
     one_error(
         capsys.readouterr().err,
-        "--resume trains on the run's own data; leave --data out (to go on over other text, "
+        "--data names other text than the run was trained on (",
+        "--resume trains on the run's own data: leave --data out (to go on over other text, "
         "encode it with the run's tokenizer: gpuflow prepare --data PATH --tokenizer "
         "runs/r/tokenizer.json --out DIR, then resume with --set data.dir=DIR)",
     )
     assert entry_hashes(workdir) == before
+
+
+def test_resume_with_the_data_the_run_started_with_continues_it(workdir, capsys):
+    """The command that started a run, with --resume added, resumes it (as docs/cli.md says)
+    also where it named a raw corpus; once the corpus has changed, it is refused."""
+    import sys
+
+    sources = sorted(Path(sys.modules["json"].__file__).parent.glob("*.py"))
+    (workdir / "corpus.txt").write_text("\n\n".join(p.read_text() for p in sources))
+    sets = [a for s in FAST for a in ("--set", s)]
+    start = ["train", "--device", "cpu", "--name", "raw", "--data", "corpus.txt", *sets]
+    assert main([*start, "--steps", "2"]) == 0
+    assert main([*start, "--steps", "3", "--resume"]) == 0
+    assert "resumed" in capsys.readouterr().err
+    assert json.loads((workdir / "runs/raw/report.json").read_text())["steps_done"] == 3
+    with open(workdir / "corpus.txt", "a") as corpus:
+        corpus.write("\nmore text")
+    assert main([*start, "--steps", "4", "--resume"]) == 2
+    one_error(capsys.readouterr().err, "--data names other text than the run was trained on")

@@ -47,13 +47,20 @@ def prepared_for_training(
         )
     config = PrepareConfig(data=data, vocab_size=vocab_size, separator=separator,
                            text_field=text_field)  # fmt: skip
-    folder = CACHE_DIR / f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{vocab_size}-{_key(config)}"
+    folder = cache_folder(config)
     if is_token_folder(folder):
         note(f"training on {folder}, prepared from the same files before")
         return folder
     note(f"preparing {', '.join(data)} for training into {folder} (once)")
     prepare(replace(config, out=str(folder)))
     return folder
+
+
+def cache_folder(config: PrepareConfig) -> Path:
+    """Where ``prepared_for_training`` keeps ``config``'s tokens (made or not)."""
+    return CACHE_DIR / (
+        f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{config.vocab_size}-{_key(config)}"
+    )
 
 
 def _key(config: PrepareConfig) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuflow.common.errors import GpuflowError
@@ -169,6 +170,23 @@ def _train(
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
+def _names_the_runs_data(
+    args: argparse.Namespace, config: RunConfig, separator: str | None
+) -> bool:  # fmt: skip
+    """Whether ``--data`` (with its settings) is what the resumed run's data was prepared
+    from, unchanged: the folder it would be prepared into is the run's."""
+    from gpuflow.data.prepare.for_training import cache_folder
+    from gpuflow.data.prepare.pipeline import PrepareConfig
+
+    if not config.data.dir or "-" in args.data:
+        return False
+    same = cache_folder(PrepareConfig(
+        data=tuple(args.data), vocab_size=config.model.vocab_size, separator=separator,
+        text_field=args.text_field,
+    ))  # fmt: skip
+    return Path(config.data.dir).resolve() == same.resolve()
+
+
 def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Ranks) -> RunConfig:
     """``config`` training on ``--data``'s token folder, which ``prepared_for_training`` writes
     into data/cache/ on first use."""
@@ -176,20 +194,24 @@ def _with_prepared_data(args: argparse.Namespace, config: RunConfig, ranks: Rank
     from gpuflow.train.config import apply_overrides
     from gpuflow.train.distributed import each_host_first
 
+    separator = unescape(args.separator) if args.separator is not None else None
     if args.resume:
+        if _names_the_runs_data(args, config, separator):
+            return config  # the command that started the run, again: its own data
         from gpuflow.train.runfolder import RUNS_DIR
 
         run = RUNS_DIR / (args.name or "NAME")
         raise GpuflowError(
-            "--resume trains on the run's own data; leave --data out (to go on over other text, "
-            f"encode it with the run's tokenizer: gpuflow prepare --data PATH --tokenizer {run}/"
-            "tokenizer.json --out DIR, then resume with --set data.dir=DIR)"
+            f"--data names other text than the run was trained on ({config.data.dir}), or its "
+            "files changed since; --resume trains on the run's own data: leave --data out (to "
+            "go on over other text, encode it with the run's tokenizer: gpuflow prepare --data "
+            f"PATH --tokenizer {run}/tokenizer.json --out DIR, then resume with --set "
+            "data.dir=DIR)"
         )
     if config.data.dir:
         raise GpuflowError(
             f"--data and data.dir ({config.data.dir}) both name the training data; keep one"
         )
-    separator = unescape(args.separator) if args.separator is not None else None
     with each_host_first(ranks):
         folder = prepared_for_training(
             config.model.vocab_size, tuple(args.data), separator, args.text_field

@@ -34,7 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(torchrun --nproc_per_node=N -m gpuflow train ...) each process is one rank of a "
         "data-parallel job, on its own GPU; rank 0 writes.",
     )
-    p.add_argument("--preset", help=f"{', '.join(PRESET_VOCAB_SIZES)} (default tiny)")
+    p.add_argument(
+        "--preset",
+        help=f"{', '.join(PRESET_VOCAB_SIZES)} (default: the --config file's preset, else tiny; "
+        "given, it is used in place of the file's)",
+    )
     p.add_argument("--config", metavar="FILE.toml", help="a TOML config applied on the preset")
     p.add_argument(
         "--set",

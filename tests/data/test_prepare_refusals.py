@@ -249,6 +249,15 @@ def test_a_lone_surrogate_in_json_lines_is_one_line(workdir, capsys):
     assert sorted(p.name for p in workdir.iterdir()) == ["s.jsonl"]
 
 
+def test_a_tokenizer_folder_without_its_file_is_named_as_such(workdir, capsys):
+    """The folder was read for the run's fingerprint first: "No such file or directory"."""
+    (workdir / "a.txt").write_text("some text to prepare\n" * 50)
+    (workdir / "tk").mkdir()
+    code = main(["prepare", "--data", "a.txt", "--out", "o", "--tokenizer", "tk"])
+    assert "folder tk holds no tokenizer.json; pass the file itself" in one_error(capsys, code)
+    assert sorted(p.name for p in workdir.iterdir()) == ["a.txt", "tk"]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_a_pipe_named_as_data_is_one_line_that_says_to_use_standard_input(workdir, capsys):
     """What a shell's <(zcat corpus.gz) passes: a pipe, whose size reads 0."""

@@ -502,8 +502,15 @@ def test_version_names_the_package_version(capsys):
         (["prepare", "--vocab_size", "300"], "--vocab_size: did you mean --vocab-size?"),
         (["bench", "prepare", "--mibs=3"], "--mibs: did you mean --mib?"),
         (["train", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["train", "--max_iters", "5"],
+         "--max_iters: nanoGPT's max_iters is train.steps (or --steps) here "
+         "(--set train.steps=VALUE)"),
+        (["train", "--learning_rate=1e-3"],
+         "--learning_rate: nanoGPT's learning_rate is train.lr here (--set train.lr=VALUE)"),
+        (["train", "--dropout", "0"],
+         "--dropout: nanoGPT's dropout has no counterpart here: the model has no dropout"),
     ],
-)
+)  # fmt: skip
 def test_an_unknown_option_names_the_one_meant_where_one_is_close(argv, said, capsys):
     with pytest.raises(SystemExit) as refused:
         main(argv)

@@ -36,7 +36,7 @@ def unknown_key_hint(section: str, key: str, sections: Mapping[str, tuple[str, .
     """A clause to add to an unknown-key error (empty when there is nothing to say);
     ``sections`` maps each section to its keys."""
     if key in NANOGPT_NAMES:
-        return _nanogpt(key)
+        return f"; {nanogpt_hint(key)}"
     owners = [name for name, keys in sections.items() if key in keys and name != section]
     if owners:
         return f"; {key} is a key of [{owners[0]}]: {owners[0]}.{key}"
@@ -50,11 +50,12 @@ def top_level_hint(key: str, sections: Mapping[str, tuple[str, ...]]) -> str:
     owners = [name for name, keys in sections.items() if key in keys]
     if owners:
         return f"; {key} is a key of [{owners[0]}]: put it under a [{owners[0]}] header"
-    return _nanogpt(key) if key in NANOGPT_NAMES else ""
+    return f"; {nanogpt_hint(key)}" if key in NANOGPT_NAMES else ""
 
 
-def _nanogpt(key: str) -> str:
+def nanogpt_hint(key: str) -> str:
+    """What nanoGPT's setting ``key`` (one of ``NANOGPT_NAMES``) is called here."""
     name = NANOGPT_NAMES[key]
     if name.startswith("-: "):  # no counterpart
-        return f"; nanoGPT's {key} has no counterpart here{name[1:]}"
-    return f"; nanoGPT's {key} is {name} here"
+        return f"nanoGPT's {key} has no counterpart here{name[1:]}"
+    return f"nanoGPT's {key} is {name} here"

@@ -117,8 +117,9 @@ def compare_with_checkpoints(
     if resumed.get("val_set", val_set) != val_set:
         since = step
         said.append(
-            f"the validation windows differ from step {step}'s (the folder's val split or the "
-            "micro-batch changed): losses from here are on other text"
+            f"the validation windows differ from step {step}'s (the folder's val split, or "
+            "the step's batch or train.eval_batches, which size them, changed): losses from "
+            "here are on other text"
         )
     best = ckpt.best_checkpoint(run_dir)
     best_set = _val_set_of(best) if best is not None else None

@@ -60,7 +60,8 @@ def fingerprint_of(
     given = settings["tokenizer"]
     if given and Path(given).exists():
         path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
-        given = hashlib.sha256(path.read_bytes()).hexdigest()
+        if path.is_file():  # (one that is not is refused, in words, where it is loaded)
+            given = hashlib.sha256(path.read_bytes()).hexdigest()
     record = {
         "inputs": corpus.identity(),
         "tokenizer": given,

@@ -44,6 +44,8 @@ def _parser_of(
 def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
     """argparse's error for arguments no option takes, naming the option meant where one is
     close (``--vocab_size`` for ``--vocab-size``, ``--max-new-tokens`` for ``--max-tokens``)."""
+    from gpuflow.train.config_hints import NANOGPT_NAMES, nanogpt_hint
+
     options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for extra in extras:
@@ -51,8 +53,13 @@ def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
         if not name.startswith("--"):
             continue
         close = difflib.get_close_matches(name.replace("_", "-"), options, n=1, cutoff=0.75)
+        nanogpt = name[2:].replace("-", "_")
         if close:
             hints.append(f"{name}: did you mean {close[0]}?")
+        elif nanogpt in NANOGPT_NAMES and parser.prog.endswith(" train"):
+            ours = NANOGPT_NAMES[nanogpt].split()[0]  # "train.lr", "--resume", "-:"
+            how = f" (--set {ours}=VALUE)" if "." in ours and not ours.startswith("-") else ""
+            hints.append(f"{name}: {nanogpt_hint(nanogpt)}{how}")
     parser.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {h}" for h in hints))
 
 

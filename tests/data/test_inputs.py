@@ -289,3 +289,14 @@ def test_json_left_out_of_a_folder_gets_advice_that_works(tmp_path):
     left_out = Counter()
     resolve_inputs([tmp_path], left_out)
     assert describe_left_out(left_out).endswith("--data 'FOLDER/**/*.rst'")
+
+
+def test_a_blank_line_separator_found_nowhere_mentions_windows_line_ends(tmp_path):
+    """A file of CRLF lines holds no "\\n\\n": each file was one document, and the note did not
+    say why."""
+    from gpuflow.data.prepare.inputs import separator_unseen
+
+    (tmp_path / "a.txt").write_bytes(b"one\r\n\r\ntwo\r\n")
+    inputs = resolve_inputs([tmp_path / "a.txt"])
+    assert "Windows line ends need \\r\\n in it" in separator_unseen("\n\n", inputs, 1)
+    assert "Windows" not in separator_unseen("<|sep|>", inputs, 1)

@@ -329,9 +329,10 @@ def separator_unseen(separator: str | None, inputs: list[Input], documents: int)
         return None
     if documents > len(inputs):
         return None
+    crlf = "; Windows line ends need \\r\\n in it" if "\n" in separator else ""
     return (
         f"note: --separator {separator!r} occurs in none of the text files given, so each is one "
-        "document; check it (of escapes, only \\n, \\r, \\t and \\\\ are read as such)"
+        f"document; check it (of escapes, only \\n, \\r, \\t and \\\\ are read as such{crlf})"
     )
 
 

@@ -59,7 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--shard-tokens",
         type=int,
         default=100_000_000,
-        help="tokens per shard file, at least (default: 100000000)",
+        help="tokens per train shard file, at least (default: 100000000); a val shard closes "
+        "with each train shard, where an interrupted run resumes, so val shards are smaller",
     )
     p.add_argument(
         "--workers",

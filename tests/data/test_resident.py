@@ -104,8 +104,9 @@ def tokens_at(shards, starts):
 
 @pytest.mark.parametrize(
     ("shards", "batch_size", "seq_len", "seed", "message"),
-    [(None, 0, T, 0, "at least 1, got 0 and 16"), (None, B, 0, 0, "at least 1, got 4 and 0"),
-     ([], B, T, 0, "no train shards"), (None, B, T, 2**64, "seed must be an integer"),
+    [(None, 0, T, 0, "at least 1 and shards given, got 0, 16 and 3 shards"),
+     (None, B, 0, 0, "got 4, 0 and 3 shards"), ([], B, T, 0, "got 4, 16 and 0 shards"),
+     (None, B, T, 2**64, "seed must be an integer"),
      (None, B, T, 1.5, "seed must be an integer")],
 )  # fmt: skip
 def test_bad_arguments_are_refused_in_words(tmp_path, shards, batch_size, seq_len, seed, message):

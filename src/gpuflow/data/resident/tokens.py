@@ -85,20 +85,15 @@ class ResidentTokens:
     ) -> None:
         if not 0 <= rank < world_size:
             raise GpuflowError(f"rank must be in [0, {world_size}), got {rank}")
-        if batch_size < 1 or seq_len < 1:
-            raise GpuflowError(
-                f"batch_size and seq_len must be at least 1, got {batch_size} and {seq_len}"
-            )
-        if not shards:
-            raise GpuflowError("no train shards were given: prepare a token folder first")
+        if batch_size < 1 or seq_len < 1 or not shards:
+            raise GpuflowError(f"batch_size and seq_len must be at least 1 and shards given, "
+                               f"got {batch_size}, {seq_len} and {len(shards)} shards")  # fmt: skip
         self.device = Device.resolve(device)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, check_seed(seed)
-        # Each rank its own draws: equal slices must not be read at the same offsets (the
-        # rank moves the seed's low half; its high half, a negative seed's as its two's
-        # complement, is mixed in as it is).
+        # Each rank its own draws: equal slices must not be read at the same offsets (the rank
+        # moves the seed's low half; the high half, a negative seed's two's complement's, stays)
         full = self.seed & MASK64
-        low = (full + rank * STREAMS[1]) & MASK32
-        self._draw_seed = full if world_size == 1 else (full & ~MASK32) | low
+        self._draw_seed = (full & ~MASK32) | ((full + rank * STREAMS[1]) & MASK32)
         self.vocab_size = vocab_size  # ids at or past it are refused as they upload
         self.window = seq_len + 1
         dtypes = {s.dtype for s in shards}

@@ -192,6 +192,18 @@ def test_jsonl_reads_the_field_it_is_told(tmp_path):
         documents([path])
 
 
+def test_a_null_text_in_jsonl_is_no_text_as_a_null_in_parquet_is(tmp_path):
+    """A table exported with its missing values as null stopped prepare, where the same
+    table as Parquet was read without its nulls."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "first"}\n{"text": null}\n{"text": "second"}\n')
+    assert documents([path]) == ["first", "second"]
+    assert sizes(path) == path.stat().st_size
+    path.write_text('{"text": null}\n')
+    with pytest.raises(GpuflowError, match=r"d.jsonl has no non-empty 'text' field on any"):
+        documents([path])
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

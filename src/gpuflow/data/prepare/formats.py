@@ -220,11 +220,14 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
                 f"{inp.name}:{line_no} cannot be read as JSON ({reason.split(':')[0]}); fix or "
                 "remove that line"
             ) from None
-        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        value = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(value, str) and not (value is None and field in record):
             raise GpuflowError(
                 f"{inp.name}:{line_no} has no string field {field!r}; each line must look like "
                 f'{{"{field}": "..."}}' + ("" if field != "text" else ", or pass --text-field")
             )
+        if value is None:  # a missing value (a table's null, exported): no text, as in Parquet
+            continue
         if "\x00" in record[field]:
             raise GpuflowError(f"{inp.name}:{line_no} holds a NUL character; pass only text")
         if _has_lone_surrogate(record[field]):

@@ -210,6 +210,8 @@ def test_a_null_text_in_jsonl_is_no_text_as_a_null_in_parquet_is(tmp_path):
         ("{not json", "not valid JSON"),
         ('{"content": "x"}', "no string field 'text'"),
         ('{"text": 5}', "no string field 'text'"),
+        ('["text"]', "no string field 'text'"),
+        ("5", "no string field 'text'"),
         ('{"text": "a\\u0000b"}', "NUL"),
         ('{"text": "ab \\ud800 cd"}', "lone surrogate .* fix or remove that line"),
         ('{"text": "\\udfff"}', "lone surrogate"),

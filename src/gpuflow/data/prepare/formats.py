@@ -221,12 +221,13 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
                 "remove that line"
             ) from None
         value = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(value, str) and not (value is None and field in record):
+        null = value is None and isinstance(record, dict) and field in record
+        if not isinstance(value, str) and not null:
             raise GpuflowError(
                 f"{inp.name}:{line_no} has no string field {field!r}; each line must look like "
                 f'{{"{field}": "..."}}' + ("" if field != "text" else ", or pass --text-field")
             )
-        if value is None:  # a missing value (a table's null, exported): no text, as in Parquet
+        if null:  # a missing value (a table's null, exported): no text, as in Parquet
             continue
         if "\x00" in record[field]:
             raise GpuflowError(f"{inp.name}:{line_no} holds a NUL character; pass only text")

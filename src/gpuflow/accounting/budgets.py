@@ -151,11 +151,12 @@ class budget:  # lower case: used like a function, ``with budget(...)`` or ``@bu
         return self._open.regions.pop().__exit__(*exc)
 
     def __call__(self, fn: _F) -> _F:
-        if (
-            inspect.isgeneratorfunction(fn)
-            or inspect.iscoroutinefunction(fn)
-            or (inspect.isasyncgenfunction(fn))
-        ):
+        later = (
+            inspect.isgeneratorfunction,
+            inspect.iscoroutinefunction,
+            inspect.isasyncgenfunction,
+        )
+        if any(runs_later(fn) for runs_later in later):
             # Calling one runs none of its body: the region would check nothing.
             raise TypeError(
                 f"@budget cannot check {fn.__name__}: a generator or async function's body "

@@ -12,3 +12,10 @@ class GpuflowError(Exception):
 class InterruptedAndSaid(KeyboardInterrupt):
     """Ctrl-C, after the command has said what it kept and how to go on: the CLI exits as
     for any interrupt but prints nothing more."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for ours to quote: its first line, or its type's
+    name where it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

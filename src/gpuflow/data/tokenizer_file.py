@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, first_line
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols and the end-of-text token
@@ -34,8 +34,9 @@ def load_tokenizer(spec: Path | str) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises plain Exception on malformed files
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GpuflowError(f"{path} is not a Hugging Face tokenizer.json ({first_line})") from None
+        raise GpuflowError(
+            f"{path} is not a Hugging Face tokenizer.json ({first_line(exc)})"
+        ) from None
     return _checked(tokenizer, str(path))
 
 
@@ -70,10 +71,9 @@ def _from_hub(name: str) -> Tokenizer:
     try:
         return Tokenizer.from_pretrained(name)
     except Exception as exc:  # tokenizers raises plain Exception for HTTP errors
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GpuflowError(
-            f"could not fetch tokenizer {name} from the Hugging Face hub ({first_line}); check "
-            "the name, or pass a tokenizer.json"
+            f"could not fetch tokenizer {name} from the Hugging Face hub ({first_line(exc)}); "
+            "check the name, or pass a tokenizer.json"
         ) from None
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, first_line
 from gpuflow.train.config import RunConfig, to_dict
 
 TENSORBOARD_DIR = "tensorboard"  # under the run folder
@@ -74,10 +74,9 @@ class WandbTracker:
                 dir=str(run_dir), config=dict(about),
             )  # fmt: skip
         except wandb.Error as exc:  # no login, no network, a project it may not write to
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise GpuflowError(
-                f"log.wandb could not start a W&B run: {why}; run `wandb login`, or set "
-                "WANDB_MODE=offline to keep the run on disk (log.wandb=false to go without)"
+                f"log.wandb could not start a W&B run: {first_line(exc)}; run `wandb login`, or "
+                "set WANDB_MODE=offline to keep the run on disk (log.wandb=false to go without)"
             ) from None
 
     def record(self, record: Mapping[str, Any]) -> None:

@@ -136,11 +136,13 @@ class _SourceCopies:
             self._writes.discard(future)
 
     def pending(self) -> tuple[list[Future[object]], list[Any]]:
-        """The writer jobs still running, and each loader's last early copy (its event)."""
+        """The writer jobs still running, and each loader's last early copy (its event) that
+        has not run yet: one that has is not waited for again on every later read."""
         with self._lock:
             stagers = list(self._stagers)
             writes = list(self._writes)
-        return writes, [s.early_done for s in stagers if s.early_done is not None]
+        events = (s.early_done for s in stagers)
+        return writes, [e for e in events if e is not None and not e.query()]
 
 
 SOURCE_COPIES = _SourceCopies()

@@ -73,16 +73,22 @@ def default_workers(tokenizer: Tokenizer, cores: int | None = None) -> int:
     return max(1, min(cores or usable_cores(), WORKERS_MEMORY // each))
 
 
+def text_encoder(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of ``tokenizer`` that encodes a document's own text as text: "<|endoftext|>"
+    written in it (tokenizer code, a web page about one) as its characters, not as the
+    boundary token, which only prepare puts between documents. (A copy: the caller's
+    tokenizer is its own; the setting is not saved with it.)"""
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
 class IdEncoder:
     """``encoder(texts)``: the ids of every text, one after the other, in an ``array`` of
     ``itemsize`` bytes each, and each text's count of them. Uses no numpy (see above)."""
 
     def __init__(self, tokenizer: Tokenizer, itemsize: int, batch_chars: int = BATCH_CHARS) -> None:
-        # A document's own text is text: "<|endoftext|>" written in it (tokenizer code, a web
-        # page about one) is encoded as its characters, not as the boundary token, which
-        # only prepare puts between documents. On a copy: the caller's tokenizer is its own.
-        tokenizer = Tokenizer.from_str(tokenizer.to_str())
-        tokenizer.encode_special_tokens = True
+        tokenizer = text_encoder(tokenizer)
         self.tokenizer, self.batch_chars = tokenizer, batch_chars
         self.typecode = next(code for code in "HI" if array(code).itemsize == itemsize)
         # Cut only where the cut is proven harmless: anything else is encoded whole.

@@ -45,9 +45,8 @@ def prepared_for_training(
             "train --data cannot cache standard input: prepare it first (gpuflow prepare "
             "--data - --out FOLDER) and train with --set data.dir=FOLDER"
         )
-    config = PrepareConfig(data=data, vocab_size=vocab_size, separator=separator,
-                           text_field=text_field)  # fmt: skip
-    folder = cache_folder(config)
+    config = _config(vocab_size, data, separator, text_field)
+    folder = _cache_folder(config)
     if is_token_folder(folder):
         note(f"training on {folder}, prepared from the same files before")
         return folder
@@ -56,8 +55,22 @@ def prepared_for_training(
     return folder
 
 
-def cache_folder(config: PrepareConfig) -> Path:
-    """Where ``prepared_for_training`` keeps ``config``'s tokens (made or not)."""
+def cache_folder(
+    vocab_size: int, data: tuple[str, ...], separator: str | None = None, text_field: str = "text"
+) -> Path:
+    """Where ``prepared_for_training`` keeps the tokens of these files and settings, made or
+    not (a standard input, ``-``, is never kept)."""
+    return _cache_folder(_config(vocab_size, data, separator, text_field))
+
+
+def _config(
+    vocab_size: int, data: tuple[str, ...], separator: str | None, text_field: str
+) -> PrepareConfig:
+    return PrepareConfig(data=data, vocab_size=vocab_size, separator=separator,
+                         text_field=text_field)  # fmt: skip
+
+
+def _cache_folder(config: PrepareConfig) -> Path:
     return CACHE_DIR / (
         f"{config.out_dir.name.rsplit('-v', 1)[0]}-v{config.vocab_size}-{_key(config)}"
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, first_line
 from gpuflow.data.prepare.inputs import Input, require_extra
 from gpuflow.data.prepare.streams import opened
 
@@ -229,16 +229,16 @@ def _jsonl_parts(inp: Input, stream: Any, position: Any, options: ReadOptions) -
             )
         if null:  # a missing value (a table's null, exported): no text, as in Parquet
             continue
-        if "\x00" in record[field]:
+        if "\x00" in value:
             raise GpuflowError(f"{inp.name}:{line_no} holds a NUL character; pass only text")
-        if _has_lone_surrogate(record[field]):
+        if _has_lone_surrogate(value):
             raise GpuflowError(
                 f"{inp.name}:{line_no} holds a lone surrogate (such as \\ud800), which is no "
                 "character of text; fix or remove that line"
             )
-        if record[field].strip():
+        if value.strip():
             raw = position()
-            yield Part(record[field], True, raw - raw_seen)
+            yield Part(value, True, raw - raw_seen)
             raw_seen, found = raw, True
     if not found:
         raise GpuflowError(f"corpus file {inp.name} has no non-empty {field!r} field on any line")
@@ -285,9 +285,8 @@ def _next_batch(inp: Input, batches: Iterator[Any], rows: int) -> Any:
     try:
         return next(batches, None)
     except (pa.ArrowException, OSError) as exc:
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise GpuflowError(
-            f"corpus file {inp.name} cannot be read past row {rows:,} ({first_line}); it is "
+            f"corpus file {inp.name} cannot be read past row {rows:,} ({first_line(exc)}); it is "
             "damaged or truncated: fetch it again or leave it out"
         ) from None
 

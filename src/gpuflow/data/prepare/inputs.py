@@ -111,19 +111,19 @@ def resolve_inputs(
         raise GpuflowError(
             "no corpus given; pass --data FILE_OR_FOLDER (or leave it out for the built-in corpus)"
         )
-    inputs: list[Input] = []
+    named: list[list[Input]] = []  # by --data argument
     left_out = Counter() if left_out is None else left_out
     for raw in paths:
         try:
-            inputs.extend(_once_each(_inputs_named(str(raw), left_out), left_out))
+            named.append(_inputs_named(str(raw), left_out))
         except PermissionError as exc:  # a folder it may not look into, on the way or inside
             raise GpuflowError(
                 f"cannot read {exc.filename or raw} (permission denied), from --data {raw}; "
                 "check its permissions, or leave it out"
             ) from None
-    if sum(i.path is None for i in inputs) > 1:
+    if sum(i.path is None for group in named for i in group) > 1:
         raise GpuflowError("- (standard input) can be read once: name it once in --data")
-    _refuse_same_file_twice(inputs)
+    inputs = _each_file_once(named, left_out)
     for inp in inputs:
         if inp.path is not None and inp.kind != "dataset" and holds_nothing(inp.path):
             raise GpuflowError(f"corpus file {inp.path} is empty; remove it or add text to it")
@@ -146,37 +146,30 @@ def holds_nothing(path: Path) -> bool:
         return False
 
 
-def _once_each(inputs: list[Input], left_out: Counter[str]) -> list[Input]:
-    """The inputs of one --data argument (a folder's or a glob's files), each file once:
-    another name of one already there is counted as ``SAME_FILE``."""
-    seen: set[tuple[int, int]] = set()
+def _each_file_once(named: list[list[Input]], left_out: Counter[str]) -> list[Input]:
+    """The inputs of every --data argument, each file once. Another name of a file inside one
+    argument's folder or glob (a link beside its target, a hard link) is left out and counted
+    as ``SAME_FILE``; one file that two arguments name (a link to it, ``in/../in/a.txt``, a
+    folder and a glob that both hold it) would be trained on and encoded twice: refused, as
+    ``--append`` refuses a file its folder holds."""
+    seen: dict[tuple[int, int], tuple[int, Input]] = {}
     kept = []
-    for inp in inputs:
-        if inp.path is not None and inp.kind != "dataset":
-            stat = inp.path.stat()
-            if (stat.st_dev, stat.st_ino) in seen:
+    for argument, inputs in enumerate(named):
+        for inp in inputs:
+            where, first = argument, inp
+            if inp.path is not None:
+                stat = inp.path.stat()  # a link's target: the file itself, whatever its name
+                where, first = seen.setdefault((stat.st_dev, stat.st_ino), (argument, inp))
+            if first is inp:
+                kept.append(inp)
+            elif where == argument and inp.kind != "dataset":
                 left_out[SAME_FILE] += 1
-                continue
-            seen.add((stat.st_dev, stat.st_ino))
-        kept.append(inp)
+            else:
+                twice = f"{inp.name} twice" if inp.name == first.name else (
+                    f"one file twice, as {first.name} and as {inp.name}"
+                )  # fmt: skip
+                raise GpuflowError(f"--data names {twice}; name each file once")
     return kept
-
-
-def _refuse_same_file_twice(inputs: list[Input]) -> None:
-    """One file named twice (a link to it, ``in/../in/a.txt``, a folder and a glob that both
-    hold it) would be trained on and encoded twice: refused, as ``--append`` refuses a file
-    its folder holds."""
-    seen: dict[tuple[int, int], Input] = {}
-    for inp in inputs:
-        if inp.path is None:
-            continue
-        stat = inp.path.stat()  # a link's target: the file itself, whatever it is named
-        first = seen.setdefault((stat.st_dev, stat.st_ino), inp)
-        if first is not inp:
-            twice = f"{inp.name} twice" if inp.name == first.name else (
-                f"one file twice, as {first.name} and as {inp.name}"
-            )  # fmt: skip
-            raise GpuflowError(f"--data names {twice}; name each file once")
 
 
 def _inputs_named(raw: str, left_out: Counter[str]) -> list[Input]:

@@ -35,7 +35,7 @@ from gpuflow.common.errors import GpuflowError, InterruptedAndSaid
 from gpuflow.common.oserrors import describe_os_error
 from gpuflow.data.prepare.appending import AppendTarget, check_target, commit, refuse_repeats
 from gpuflow.data.prepare.corpus import Corpus
-from gpuflow.data.prepare.encode import ParallelEncoder, WorkerLost, default_workers
+from gpuflow.data.prepare.encode import ParallelEncoder, WorkerLost, default_workers, text_encoder
 from gpuflow.data.prepare.formats import ReadOptions
 from gpuflow.data.prepare.inputs import describe_left_out, separator_unseen
 from gpuflow.data.prepare.outfolder import (
@@ -351,7 +351,7 @@ def _encode(
                            first_index=recorded[split][0], existing=recorded[split][1])
         for split in ("train", "val")
     }  # fmt: skip
-    pieces = Pieces(Cutter(tokenizer), config.val_fraction)
+    pieces = Pieces(Cutter(text_encoder(tokenizer)), config.val_fraction)  # as it is encoded
     stream = pieces(corpus.parts())
     big = corpus.total_bytes is None or corpus.total_bytes >= POOL_MIN_BYTES
     workers = config.workers or (default_workers(tokenizer) if big else 1)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gpuflow.common.errors import GpuflowError
+from gpuflow.common.errors import GpuflowError, first_line
 from gpuflow.common.orphans import exit_with_parent
 from gpuflow.common.procmem import resident_bytes
 from gpuflow.common.signals import interrupts_held, take_interrupts_in_child
@@ -208,7 +208,7 @@ def _trainer_process(conn: Connection, vocab_size: int, threads: int, parent: in
     try:
         reply = (False, _train(received(), vocab_size).to_str())
     except Exception as exc:  # tokenizers raises plain Exception
-        reply = (True, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        reply = (True, first_line(exc))
     conn.send(reply)
     conn.close()
 

@@ -180,14 +180,10 @@ def _names_the_runs_data(
     """Whether ``--data`` (with its settings) is what the resumed run's data was prepared
     from, unchanged: the folder it would be prepared into is the run's."""
     from gpuflow.data.prepare.for_training import cache_folder
-    from gpuflow.data.prepare.pipeline import PrepareConfig
 
     if not config.data.dir or "-" in args.data:
         return False
-    same = cache_folder(PrepareConfig(
-        data=tuple(args.data), vocab_size=config.model.vocab_size, separator=separator,
-        text_field=args.text_field,
-    ))  # fmt: skip
+    same = cache_folder(config.model.vocab_size, tuple(args.data), separator, args.text_field)
     return Path(config.data.dir).resolve() == same.resolve()
 
 

@@ -222,6 +222,15 @@ class RecordingBackend:
         return run
 
 
+def train_cli(prepared: Path, *extra: str, sets: tuple[str, ...] = ()) -> int:
+    """``gpuflow train`` in this process on the cpu with FAST, the corpus at ``prepared``,
+    ``extra`` arguments and ``sets`` settings; its exit status."""
+    from gpuflow.interface.cli.main import main
+
+    args = [a for s in (*FAST, f"data.dir={prepared}", *sets) for a in ("--set", s)]
+    return main(["train", "--device", "cpu", *extra, *args])
+
+
 def two_checkpointed_steps(prepared: Path, root: Path) -> Path:
     """``root``/runs/r: 2 steps of FAST on the cpu, a checkpoint at each, a best one;
     returns ``root``/runs."""

@@ -22,15 +22,7 @@ from gpuflow.train.runfolder import RunFolder, latest_run_dir, read_metrics
 from gpuflow.train.schedule import lr_at
 from gpuflow.train.step import EagerStep
 from gpuflow.train.trainer import Trainer
-from tests.helpers import FAST
-
-
-def _args(prepared, *sets: str) -> list[str]:
-    return [a for s in (*FAST, f"data.dir={prepared}", *sets) for a in ("--set", s)]
-
-
-def _train_cli(prepared, *extra: str, sets: tuple[str, ...] = ()) -> int:
-    return main(["train", "--device", "cpu", *extra, *_args(prepared, *sets)])
+from tests.helpers import FAST, train_cli
 
 
 def _files(root):
@@ -48,15 +40,15 @@ def test_a_failure_after_the_folder_exists_removes_it_and_the_name_is_free(
 
     with monkeypatch.context() as patch:
         patch.setattr(EagerStep, "__call__", broken)
-        assert _train_cli(prepared, "--name", "x", "--steps", "4") == 2
+        assert train_cli(prepared, "--name", "x", "--steps", "4") == 2
     assert "the first step failed" in capsys.readouterr().err
     assert not (workdir / "runs" / "x").exists()
-    assert _train_cli(prepared, "--name", "x", "--steps", "2") == 0  # no "already exists"
+    assert train_cli(prepared, "--name", "x", "--steps", "2") == 0  # no "already exists"
     assert (workdir / "runs" / "x" / "checkpoints" / "step_000002").is_dir()
 
 
 def test_a_failed_resume_keeps_the_config_it_had(prepared, workdir, monkeypatch, capsys):
-    assert _train_cli(prepared, "--name", "r", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "r", "--steps", "2") == 0
     config_before = (workdir / "runs" / "r" / "config.toml").read_text()
 
     def broken(*args, **kwargs):
@@ -64,13 +56,13 @@ def test_a_failed_resume_keeps_the_config_it_had(prepared, workdir, monkeypatch,
 
     with monkeypatch.context() as patch:
         patch.setattr(EagerStep, "__call__", broken)
-        code = _train_cli(
+        code = train_cli(
             prepared, "--name", "r", "--resume", "--steps", "3", sets=("train.lr=1e-5",)
         )
     assert code == 2
     assert (workdir / "runs" / "r" / "config.toml").read_text() == config_before
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "r", "--resume", "--steps", "3") == 0
+    assert train_cli(prepared, "--name", "r", "--resume", "--steps", "3") == 0
 
 
 def test_a_failed_run_with_a_best_checkpoint_is_kept(prepared, workdir, monkeypatch, capsys):
@@ -86,7 +78,7 @@ def test_a_failed_run_with_a_best_checkpoint_is_kept(prepared, workdir, monkeypa
 
     monkeypatch.setattr(Trainer, "evaluate", third_fails)
     sets = ("train.eval_interval=2",)
-    assert _train_cli(prepared, "--name", "kept", "--steps", "6", sets=sets) == 2
+    assert train_cli(prepared, "--name", "kept", "--steps", "6", sets=sets) == 2
     run = workdir / "runs" / "kept"
     assert ckpt.read_record(ckpt.best_checkpoint(run))["step"] == 2
     assert (run / "config.toml").is_file() and not ckpt.list_checkpoints(run)
@@ -98,7 +90,7 @@ def test_a_one_line_corpus_is_refused_before_anything_is_written(workdir, capsys
     write_shard(data / "train_000000.bin", np.arange(20, dtype=np.uint16))
     write_shard(data / "val_000000.bin", np.arange(20, dtype=np.uint16))
     before = _files(workdir)
-    assert _train_cli(data, "--name", "short") == 2
+    assert train_cli(data, "--name", "short") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no run of 33 tokens" in err[0], err
     assert _files(workdir) == before
@@ -113,7 +105,7 @@ def test_ids_past_the_vocabulary_are_refused_whatever_meta_json_says(data_copy, 
     write_shard(shard.path, tokens)
     before = _files(workdir)
     for path in ("resident", "streamed"):
-        code = _train_cli(data_copy, "--steps", "2", sets=(f"train.data_path={path}",))
+        code = train_cli(data_copy, "--steps", "2", sets=(f"train.data_path={path}",))
         assert code == 2, path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "train_000000.bin holds token id 4000" in err[0], (path, err)
@@ -129,7 +121,7 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(prepared, workdir, monke
         )
 
     monkeypatch.setattr(EagerStep, "__call__", out_of_memory)
-    assert _train_cli(prepared, "--name", "big", "--steps", "2") == 2
+    assert train_cli(prepared, "--name", "big", "--steps", "2") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if line.startswith("error:")] == err[-1:], err
     assert (
@@ -148,7 +140,7 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(prepared, workdir, monke
 
 
 def test_stale_temporaries_are_cleared_and_never_taken_for_checkpoints(prepared, workdir, capsys):
-    assert _train_cli(prepared, "--name", "k", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "k", "--steps", "2") == 0
     folder = workdir / "runs" / "k" / "checkpoints"
     tmp = folder / ".step_000004.tmp-99999"  # a write killed half-way
     tmp.mkdir()
@@ -159,7 +151,7 @@ def test_stale_temporaries_are_cleared_and_never_taken_for_checkpoints(prepared,
     (workdir / "runs" / "k" / ".config.toml.tmp-99999").write_text("half")
     assert ckpt.latest_checkpoint(workdir / "runs" / "k") is None
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "k", "--resume", "--steps", "3") == 0
+    assert train_cli(prepared, "--name", "k", "--resume", "--steps", "3") == 0
     err = capsys.readouterr().err
     assert "removed what an interrupted run left" in err
     assert "resumed runs/k at step 2 from step_000002" in err  # put back, then resumed from
@@ -172,7 +164,7 @@ def test_stale_temporaries_are_cleared_and_never_taken_for_checkpoints(prepared,
 
 def _trained(prepared, workdir, name: str):
     assert (
-        _train_cli(prepared, "--name", name, "--steps", "2", sets=("train.checkpoint_interval=1",))
+        train_cli(prepared, "--name", name, "--steps", "2", sets=("train.checkpoint_interval=1",))
         == 0
     )
     return workdir / "runs" / name
@@ -180,7 +172,7 @@ def _trained(prepared, workdir, name: str):
 
 def _refused_resume(prepared, name: str, capsys) -> str:
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", name, "--resume", "--steps", "4") != 0
+    assert train_cli(prepared, "--name", name, "--resume", "--steps", "4") != 0
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err  # one line
     return err
@@ -239,13 +231,13 @@ def test_a_checkpoints_file_or_link_is_refused_and_nothing_is_lost(prepared, wor
 
 
 def test_a_torn_last_metrics_line_is_dropped_and_said(prepared, workdir, capsys):
-    assert _train_cli(prepared, "--name", "t", "--steps", "2", sets=("train.log_interval=1",)) == 0
+    assert train_cli(prepared, "--name", "t", "--steps", "2", sets=("train.log_interval=1",)) == 0
     metrics = workdir / "runs" / "t" / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 3, "loss": 5.1')  # the power went out here
     assert [r["step"] for r in read_metrics(workdir / "runs" / "t")][-1] == 2
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "t", "--resume", "--steps", "3") == 0
+    assert train_cli(prepared, "--name", "t", "--resume", "--steps", "3") == 0
     assert "dropped the torn last line of metrics.jsonl" in capsys.readouterr().err
     lines = metrics.read_text().splitlines()
     assert all(json.loads(line) for line in lines)  # every line whole again
@@ -253,7 +245,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_said(prepared, workdir, capsys)
 
 
 def test_a_second_process_cannot_train_the_same_run(prepared, workdir):
-    assert _train_cli(prepared, "--name", "busy", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "busy", "--steps", "2") == 0
     with RunFolder(workdir / "runs" / "busy", resume=True):
         config = resolve_config("tiny", None, [*FAST, f"data.dir={prepared}", "train.steps=3"])
         with pytest.raises(GpuflowError, match="in use by another gpuflow process"):
@@ -264,7 +256,7 @@ def test_a_second_process_cannot_train_the_same_run(prepared, workdir):
 
 
 def test_a_bare_resume_never_picks_a_profile_folder(prepared, workdir, capsys):
-    assert _train_cli(prepared, "--name", "real", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "real", "--steps", "2") == 0
     profile = workdir / "runs" / "profile-tiny"  # as an older `gpuflow profile` left it
     profile.mkdir()
     (profile / "config.toml").write_text((workdir / "runs" / "real" / "config.toml").read_text())
@@ -275,25 +267,25 @@ def test_a_bare_resume_never_picks_a_profile_folder(prepared, workdir, capsys):
 
 
 def test_a_resume_without_a_checkpoint_says_it_starts_over(prepared, workdir, capsys):
-    assert _train_cli(prepared, "--name", "c", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "c", "--steps", "2") == 0
     shutil.rmtree(workdir / "runs" / "c" / "checkpoints")  # killed before its first one
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "c", "--resume", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "c", "--resume", "--steps", "2") == 0
     assert "has no checkpoint yet: training it from step 0" in capsys.readouterr().err
 
 
 def test_more_steps_after_the_end_asks_how_to_extend_the_schedule(prepared, workdir, capsys):
     sets = ("train.warmup_steps=2", "train.lr=0.003")
-    assert _train_cli(prepared, "--name", "s", "--steps", "6", sets=sets) == 0
+    assert train_cli(prepared, "--name", "s", "--steps", "6", sets=sets) == 0
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "s", "--resume", "--steps", "12") == 2
+    assert train_cli(prepared, "--name", "s", "--resume", "--steps", "12") == 2
     err = capsys.readouterr().err
     assert "scheduled over 6 steps and stopped at step 6; with 12 its next step" in err
     assert "--set train.decay_steps=6 to keep the schedule" in err
     assert "--set train.decay_steps=12 to stretch it" in err
     # Keeping it: the extra steps train at the schedule's final rate.
     keep = ("train.decay_steps=6",)
-    assert _train_cli(prepared, "--name", "s", "--resume", "--steps", "12", sets=keep) == 0
+    assert train_cli(prepared, "--name", "s", "--resume", "--steps", "12", sets=keep) == 0
     lrs = {r["step"]: r["lr"] for r in read_metrics(workdir / "runs" / "s") if "lr" in r}
     assert [step for step in lrs if step > 6] == [10, 12]
     assert all(lrs[step] == pytest.approx(0.003 * 0.1) for step in (10, 12))
@@ -301,12 +293,12 @@ def test_more_steps_after_the_end_asks_how_to_extend_the_schedule(prepared, work
 
 def test_the_original_command_with_resume_added_is_accepted(prepared, workdir, capsys):
     args = ["--preset", "tiny", "--name", "p", "--steps", "2"]
-    assert _train_cli(prepared, *args) == 0
+    assert train_cli(prepared, *args) == 0
     capsys.readouterr()
-    assert _train_cli(prepared, *args[:-1], "3", "--resume") == 0
+    assert train_cli(prepared, *args[:-1], "3", "--resume") == 0
     assert "resumed runs/p at step 2" in capsys.readouterr().err
     different = ("train.lr=0.0001",)
-    assert _train_cli(prepared, *args[:-1], "4", "--resume", sets=different) == 0  # --set: fine
+    assert train_cli(prepared, *args[:-1], "4", "--resume", sets=different) == 0  # --set: fine
     capsys.readouterr()
     code = main(["train", "--preset", "seed-d384", "--name", "p", "--resume", "--device", "cpu"])
     assert code == 2
@@ -316,13 +308,13 @@ def test_the_original_command_with_resume_added_is_accepted(prepared, workdir, c
 
 
 def test_resume_refuses_data_with_another_tokenizer(prepared, data_copy, workdir, capsys):
-    assert _train_cli(data_copy, "--name", "d", "--steps", "2") == 0
+    assert train_cli(data_copy, "--name", "d", "--steps", "2") == 0
     tokenizer = data_copy / "tokenizer.json"  # another tokenizer of the same vocabulary
     text = tokenizer.read_text()
     tokenizer.write_text(text.replace('"add_prefix_space": false', '"add_prefix_space": true', 1))
     assert tokenizer.read_text() != text
     capsys.readouterr()
-    assert _train_cli(data_copy, "--name", "d", "--resume", "--steps", "3") == 2
+    assert train_cli(data_copy, "--name", "d", "--resume", "--steps", "3") == 2
     assert "is not the tokenizer runs/d was trained with" in capsys.readouterr().err
 
 
@@ -331,7 +323,7 @@ def test_resume_refuses_data_with_another_tokenizer(prepared, data_copy, workdir
 
 def test_the_best_validation_checkpoint_is_kept_apart(prepared, workdir):
     sets = ("train.eval_interval=2", "train.checkpoint_interval=3", "train.keep_checkpoints=1")
-    assert _train_cli(prepared, "--name", "b", "--steps", "6", sets=sets) == 0
+    assert train_cli(prepared, "--name", "b", "--steps", "6", sets=sets) == 0
     run = workdir / "runs" / "b"
     val = {r["step"]: r["val_loss"] for r in read_metrics(run) if "val_loss" in r}
     best_step = min((s for s in val if s > 0), key=val.get)
@@ -347,7 +339,7 @@ def test_an_unclipped_run_logs_the_gradients_norm_not_zero(prepared, workdir):
     norms = {}
     for name, clip in (("noclip", "0"), ("hugeclip", "1e9")):  # a clip that never bites
         sets = (f"train.grad_clip={clip}", "train.log_interval=1")
-        assert _train_cli(prepared, "--name", name, "--steps", "3", sets=sets) == 0
+        assert train_cli(prepared, "--name", name, "--steps", "3", sets=sets) == 0
         records = read_metrics(workdir / "runs" / name)
         norms[name] = [r["grad_norm"] for r in records if "grad_norm" in r]
     assert len(norms["noclip"]) == 3 and all(n > 0 for n in norms["noclip"]), norms
@@ -356,7 +348,7 @@ def test_an_unclipped_run_logs_the_gradients_norm_not_zero(prepared, workdir):
 
 def test_a_diverged_run_stops_before_saving_nan_weights(prepared, workdir, capsys):
     sets = ("train.lr=1e6", "train.grad_clip=0", "train.warmup_steps=1", "train.log_interval=1")
-    assert _train_cli(prepared, "--name", "nan", "--steps", "30", sets=sets) == 2
+    assert train_cli(prepared, "--name", "nan", "--steps", "30", sets=sets) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "training diverged: the loss is nan" in err[-1] and "lower train.lr" in err[-1], err
     for path in ckpt.list_checkpoints(workdir / "runs" / "nan"):
@@ -368,7 +360,7 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_an_earlier_session_lef
     prepared, workdir, capsys
 ):
     assert (
-        _train_cli(prepared, "--name", "rd", "--steps", "2", sets=("train.checkpoint_interval=2",))
+        train_cli(prepared, "--name", "rd", "--steps", "2", sets=("train.checkpoint_interval=2",))
         == 0
     )
     capsys.readouterr()
@@ -379,32 +371,32 @@ def test_a_resumed_run_that_diverges_names_the_checkpoint_an_earlier_session_lef
         "train.log_interval=1",
         "train.checkpoint_interval=1000",
     )
-    assert _train_cli(prepared, "--name", "rd", "--resume", "--steps", "30", sets=sets) == 2
+    assert train_cli(prepared, "--name", "rd", "--resume", "--steps", "30", sets=sets) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "training diverged" in last and "its last good checkpoint is step_000002" in last
 
 
 def test_a_metrics_line_edited_by_hand_is_named_or_drawn_not_a_traceback(prepared, workdir, capsys):
     sets = ("train.checkpoint_interval=2", "train.log_interval=1")
-    assert _train_cli(prepared, "--name", "hand", "--steps", "2", sets=sets) == 0
+    assert train_cli(prepared, "--name", "hand", "--steps", "2", sets=sets) == 0
     metrics = workdir / "runs" / "hand" / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     # text where a figure goes, in the middle: named, nothing trained
     metrics.write_text("".join([lines[0], '{"step": 1, "loss": "abc"}\n', *lines[1:]]))
     capsys.readouterr()
-    assert _train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 2
+    assert train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "metrics.jsonl:2 is not a metrics record; delete that line" in last
     # a record without a rate: the run trains on and draws its plot
     metrics.write_text("".join([*lines, '{"step": 2, "loss": 7.0}\n']))
-    assert _train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 0
+    assert train_cli(prepared, "--name", "hand", "--resume", "--steps", "4", sets=sets) == 0
     assert (workdir / "runs" / "hand" / "training.png").stat().st_size > 0
 
 
 def test_a_link_to_nothing_where_a_run_would_go_is_named_as_a_link(prepared, workdir, capsys):
     (workdir / "runs").mkdir()
     (workdir / "runs" / "dang").symlink_to(workdir / "nowhere")
-    assert _train_cli(prepared, "--name", "dang", "--steps", "1") == 2
+    assert train_cli(prepared, "--name", "dang", "--steps", "1") == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "runs/dang is a link to" in last and "pass another --name" in last
     assert not (workdir / "nowhere").exists()
@@ -414,7 +406,7 @@ def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     prepared, workdir, capsys
 ):
     sets = ("train.eval_interval=2",)
-    assert _train_cli(prepared, "--name", "smp", "--steps", "4", sets=sets) == 0
+    assert train_cli(prepared, "--name", "smp", "--steps", "4", sets=sets) == 0
     latest = ckpt.latest_checkpoint(workdir / "runs" / "smp")
     weights = ckpt.read_checkpoint(latest).weights
     weights["ln_f.weight"][0] = math.nan
@@ -464,7 +456,7 @@ def test_a_model_too_large_for_host_memory_is_one_line(prepared, workdir, monkey
                            "allocate memory: you tried to allocate 25600000000 bytes")  # fmt: skip
 
     monkeypatch.setattr("gpuflow.train.setup.GPT.__init__", refused)
-    assert _train_cli(prepared, "--name", "huge", "--steps", "2") == 2
+    assert train_cli(prepared, "--name", "huge", "--steps", "2") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not fit in host memory" in err, err
     assert not (workdir / "runs" / "huge").exists()
@@ -474,100 +466,8 @@ def test_a_model_too_large_for_host_memory_is_one_line(prepared, workdir, monkey
 def test_sample_refuses_a_temperature_that_is_not_a_number_to_sample_at(
     prepared, workdir, capsys, temperature
 ):
-    assert _train_cli(prepared, "--name", "t", "--steps", "2") == 0
+    assert train_cli(prepared, "--name", "t", "--steps", "2") == 0
     capsys.readouterr()
     args = ["sample", "--run", "runs/t", "--temperature", temperature, "--device", "cpu"]
     assert main(args) == 2
     assert "--temperature must be a number >= 0" in capsys.readouterr().err
-
-
-# ---- faults of the machine -----------------------------------------------------------------
-
-
-def _disk_full_at(monkeypatch, nth: int) -> None:
-    """The checkpoint writer's ``nth`` file write finds the disk full."""
-    import errno
-
-    real, calls = ckpt.write_safetensors, []
-
-    def write(path, *args):
-        calls.append(path)
-        if len(calls) == nth:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, *args)
-
-    monkeypatch.setattr(ckpt, "write_safetensors", write)
-
-
-def test_a_full_disk_at_a_checkpoint_stops_the_run_at_once_keeping_the_earlier_ones(
-    prepared, workdir, monkeypatch, capsys
-):
-    _disk_full_at(monkeypatch, 3)  # the second checkpoint's first file
-    sets = ("train.checkpoint_interval=2", "train.log_interval=1", "train.eval_interval=1000")
-    assert _train_cli(prepared, "--name", "full", "--steps", "12", sets=sets) == 2
-    err = capsys.readouterr().err
-    [line] = [x for x in err.splitlines() if x.startswith("error:")]  # one line, no traceback
-    assert "Traceback" not in err
-    assert "No space left on device" in line and "free disk space" in line
-    assert "checkpoints are intact: once that is fixed, run it again with --resume" in line
-    run = workdir / "runs" / "full"
-    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000002"]
-    ckpt.read_checkpoint(ckpt.latest_checkpoint(run))  # whole
-    logged = [r["step"] for r in read_metrics(run) if "loss" in r]
-    assert max(logged) <= 5  # stopped within a step or two, not at the next checkpoint
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
-
-
-def test_a_full_disk_at_the_first_checkpoint_says_nothing_was_saved(
-    prepared, workdir, monkeypatch, capsys
-):
-    _disk_full_at(monkeypatch, 1)
-    assert _train_cli(prepared, "--name", "first", "--steps", "4") == 2
-    err = capsys.readouterr().err
-    assert "no checkpoint of this run was saved yet" in err and "--resume" not in err
-
-
-def _no_space(*args, **kwargs):
-    import errno
-
-    raise OSError(errno.ENOSPC, "No space left on device", "runs/faulty/somefile")
-
-
-@pytest.mark.parametrize(
-    "site",
-    [
-        "gpuflow.train.runfolder.write_config",  # the config, as the resume starts
-        "gpuflow.train.runfolder.MetricsLog.write",  # a metrics record
-        "gpuflow.train.checkpoint.write_safetensors",  # a checkpoint's file
-        "gpuflow.train.report.write_text_atomic",  # report.json, at the end
-        "gpuflow.train.report.plot_run",  # training.png, at the end
-    ],
-)
-def test_a_full_disk_at_any_write_of_a_resumed_run_loses_nothing(
-    prepared, workdir, monkeypatch, capsys, site
-):
-    sets = ("train.checkpoint_interval=2", "train.log_interval=1", "train.eval_interval=1000")
-    assert _train_cli(prepared, "--name", "faulty", "--steps", "2", sets=sets) == 0
-    run = workdir / "runs" / "faulty"
-    config = (run / "config.toml").read_text()
-    records = read_metrics(run)
-    capsys.readouterr()
-    with monkeypatch.context() as patch:
-        patch.setattr(site, _no_space)
-        resumed = _train_cli(prepared, "--name", "faulty", "--resume", "--steps", "6", sets=sets)
-    assert resumed == 2
-    err = capsys.readouterr().err
-    [line] = [x for x in err.splitlines() if x.startswith("error:")]
-    assert "No space left on device" in line and "free disk space" in line, line
-    assert "Traceback" not in err
-    # What the run had is whole: its checkpoints verify, its records are whole lines that
-    # begin with the ones it had, and its config is the one it had or the one it went on with.
-    for path in ckpt.list_checkpoints(run):
-        ckpt.read_checkpoint(path)
-    assert ckpt.list_checkpoints(run)[0].name == "step_000002"
-    after = read_metrics(run)
-    assert after[: len(records)] == records
-    assert (run / "config.toml").read_text() in (config, config.replace("steps = 2", "steps = 6"))
-    if ckpt.latest_checkpoint(run).name != "step_000006":  # stopped mid-run: it goes on
-        assert _train_cli(prepared, "--name", "faulty", "--resume", "--steps", "6", sets=sets) == 0
-    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 7))

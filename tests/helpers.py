@@ -242,3 +242,43 @@ def two_checkpointed_steps(prepared: Path, root: Path) -> Path:
     config = resolve_config("tiny", None, [*sets, "train.eval_interval=1"])
     Trainer(config, root / "runs" / "r", Device("cpu")).run()
     return root / "runs"
+
+
+def interrupt_as_children_start(monkeypatch) -> list[subprocess.Popen]:
+    """Ctrl-C at the moment each ``subprocess.Popen`` returns, before its caller holds the
+    handle; the children started, for the test to check and clean up."""
+    import signal
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    class Interrupted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(subprocess, "Popen", Interrupted)
+    return started
+
+
+def stopped(children: list[subprocess.Popen]) -> bool:
+    """Whether every child in ``children`` has ended; kills those that have not."""
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.kill()
+        child.wait()
+    return not running
+
+
+def processes_in(folder: Path) -> list[int]:
+    """Live processes whose cwd is in ``folder`` (the bench's children run in its scratch)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue  # gone, or not ours to read
+        if cwd.startswith(str(folder)):
+            pids.append(int(entry.name))
+    return pids

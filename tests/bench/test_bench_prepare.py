@@ -6,8 +6,11 @@ neither trains on."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -23,7 +26,7 @@ from gpuflow.bench.prepare import (
     run_timed,
 )
 from gpuflow.common.errors import GpuflowError
-from tests.helpers import child_env
+from tests.helpers import child_env, interrupt_as_children_start, processes_in, stopped
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +65,37 @@ def test_a_timed_child_gives_its_seconds_memory_and_output_or_one_line(tmp_path)
     fail = "import sys; print('first', file=sys.stderr); sys.exit('the last line')"
     with pytest.raises(GpuflowError, match=r"^bench prepare: .* failed: the last line$"):
         run_timed([sys.executable, "-c", fail], tmp_path)
+
+
+def test_an_interrupt_as_the_timed_child_starts_stops_it(tmp_path, monkeypatch):
+    children = interrupt_as_children_start(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run_timed([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+    assert len(children) == 1 and stopped(children)
+
+
+def test_sigterm_stops_the_bench_and_its_child_and_removes_its_scratch_folder(tmp_path):
+    """As Ctrl-C does; by default the bench died at once, its child writing on in a scratch
+    folder nothing would remove."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow", "bench", "prepare", "--mib", "16", "--out", "out"],
+        cwd=tmp_path, env=child_env({"TMPDIR": str(tmp_path)}), stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    said = []
+    for line in bench.stderr:
+        said.append(line)
+        if line.startswith("baseline"):
+            break
+    scratch = next(tmp_path.glob("gpuflow-bench-prepare-*"))
+    deadline = time.monotonic() + 30
+    while not processes_in(scratch) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the baseline's child, running in the scratch folder
+    assert processes_in(scratch), "".join(said)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(60) != 0
+    assert processes_in(tmp_path) == []
+    assert not list(tmp_path.glob("gpuflow-bench-prepare-*"))
 
 
 def test_the_script_and_gpuflow_prepare_read_the_same_documents(tmp_path, monkeypatch, capsys):

@@ -25,7 +25,7 @@ from gpuflow.data.tokens import TokenFolder
 from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
 from tests.bench.nanogpt_standin import write_standin
-from tests.helpers import FAST, SMALL_VOCAB
+from tests.helpers import FAST, SMALL_VOCAB, interrupt_as_children_start, stopped
 
 
 def _shards(folder: Path, sizes: dict[str, list[int]], dtype=np.uint16, high=500) -> Path:
@@ -226,6 +226,14 @@ def test_a_failing_child_stops_the_others_and_names_itself(tmp_path):
     )
     pid = int((tmp_path / "pid").read_text())
     assert not Path(f"/proc/{pid}").exists()  # stopped and reaped
+
+
+def test_an_interrupt_as_a_job_starts_stops_it(tmp_path, monkeypatch):
+    children = interrupt_as_children_start(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs([_job(tmp_path, "sleeper", "import time; time.sleep(60)")], [{}], tmp_path,
+                 dict(os.environ), "test")  # fmt: skip
+    assert len(children) == 1 and stopped(children)
 
 
 def _bench(standin: Path, prepared: Path, tmp_path: Path, monkeypatch, capsys):

@@ -19,7 +19,13 @@ from gpuflow.bench import scale
 from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.interface.cli.main import main
-from tests.helpers import FAST, gpuflow_cli
+from tests.helpers import (
+    FAST,
+    gpuflow_cli,
+    interrupt_as_children_start,
+    processes_in,
+    stopped,
+)
 
 
 def _bench_args(prepared: Path, out: Path, *extra: str) -> list[str]:
@@ -30,19 +36,6 @@ def _bench_args(prepared: Path, out: Path, *extra: str) -> list[str]:
 
 def _scratch_left(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("gpuflow-scale-*"))
-
-
-def _processes_in(folder: Path) -> list[int]:
-    """Live processes whose cwd is in ``folder`` (the bench's children run in its scratch)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cwd = os.readlink(entry / "cwd")
-        except OSError:
-            continue  # gone, or not ours to read
-        if cwd.startswith(str(folder)):
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_scale_runs_plain_torchrun_1_and_2_and_reports_their_scaling(prepared, workdir):
@@ -179,7 +172,7 @@ def test_an_interrupt_stops_torchrun_and_its_workers_that_ignore_sigterm(tmp_pat
 
     def interrupt_once_workers_run() -> None:
         deadline = time.monotonic() + 60
-        while len(_processes_in(tmp_path)) < 3 and time.monotonic() < deadline:
+        while len(processes_in(tmp_path)) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)  # torchrun and its 2 workers
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does to this process
 
@@ -189,6 +182,18 @@ def test_an_interrupt_stops_torchrun_and_its_workers_that_ignore_sigterm(tmp_pat
         scale.run_child(command, tmp_path, scale.child_env(), tmp_path / "job")
     assert time.monotonic() - started < 30  # the grace, not torchrun's own 30 s
     deadline = time.monotonic() + 5
-    while _processes_in(tmp_path) and time.monotonic() < deadline:
+    while processes_in(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _processes_in(tmp_path) == []
+    assert processes_in(tmp_path) == []
+
+
+def test_an_interrupt_as_the_child_starts_stops_it(tmp_path, monkeypatch):
+    children = interrupt_as_children_start(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        scale.run_child(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            tmp_path,
+            scale.child_env(),
+            tmp_path / "job",
+        )
+    assert len(children) == 1 and stopped(children)

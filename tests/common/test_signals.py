@@ -10,7 +10,12 @@ import threading
 
 import pytest
 
-from gpuflow.common.signals import handling, interrupts_held, take_interrupts_in_child
+from gpuflow.common.signals import (
+    handling,
+    interrupts_deferred,
+    interrupts_held,
+    take_interrupts_in_child,
+)
 
 
 def test_the_handler_runs_inside_the_block_and_the_old_one_is_back_after():
@@ -77,6 +82,23 @@ def test_a_ctrl_c_in_a_held_block_raises_after_it():
         os.kill(os.getpid(), signal.SIGINT)
         reached_the_end = True
     assert reached_the_end
+
+
+def test_a_deferred_block_raises_its_ctrl_c_after_it_and_leaves_the_mask_alone():
+    """For a child started with subprocess, which must take its signals as usual."""
+    mask = (
+        signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+    )
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # bytecodes at which Python would run a handler
+            pass
+        if mask is not None:
+            assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+        reached_the_end = True
+    assert reached_the_end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _report_interrupts(conn) -> None:

@@ -21,6 +21,7 @@ from typing import IO
 
 from gpuflow.bench.scale import last_words, sigterm_as_interrupt, stop_child
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.signals import interrupts_deferred
 
 # How often the queue looks for a child that ended: far below any child's start-up.
 POLL_S = 0.2
@@ -109,7 +110,8 @@ def run_jobs(
                 while pending and free:
                     number, job = pending.popleft()
                     slot = free.pop(0)
-                    running[number] = _Running(job, cwd, env, slot)
+                    with interrupts_deferred():  # until the child is in `running`, to be stopped
+                        running[number] = _Running(job, cwd, env, slot)
                     gpu = slot.get("CUDA_VISIBLE_DEVICES")
                     where = f" on GPU {gpu}" if gpu is not None else ""
                     said(f"[{number + 1}/{len(jobs)}] {job.label}: started{where}")

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuflow.bench.scale import stop_child
 from gpuflow.bench.treememory import TreeMemory
 from gpuflow.common.errors import GpuflowError
+from gpuflow.common.signals import interrupts_deferred
 from gpuflow.data.prepare.encode import usable_cores
 
 SEPARATOR = "<|endoftext|>"
@@ -203,11 +205,22 @@ def run_timed(command: list[str], cwd: Path) -> dict[str, Any]:
     tree (summed, of its largest process, of itself, of each other process) and its stdout;
     a failure is one line naming the command's last stderr line."""
     started = time.perf_counter()
-    child = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    memory = TreeMemory(child.pid)
-    out, err = child.communicate()
+    child = memory = None
+    try:
+        # A session of its own: Ctrl-C and SIGTERM reach the bench, which stops the child
+        # before its scratch folder goes, rather than leave it writing there.
+        with interrupts_deferred():
+            child = subprocess.Popen(
+                command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # fmt: skip
+        memory = TreeMemory(child.pid)
+        out, err = child.communicate()
+    finally:
+        if child is not None:
+            stop_child(child)  # a no-op when it has ended
+        peaks = memory.stop() if memory is not None else None
     seconds = time.perf_counter() - started
-    peaks = memory.stop()
     if child.returncode != 0:
         last = err.decode(errors="replace").strip().splitlines()[-1:] or ["(nothing on stderr)"]
         raise GpuflowError(f"bench prepare: {command[2]} failed: {last[0]}")

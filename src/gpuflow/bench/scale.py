@@ -33,7 +33,7 @@ import torch
 from gpuflow.bench.row_progress import progress_line
 from gpuflow.common.console import err_console
 from gpuflow.common.errors import GpuflowError
-from gpuflow.common.signals import handling
+from gpuflow.common.signals import handling, interrupts_deferred
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import RunConfig, resolve_config
 from gpuflow.train.runfolder import REPORT_FILE, RUNS_DIR
@@ -201,10 +201,14 @@ def run_child(
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
     started = time.perf_counter()
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
-        child = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True
-        )
+        child = None
         try:
+            # An interrupt as the child starts waits until it is known here, to be stopped.
+            with interrupts_deferred():
+                child = subprocess.Popen(
+                    command, cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                    start_new_session=True,
+                )  # fmt: skip
             while True:
                 try:
                     returncode = child.wait(timeout=PROGRESS_S)
@@ -213,7 +217,8 @@ def run_child(
                     if while_running is not None:
                         while_running()
         finally:
-            stop_child(child)  # after Ctrl-C or SIGTERM; a no-op when the child has ended
+            if child is not None:  # after Ctrl-C or SIGTERM; a no-op when the child has ended
+                stop_child(child)
     seconds = time.perf_counter() - started
     return ChildOutcome(returncode, seconds, err.read_text(errors="replace"))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -32,15 +33,11 @@ _MASKS = hasattr(signal, "pthread_sigmask")  # (not on Windows)
 
 
 @contextmanager
-def interrupts_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait for the block to end, then act as they would have; for the
-    start of a child process, which an interrupt part way through leaves unable to boot (its
-    arguments half sent, or the pool never told of it), so that it prints a traceback.
-
-    Children started inside begin with both signals blocked: a Ctrl-C at a terminal, which
-    reaches the whole process group, would otherwise stop each child in its imports, with a
-    traceback. ``take_interrupts_in_child`` at the child's entry point settles them. Off
-    the main thread, nothing changes."""
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the block to end, then act as they would have: for a
+    step that must not be cut in two, such as starting a child and keeping its handle (an
+    interrupt in between leaves a child that nothing will stop). Off the main thread,
+    nothing changes."""
     arrived: list[int] = []
     try:
         previous = {sig: signal.signal(sig, lambda signum, _: arrived.append(signum))
@@ -48,23 +45,38 @@ def interrupts_held() -> Iterator[None]:
     except ValueError:
         yield
         return
-    mask = None
-    if _MASKS:
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            signal.raise_signal(arrived[0])  # to the handler there was before
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """``interrupts_deferred`` for the start of a multiprocessing child, which an interrupt
+    part way through leaves unable to boot (its arguments half sent, or the pool never told
+    of it), so that it prints a traceback.
+
+    Children started inside begin with both signals blocked: a Ctrl-C at a terminal, which
+    reaches the whole process group, would otherwise stop each child in its imports, with a
+    traceback. ``take_interrupts_in_child`` at the child's entry point settles them."""
+    with interrupts_deferred():
+        if not _MASKS or threading.current_thread() is not threading.main_thread():
+            yield
+            return
         # multiprocessing starts its resource tracker with the first child, and unblocks both
         # signals once it has: started first, it leaves the mask alone.
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
-    try:
-        yield
-    finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (runs what was pending)
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        if arrived:
-            signal.raise_signal(arrived[0])  # to the handler there was before
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (what was pending runs now)
 
 
 def take_interrupts_in_child() -> None:

@@ -241,13 +241,15 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 def _prepare(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     from gpuflow.bench.prepare import PrepareBenchConfig, print_prepare_table, run_prepare_bench
+    from gpuflow.bench.scale import sigterm_as_interrupt
 
     bench = PrepareBenchConfig(
         mib=args.mib, data=tuple(args.data or ()),
         separator=unescape(args.separator) if args.separator else None,
         vocab_size=args.vocab_size, workers=args.workers,
     )  # fmt: skip
-    results = run_prepare_bench(bench)
+    with sigterm_as_interrupt():  # its child stopped and its scratch folder gone, as at Ctrl-C
+        results = run_prepare_bench(bench)
     print_prepare_table(results)
     return results
 

@@ -155,6 +155,19 @@ def test_budget_passes_within_limits_and_lists_each_offender():
     assert isinstance(error, gpuflow.GpuflowError)
 
 
+def test_a_package_named_like_torch_is_a_caller_not_torch():
+    """torchvision, torchmetrics and the like sit beside torch; their lines are the ones to
+    name, as any other library's are."""
+    beside = str(Path(torch.__file__).parent) + "metrics_like" + "/functional.py"
+    code = compile("def read(x):\n    return x.to('meta', non_blocking=True)\n", beside, "exec")
+    namespace: dict = {}
+    exec(code, namespace)
+    with TransferLedger("cpu") as ledger:
+        namespace["read"](torch.ones(4))
+    [event] = ledger.events
+    assert event.location.endswith("metrics_like/functional.py:2")
+
+
 def test_budget_as_a_decorator_checks_every_call():
     @budget(d2h_bytes=0, syncs=0, device="cpu")
     def step(download: bool) -> None:

@@ -64,6 +64,15 @@ def test_floats_and_bools_are_kept_as_they_are(values):
     assert torch.equal(_all(data)[0], values)
 
 
+def test_a_read_only_array_is_taken_without_a_warning(recwarn):
+    """What pandas' to_numpy() gives: it is read, never written."""
+    values = np.arange(12.0).reshape(4, 3)
+    values.flags.writeable = False
+    data = ResidentDataset(values, device="cpu", show_progress=False)
+    assert _all(data)[0].tolist() == values.tolist()
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
 def test_narrowest_of_an_empty_tensor_is_uint8():
     assert narrowest(torch.empty(0, dtype=torch.int64)) == torch.uint8
 
@@ -215,6 +224,20 @@ def test_from_dataset_of_numbers_arrays_and_bools():
     assert halves.dtype == torch.float32 and halves.tolist() == [i / 2 for i in range(5)]
     assert odd.dtype == torch.bool and odd.tolist() == [bool(i % 2) for i in range(5)]
     assert ints.dtype == torch.int64 and ints.tolist() == list(range(5))
+
+
+def test_numpy_floats_keep_their_precision_and_0d_arrays_are_numbers():
+    """sklearn's features are float64: a target X[i, 2] was stored as float32."""
+    targets = np.linspace(0.0, 1.0, 7) + 1e-9  # (not float32 values)
+    items = [
+        (np.float64(t), np.array(i), np.float16(i), np.array(t)) for i, t in enumerate(targets)
+    ]
+    data = ResidentDataset.from_dataset(_Items(items), device="cpu", show_progress=False)
+    kept, labels, halves, arrays = _all(data)
+    assert kept.dtype == torch.float64 and kept.tolist() == targets.tolist()
+    assert labels.dtype == torch.int64 and labels.tolist() == list(range(7))
+    assert halves.dtype == torch.float16 and arrays.dtype == torch.float64
+    assert arrays.tolist() == targets.tolist()
 
 
 @pytest.mark.parametrize(

@@ -118,3 +118,15 @@ def test_dict_keys_that_are_equal_but_of_other_types_come_back_as_given():
     with DeviceLoader(batches, "cpu") as loader:
         got = [type(next(iter(batch))) for batch in loader]
     assert got == [int, bool, float]
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_sequences_all_empty_cross_as_ragged_in_every_epoch(coalesce):
+    """A layout made once is used again for a batch like it: one of sequences that are all
+    empty took that path with none of the ragged's tensors, the second time it came."""
+    batches = [{"ids": [[], []], "label": torch.tensor([0, 1])}, {"ids": [[]]}, {"ids": [[]]}]
+    with DeviceLoader(batches, "cpu", coalesce=coalesce) as loader:
+        for _ in range(2):
+            got = list(loader)
+            assert [b["ids"].lengths() for b in got] == [[0, 0], [0], [0]]
+            assert got[0]["label"].tolist() == [0, 1]

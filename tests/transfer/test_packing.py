@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, namedtuple
+import math
+from collections import OrderedDict, deque, namedtuple
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -144,6 +146,20 @@ def test_fp16_refuses_values_it_would_turn_into_inf():
     pack(torch.tensor([1.0, 1e6]), lossy_float="bf16")
 
 
+@pytest.mark.parametrize(("codec", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_values_past_a_codecs_largest_refused_only_where_they_round_to_inf(codec, dtype):
+    """Within half a step of the largest value a codec holds, a value rounds down to it."""
+    finfo = torch.finfo(dtype)
+    largest = finfo.max
+    step = 2.0 ** math.floor(math.log2(largest)) * finfo.eps  # between the two largest values
+    rounds_down = torch.tensor([largest + step / 4, -largest - step / 4])  # float32
+    assert (rounds_down.abs() > largest).all()
+    out = unpack(pack(rounds_down, lossy_float=codec), "cpu")
+    assert out.tolist() == [largest, -largest]
+    with pytest.raises(GpuflowError, match=r"holds -[0-9.e+]+, beyond"):  # its sign said
+        pack(torch.tensor([1.0, -largest * 1.01], dtype=torch.float64), lossy_float=codec)
+
+
 def test_unknown_codec_is_refused():
     with pytest.raises(GpuflowError, match="lossy_float must be one of"):
         pack(torch.zeros(3), lossy_float="fp8")
@@ -247,9 +263,16 @@ def test_what_cannot_be_packed_is_refused_not_left_on_the_host():
         ({"x": torch.eye(3).to_sparse()}, "sparse_coo tensor cannot be packed"),
         ({"x": _nested()}, "nested"),
         ({"x": torch.ones(3, device="meta")}, "a meta tensor holds no data to move"),
+        ({"x": deque([torch.ones(3)])}, "a deque in the batch holds tensors"),
+        ({"x": {torch.ones(3)}}, "a set in the batch holds tensors"),
+        ([SimpleNamespace(x=np.ones(3))], "a SimpleNamespace in the batch holds"),
+        ((SimpleNamespace(inner=SimpleNamespace(x=torch.ones(3))),), "SimpleNamespace"),
     ]:
         with pytest.raises(GpuflowError, match=match):
             pack(batch)
+    # what holds no data still crosses as it is
+    kept = unpack(pack({"x": torch.ones(2), "tags": {"a"}, "meta": SimpleNamespace(n=3)}), "cpu")
+    assert kept["tags"] == {"a"} and kept["meta"].n == 3
 
 
 def test_an_unpacked_batch_is_its_own_when_the_buffer_is_used_again():

@@ -142,6 +142,21 @@ def test_a_buffer_goes_back_only_to_the_pool_that_lent_it():
     assert lender.stats.bytes_in_use == 0
 
 
+def test_releasing_what_is_no_buffer_is_refused_in_words():
+    pool = PinnedPool("cpu")
+    buf = pool.acquire(10)
+    with pytest.raises(
+        GpuflowError, match=r"not a tensor \(give the buffer itself, not its .bytes\)"
+    ):
+        pool.release(buf.bytes)
+    with pytest.raises(
+        GpuflowError, match="the PinnedBuffer that acquire returned, not a NoneType"
+    ):
+        pool.release(None)
+    pool.release(buf)  # still lent: the refusals changed nothing
+    assert pool.stats.bytes_in_use == 0
+
+
 def test_per_size_retention_cap_unpins_the_extras():
     pool = PinnedPool("cpu", max_cached_per_class=2)
     bufs = [pool.acquire(4096) for _ in range(5)]
@@ -170,3 +185,15 @@ def test_buffer_views_see_the_same_bytes():
     buf = pool.acquire(64)
     buf.view(torch.float32, (4, 4)).fill_(1.5)
     assert buf.bytes[:4].view(torch.float32).item() == 1.5
+
+
+def test_a_view_with_minus_one_takes_all_the_buffer_holds():
+    buf = PinnedPool("cpu", max_bytes=1 << 16).acquire(4096)
+    assert buf.capacity == 4096
+    assert buf.view(torch.float32, (-1,)).shape == (1024,)
+    assert buf.view(torch.float32, (-1, 4)).shape == (256, 4)
+    assert buf.view(torch.float64, (3, -1)).shape == (3, 170)  # what fits, as whole rows
+    for shape, said in [((-1, -1), "one -1 at most"), ((0, -1), "beside a size of 0"),
+                        ((1025,), "needs 4,100 bytes; this buffer holds 4,096")]:  # fmt: skip
+        with pytest.raises(GpuflowError, match=said):
+            buf.view(torch.float32, shape)

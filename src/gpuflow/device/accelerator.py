@@ -155,7 +155,8 @@ class Device:
         if not _backend_available(device.type):
             raise GpuflowError(
                 f"device {spec!r} is not available on this machine; "
-                "run `gpuflow info` to see what is, or pass --device cpu"
+                "run `gpuflow info` to see what is, or use the cpu ('cpu', or --device cpu "
+                "on the command line)"
             )
         if device.index >= _backend_count(device.type):
             raise GpuflowError(

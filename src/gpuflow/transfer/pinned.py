@@ -12,6 +12,7 @@ pinned pool).
 
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import time
@@ -55,11 +56,28 @@ class PinnedBuffer:
         self._pool = pool  # the one pool it goes back to
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The buffer's first bytes seen as a tensor of ``dtype`` and ``shape``."""
-        n = dtype.itemsize
-        for dim in shape:
-            n *= dim
-        return self.bytes[:n].view(dtype).view(shape)
+        """The buffer's first bytes seen as a tensor of ``dtype`` and ``shape``; one size of
+        -1 takes as many as the buffer holds, as ``Tensor.view`` takes what is left."""
+        shape = tuple(shape)
+        holds = self.bytes.numel() // dtype.itemsize  # values of dtype the buffer has room for
+        if shape.count(-1) > 1 or any(dim < -1 for dim in shape):
+            raise GpuflowError(
+                f"a view's shape takes one -1 at most and no other sizes below 0, got {shape}"
+            )
+        known = math.prod(dim for dim in shape if dim != -1)
+        if -1 in shape:
+            if known == 0:
+                raise GpuflowError(
+                    f"a view's -1 beside a size of 0 stands for no one size: {shape}"
+                )
+            shape = tuple(holds // known if dim == -1 else dim for dim in shape)
+        n = math.prod(shape)
+        if n > holds:
+            raise GpuflowError(
+                f"a {dtype} view of shape {shape} needs {n * dtype.itemsize:,} bytes; this buffer "
+                f"holds {self.bytes.numel():,}"
+            )
+        return self.bytes[: n * dtype.itemsize].view(dtype).view(shape)
 
 
 class PinnedPool:
@@ -148,6 +166,11 @@ class PinnedPool:
     def release(self, buffer: PinnedBuffer, after: Any = None) -> None:
         """Return ``buffer``; it is lent again only once ``after`` (a device event recorded
         after the buffer's last copy was queued) has completed."""
+        if not isinstance(buffer, PinnedBuffer):
+            what = f"a {type(buffer).__name__}"
+            if isinstance(buffer, torch.Tensor):
+                what = "a tensor (give the buffer itself, not its .bytes)"
+            raise GpuflowError(f"release takes the PinnedBuffer that acquire returned, not {what}")
         if buffer._pool is not self:
             raise GpuflowError(
                 "this pinned buffer was lent by another PinnedPool; release it to the pool "

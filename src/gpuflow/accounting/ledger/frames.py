@@ -17,7 +17,8 @@ _ACCOUNTING = _PACKAGE / "accounting"
 # The layers that carry a crossing out (gpuflow.common.layers): their frames are skipped when
 # locating an event, so that training code, the CLI and user code count as the caller.
 _INTERNAL = tuple(str(_PACKAGE / layer) + os.sep for layer in LOOKED_THROUGH)
-_SKIPPED = (_TORCH_DIR, f"{os.sep}contextlib.py", "<frozen ")
+# (torch's folder with its separator: torchvision, torchmetrics and the like are callers)
+_SKIPPED = (_TORCH_DIR + os.sep, f"{os.sep}contextlib.py", "<frozen ")
 
 
 def _shorter(path: str) -> str:

@@ -16,6 +16,7 @@ larger than ``budget_bytes`` (default: half the device's free memory) stays on t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,9 @@ def _host_tensor(value: Any, what: str) -> torch.Tensor:
                     f"{what} holds unsigned values from 2**63 up, which no signed type holds"
                 )
             value = value.astype(np.int64)
-        return torch.from_numpy(np.ascontiguousarray(value))
+        with warnings.catch_warnings():  # read only, never written: torch's warning is noise
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return torch.from_numpy(np.ascontiguousarray(value))
     raise GpuflowError(f"{what} is a {type(value).__name__}; give tensors or NumPy arrays")
 
 
@@ -277,28 +280,36 @@ class ResidentDataset(Dataset):
 
 
 def _sample_fields(item: Any, index: int) -> list[torch.Tensor]:
-    """One item of a map-style dataset as a list of host tensors (one per field)."""
+    """One item of a map-style dataset as a list of host tensors (one per field). Integers
+    become int64 (labels as losses take them), NumPy floats keep their dtype, Python floats
+    take torch's default (float32), as ``torch.tensor`` makes them; a 0-d array is a
+    scalar."""
     values = list(item) if isinstance(item, (tuple, list)) else [item]
     out = []
     for field, value in enumerate(values):
+        what = f"field {field} of item {index}"
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]  # one value, as a NumPy scalar is
         if isinstance(value, torch.Tensor):
             out.append(value.detach().cpu())
         elif isinstance(value, np.ndarray):
-            out.append(_host_tensor(value, f"field {field} of item {index}"))
+            out.append(_host_tensor(value, what))
+        elif isinstance(value, np.floating):
+            out.append(torch.from_numpy(np.array(value)))
         elif isinstance(value, (bool, np.bool_)):
             out.append(torch.tensor(bool(value)))
         elif isinstance(value, (int, np.integer)):
             out.append(torch.tensor(int(value), dtype=torch.int64))
-        elif isinstance(value, (float, np.floating)):
-            out.append(torch.tensor(float(value), dtype=torch.float32))
+        elif isinstance(value, float):
+            out.append(torch.tensor(value, dtype=torch.get_default_dtype()))
         elif hasattr(value, "getbands"):  # a PIL image: (H, W[, C]) -> (C, H, W) uint8
             pixels = np.asarray(value)
             pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
             out.append(torch.from_numpy(pixels.transpose(2, 0, 1).copy()))  # writable
         else:
             raise GpuflowError(
-                f"field {field} of item {index} is a {type(value).__name__}; a resident dataset "
-                "holds tensors, arrays, numbers and PIL images"
+                f"{what} is a {type(value).__name__}; a resident dataset holds tensors, "
+                "arrays, numbers and PIL images"
             )
     return out
 

@@ -48,18 +48,22 @@ def wire_dtype(tensor: torch.Tensor, narrow: bool, lossy: torch.dtype | None) ->
 
 
 def _check_range(tensor: torch.Tensor, codec: torch.dtype) -> None:
-    """Refuse a finite value beyond ``codec``'s range, which would cross as inf (an inf or
-    NaN already there crosses as itself). One pass in the common case."""
+    """Refuse a finite value that would cross as inf in ``codec`` (an inf or NaN already there
+    crosses as itself). One pass in the common case; past the codec's largest value, the
+    conversion itself says which values round to inf (those within half a step of it round
+    down to it)."""
     limit = torch.finfo(codec).max
     low, high = (float(v) for v in torch.aminmax(tensor))
     if -limit <= low and high <= limit:
         return
-    peak = float(torch.where(torch.isfinite(tensor), tensor.abs(), 0).max())
-    if peak > limit:
+    overflows = torch.isinf(tensor.to(codec)) & torch.isfinite(tensor)
+    if overflows.any():
+        worst = tensor[overflows]
+        value = float(worst[worst.abs().argmax()])
         name = "fp16" if codec == torch.float16 else "bf16"
         other = "use lossy_float='bf16'" if name == "fp16" else "send it as it is (no lossy_float)"
         raise GpuflowError(
-            f"a float tensor holds {peak:.4g}, beyond {name}'s range ({limit:.4g}); it would "
+            f"a float tensor holds {value:.6g}, beyond {name}'s range (±{limit:.6g}); it would "
             f"cross as inf: {other}"
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from enum import IntEnum
 from typing import Any
@@ -194,7 +194,9 @@ class Planner:
                 self._walk(value, signature, sources, staged, pinned) for value in obj.values()
             )
         if kind is list or kind is tuple:
-            if _same_shape_tensors(obj):  # stacked, which needs a copy per batch anyway
+            # stacked, which needs a copy per batch anyway; or ragged, whose layout depends on
+            # its lengths (sequences all empty walk as a nest of nothing)
+            if _same_shape_tensors(obj) or _looks_ragged(obj):
                 return False
             signature.append((kind, len(obj)))
             return all(self._walk(item, signature, sources, staged, pinned) for item in obj)
@@ -278,6 +280,12 @@ class Planner:
                 f"a {type(obj).__name__} has .to() but is not a tensor, array or container "
                 "gpuflow can pack, so it would stay on the host; give its tensors in a dict, "
                 "list, tuple or dataclass"
+            )
+        if _hides_data(obj):
+            raise GpuflowError(
+                f"a {type(obj).__name__} in the batch holds tensors or arrays, and gpuflow packs "
+                "them only in dicts, lists, tuples and dataclasses, so they would stay on the "
+                "host; give them in one of those"
             )
         return obj  # str, int, float, None...: not data to move
 
@@ -440,6 +448,25 @@ def _same_shape_tensors(items: list[Any] | tuple[Any, ...]) -> bool:
         and t.is_cpu
         and t.is_contiguous()
         for t in items
+    )
+
+
+_HIDING_DEPTH = 3  # how deep a set, deque or object's attributes are searched for data
+
+
+def _hides_data(obj: Any, depth: int = _HIDING_DEPTH) -> bool:
+    """Whether ``obj`` is a set, a deque or an object with attributes (a namespace, say)
+    holding a tensor or array, within ``depth`` levels: a container ``plan`` does not open."""
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(obj, set | frozenset | deque):
+        items: Any = obj
+    elif isinstance(attributes, dict) and not isinstance(obj, type):
+        items = attributes.values()
+    else:
+        return False
+    return any(
+        isinstance(item, torch.Tensor | np.ndarray) or (depth > 1 and _hides_data(item, depth - 1))
+        for item in items
     )
 
 

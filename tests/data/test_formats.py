@@ -254,6 +254,18 @@ def test_a_categorical_text_column_is_read_as_its_text(tmp_path):
     assert documents([path]) == texts
 
 
+@pytest.mark.parametrize("kind", ["string_view", "large_string"])
+def test_text_in_arrows_other_string_layouts_is_read_as_text(tmp_path, kind):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    arrow_type = getattr(pa, kind, None)
+    if arrow_type is None:
+        pytest.skip(f"this pyarrow has no {kind}")
+    texts = [f"row {i} of some text" for i in range(30)]
+    path = tmp_path / f"{kind}.parquet"
+    pq.write_table(pa.table({"text": pa.array(texts, type=arrow_type())}), path)
+    assert documents([path]) == texts
+
 def test_a_saved_dataset_is_read_from_its_train_split(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = {"text": ["alpha beta", "", "gamma"], "n": [1, 2, 3]}

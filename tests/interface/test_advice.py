@@ -97,6 +97,33 @@ def test_a_finished_run_names_the_settings_that_train_it_further(prepared, workd
     assert _train("--name", "stretch", "--resume", "--steps", "5", sets=(*sets, stretch)) == 0
 
 
+def test_fewer_steps_than_a_run_trained_name_the_schedule_it_trained_with(
+    prepared, workdir, capsys
+):
+    sets = (f"data.dir={prepared}", "train.warmup_steps=1")
+    assert _train("--name", "r", "--steps", "4", sets=sets) == 0
+    capsys.readouterr()
+    assert _train("--name", "r", "--resume", "--steps", "2", sets=sets) == 2
+    err = capsys.readouterr().err
+    assert "already trained 4 steps, more than the 2 asked for" in err
+    keep = _said(err, r"--steps N \(N > 4\) and --set (train\.decay_steps=\d+) to keep")
+    assert keep == "train.decay_steps=4"  # the run's own schedule, not the 2 asked for
+
+
+def test_a_run_that_ended_in_its_warm_up_is_told_to_give_more_steps_alone(
+    prepared, workdir, capsys
+):
+    """Its rate at the end rises by a warm-up that knows no length: a decay setting would
+    only cut the warm-up short."""
+    sets = (f"data.dir={prepared}", "train.warmup_steps=30")
+    assert _train("--name", "w", "--steps", "2", sets=sets) == 0
+    capsys.readouterr()
+    assert _train("--name", "w", "--resume", sets=sets) == 2
+    err = capsys.readouterr().err
+    assert "train further with --steps N (N > 2)" in err and "decay_steps" not in err
+    assert _train("--name", "w", "--resume", "--steps", "4", sets=sets) == 0
+
+
 def test_the_batch_tokens_named_are_whole_micro_batches(prepared, workdir, capsys):
     data = f"data.dir={prepared}"
     assert _train("--steps", "1", sets=(data, "train.batch_tokens=1000")) == 2

@@ -31,7 +31,7 @@ from gpuflow.train.config import (
     resolve_config,
     to_toml,
 )
-from gpuflow.train.schedule import lr_at
+from gpuflow.train.schedule import finished_run, lr_at
 
 RUNS_DIR = Path("runs")
 CONFIG_FILE = "config.toml"
@@ -166,8 +166,10 @@ def resumed_config(
             )
     explicit = any("decay_steps" in c.get("train", {}) for c in changes)
     old, new = saved.train, config.train
+    at = ckpt.latest_step(run_dir)
+    if at and at >= new.steps:  # (told here, where the schedule it trained with is known)
+        raise GpuflowError(finished_run(run_dir, at, new.steps, old))
     if old.schedule_steps != new.schedule_steps and not explicit:
-        at = ckpt.latest_step(run_dir)
         stretched = replace(old, steps=new.steps)  # the change of length alone
         before, after = lr_at(at, old), lr_at(at, stretched)
         if abs(after - before) > 1e-3 * before:

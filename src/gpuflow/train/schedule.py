@@ -71,3 +71,22 @@ def warmup_notice(config: TrainConfig) -> str | None:
         f"at once to its final {lr_at(config.steps, config):.2e}; set train.decay_steps "
         f"above {config.warmup_steps + 1}"
     )
+
+
+def finished_run(run_dir: object, done: int, steps: int, trained: TrainConfig) -> str:
+    """Why a run that has trained ``done`` steps cannot go on to ``steps``, and how to train
+    it further: where the rate at ``done`` follows the length of the schedule it trained
+    with (``trained``), more steps alone would move it, which a resume refuses; so the
+    advice names the decay setting too, with that schedule's own length."""
+    said = (
+        f"{run_dir} already finished {done} of {steps} steps" if done == steps
+        else f"{run_dir} already trained {done} steps, more than the {steps} asked for"
+    )  # fmt: skip
+    more = f"train further with --steps N (N > {done})"
+    if trained.decay_steps or done < trained.warmup_steps:  # (a warm-up knows no length)
+        return f"{said}; {more}"
+    return (
+        f"{said}; {more} and --set train.decay_steps={trained.schedule_steps} to keep its "
+        "learning-rate schedule (the new steps train at its final rate), or --set "
+        "train.decay_steps=N to stretch it over all N"
+    )

@@ -44,6 +44,7 @@ from gpuflow.train.resumed_data import (
     compare_with_checkpoints,
     validation_digest,
 )
+from gpuflow.train.schedule import finished_run
 from gpuflow.train.sharded import ShardedAverager
 from gpuflow.train.step import StepOptions, compiled_forward
 from gpuflow.train.trackers import check_trackers
@@ -157,10 +158,7 @@ def build_setup(
             ckpt.apply_checkpoint(checkpoint, model, adamw)
     start_step = checkpoint.step if checkpoint is not None else 0
     if start_step >= cfg.train.steps:
-        raise GpuflowError(
-            f"{run_dir} already finished {start_step} of {cfg.train.steps} steps; "
-            f"{_more_steps(cfg, start_step)}"
-        )
+        raise GpuflowError(finished_run(run_dir, start_step, cfg.train.steps, cfg.train))
     # Chosen once, for the data path: the step never swaps it. The captured step on several
     # ranks splits the update over them (train/sharded.py).
     split = ranks.distributed and not ddp and options.fused_clip
@@ -201,20 +199,6 @@ def build_setup(
         checkpoint.path if checkpoint is not None else None, interval, val_bytes, bytes_note,
         val_set, val_since,
     )  # fmt: skip
-
-
-def _more_steps(cfg: RunConfig, done: int) -> str:
-    """How to train a finished run further. Where its schedule follows train.steps, more
-    steps alone would move the learning rate at the resumed step, which ``resumed_config``
-    refuses: the advice names the decay setting too, so that it works the first time."""
-    more = f"train further with --steps N (N > {done})"
-    if cfg.train.decay_steps:
-        return more
-    return (
-        f"{more} and --set train.decay_steps={cfg.train.schedule_steps} to keep its learning-"
-        "rate schedule (the new steps train at its final rate), or --set train.decay_steps=N "
-        "to stretch it over all N"
-    )
 
 
 def _check_sizes(cfg: RunConfig, data: TokenFolder, world_size: int) -> None:

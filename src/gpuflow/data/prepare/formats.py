@@ -258,6 +258,8 @@ def _string_rows(
         column = batch.column(0)
         if pa.types.is_dictionary(column.type):  # a pandas categorical: its values are text
             column = column.dictionary_decode()
+        if _is_string_view(pa, column.type):  # text too, in Arrow's other layout
+            column = column.cast(pa.string())
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             raise GpuflowError(
                 f"{inp.name}: {where} {field!r} holds {column.type}, not text; pass "
@@ -275,6 +277,12 @@ def _string_rows(
         raise GpuflowError(f"{inp.name} has no non-empty text in {where} {field!r}")
     if total_size > given:
         yield Part("", False, total_size - given)
+
+
+def _is_string_view(pa: Any, arrow_type: Any) -> bool:
+    """Whether ``arrow_type`` is Arrow's string view (pyarrow 16 and later write it)."""
+    is_view = getattr(pa.types, "is_string_view", None)
+    return bool(is_view and is_view(arrow_type))
 
 
 def _next_batch(inp: Input, batches: Iterator[Any], rows: int) -> Any:

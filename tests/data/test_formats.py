@@ -266,6 +266,7 @@ def test_text_in_arrows_other_string_layouts_is_read_as_text(tmp_path, kind):
     pq.write_table(pa.table({"text": pa.array(texts, type=arrow_type())}), path)
     assert documents([path]) == texts
 
+
 def test_a_saved_dataset_is_read_from_its_train_split(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = {"text": ["alpha beta", "", "gamma"], "n": [1, 2, 3]}

@@ -34,8 +34,8 @@ NOT_A_FILE = "pipe or device"  # a named pipe, a socket, a device node: no text 
 LINKED_FOLDER = "link to a folder"
 LINKED_ADVICE = "links to folders are not followed: name such a folder in --data to read it"
 UNREADABLE = (EMPTY, BROKEN_LINK, NOT_A_FILE, LINKED_FOLDER)  # left out whatever the suffix
-# A folder or glob reaching one file twice (a link beside its target, a hard link) reads it
-# once: counted, as the other names are left out.
+# --data reaching one file twice (a link beside its target, a hard link, two arguments that
+# name it) reads it once: counted, as the other names are left out.
 SAME_FILE = "name of a file read"
 FETCH = "fetch what the links point at (git annex get, dvc pull)"
 LINKS_ADVICE = f"{FETCH}, or leave them out"
@@ -147,28 +147,21 @@ def holds_nothing(path: Path) -> bool:
 
 
 def _each_file_once(named: list[list[Input]], left_out: Counter[str]) -> list[Input]:
-    """The inputs of every --data argument, each file once. Another name of a file inside one
-    argument's folder or glob (a link beside its target, a hard link) is left out and counted
-    as ``SAME_FILE``; one file that two arguments name (a link to it, ``in/../in/a.txt``, a
-    folder and a glob that both hold it) would be trained on and encoded twice: refused, as
-    ``--append`` refuses a file its folder holds."""
-    seen: dict[tuple[int, int], tuple[int, Input]] = {}
+    """The inputs of every --data argument, each file once: another name of a file read
+    already (a link beside its target, a hard link, ``in/../in/a.txt``, a folder and a glob
+    that both hold it, or the shell's expansion of a glob that matches a link) is left out
+    and counted as ``SAME_FILE``, rather than trained on and encoded twice."""
+    seen: set[tuple[int, int]] = set()
     kept = []
-    for argument, inputs in enumerate(named):
+    for inputs in named:
         for inp in inputs:
-            where, first = argument, inp
             if inp.path is not None:
                 stat = inp.path.stat()  # a link's target: the file itself, whatever its name
-                where, first = seen.setdefault((stat.st_dev, stat.st_ino), (argument, inp))
-            if first is inp:
-                kept.append(inp)
-            elif where == argument and inp.kind != "dataset":
-                left_out[SAME_FILE] += 1
-            else:
-                twice = f"{inp.name} twice" if inp.name == first.name else (
-                    f"one file twice, as {first.name} and as {inp.name}"
-                )  # fmt: skip
-                raise GpuflowError(f"--data names {twice}; name each file once")
+                if (stat.st_dev, stat.st_ino) in seen:
+                    left_out[SAME_FILE] += 1
+                    continue
+                seen.add((stat.st_dev, stat.st_ino))
+            kept.append(inp)
     return kept
 
 
@@ -280,9 +273,7 @@ def describe_left_out(left_out: Counter[str]) -> str:
     shown += [kind for kind in (BROKEN_LINK, LINKED_FOLDER) if left_out[kind] and kind not in shown]
     common = ", ".join(f"{kind} {left_out[kind]:,}" for kind in shown)
     more = ", ..." if len(left_out) > len(shown) else ""
-    many = f"{files:,} file{'s' if files != 1 else ''} in the folders and globs given " + (
-        "are" if files != 1 else "is"
-    )
+    many = f"{files:,} file{'s' if files != 1 else ''} of those given " + ("are" if files != 1 else "is")
     if left_out[BROKEN_LINK]:
         return f"note: {many} left out ({common}{more}); {FETCH} to read them"
     if left_out[LINKED_FOLDER]:

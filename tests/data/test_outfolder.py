@@ -176,6 +176,32 @@ def test_one_writer_at_a_time_and_the_second_is_told_who(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_a_run_given_files_another_run_prepares_waits_for_it(workdir, small_corpus, capsys):
+    """Two `train --data` of one corpus at once (a sweep): the second was refused, told to
+    give prepare another --out, which train has not."""
+    import threading
+
+    from gpuflow.data.prepare.for_training import cache_folder, prepared_for_training
+
+    shutil.copytree(small_corpus / "notes", workdir / "notes")
+    folder = cache_folder(512, ("notes",))
+    folder.parent.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env=child_env(), text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        threading.Timer(1.0, holder.stdin.close).start()  # it ends without a folder made
+        assert prepared_for_training(512, ("notes",)) == folder
+    finally:
+        holder.wait(timeout=60)
+    assert f"process {holder.pid} is preparing the same files into {folder}: waiting" in (
+        capsys.readouterr().err
+    )
+    assert is_token_folder(folder)
+
+
 def test_a_lock_left_by_a_killed_writer_is_taken_over(tmp_path):
     out = tmp_path / "out"
     lock_path(out).write_text(f"{_dead_pid()}\n")  # the kernel let its lock go with it

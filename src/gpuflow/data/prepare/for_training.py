@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpuflow.common.errors import GpuflowError
 from gpuflow.data.prepare.inputs import resolve_inputs
-from gpuflow.data.prepare.outfolder import is_token_folder, note
+from gpuflow.data.prepare.outfolder import FolderBusy, OutLock, is_token_folder, note
 from gpuflow.data.prepare.pieces import PIECE_CHARS
 from gpuflow.data.prepare.pipeline import PrepareConfig, default_data_dir, prepare
 from gpuflow.data.prepare.tokenizer import check_vocab_size
@@ -51,7 +51,14 @@ def prepared_for_training(
         note(f"training on {folder}, prepared from the same files before")
         return folder
     note(f"preparing {', '.join(data)} for training into {folder} (once)")
-    prepare(replace(config, out=str(folder)))
+    try:
+        prepare(replace(config, out=str(folder)))
+    except FolderBusy as busy:  # another run, given the same files, prepares them now
+        note(f"process {busy.holder} is preparing the same files into {folder}: waiting for it")
+        with OutLock(folder, wait=True):
+            pass
+        if not is_token_folder(folder):  # it stopped part way: go on from where it was
+            prepare(replace(config, out=str(folder)))
     return folder
 
 

@@ -273,7 +273,9 @@ def describe_left_out(left_out: Counter[str]) -> str:
     shown += [kind for kind in (BROKEN_LINK, LINKED_FOLDER) if left_out[kind] and kind not in shown]
     common = ", ".join(f"{kind} {left_out[kind]:,}" for kind in shown)
     more = ", ..." if len(left_out) > len(shown) else ""
-    many = f"{files:,} file{'s' if files != 1 else ''} of those given " + ("are" if files != 1 else "is")
+    many = f"{files:,} file{'s' if files != 1 else ''} of those given " + (
+        "are" if files != 1 else "is"
+    )
     if left_out[BROKEN_LINK]:
         return f"note: {many} left out ({common}{more}); {FETCH} to read them"
     if left_out[LINKED_FOLDER]:

@@ -98,14 +98,24 @@ def lock_path(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.lock")
 
 
+class FolderBusy(GpuflowError):
+    """Another process holds the folder's lock; ``holder`` is its process id, as recorded."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 class OutLock:
     """``out_dir``'s one writer: an advisory lock (``flock``) on ``lock_path(out_dir)``, held
-    from ``__enter__`` to ``__exit__``. A second writer is refused at once, naming the
-    holder's process, which the file records; the file is removed on release."""
+    from ``__enter__`` to ``__exit__``. A second writer is refused at once (``FolderBusy``),
+    naming the holder's process, which the file records, or with ``wait`` waits for it; the
+    file is removed on release."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, wait: bool = False) -> None:
         self.out_dir = out_dir
         self.path = lock_path(out_dir)
+        self.wait = wait
         self._fd: int | None = None
 
     def __enter__(self) -> OutLock:
@@ -123,14 +133,15 @@ class OutLock:
         while self._fd is None:
             fd = _open_lock_file(self.path)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise GpuflowError(
+                raise FolderBusy(
                     f"{self.out_dir} is being written by another gpuflow prepare (process "
                     f"{holder}, which holds {self.path}); wait for it to finish (or give "
-                    "prepare another --out)"
+                    "prepare another --out)",
+                    holder,
                 ) from None
             except BaseException:
                 os.close(fd)

@@ -361,6 +361,10 @@ def test_version_names_the_package_version(capsys):
          "--learning_rate: nanoGPT's learning_rate is train.lr here (--set train.lr=VALUE)"),
         (["train", "--dropout", "0"],
          "--dropout: nanoGPT's dropout has no counterpart here: the model has no dropout"),
+        (["train", "--n_layer=4"],  # nanoGPT's name, and ours: only not an option
+         "--n_layer: a setting here, given as --set model.n_layer=VALUE"),
+        (["train", "--compile=False"],
+         "--compile: a setting here, given as --set train.compile=VALUE"),
     ],
 )  # fmt: skip
 def test_an_unknown_option_names_the_one_meant_where_one_is_close(argv, said, capsys):

@@ -402,6 +402,15 @@ def test_a_link_to_nothing_where_a_run_would_go_is_named_as_a_link(prepared, wor
     assert not (workdir / "nowhere").exists()
 
 
+def test_a_name_taken_by_what_is_no_run_is_not_told_to_resume(prepared, workdir, capsys):
+    """A bench's folder, runs/bench, was named as a run to resume, which then was refused."""
+    (workdir / "runs" / "bench").mkdir(parents=True)
+    (workdir / "runs" / "bench" / "soak.json").write_text("{}")
+    assert train_cli(prepared, "--name", "bench", "--steps", "1") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "error: runs/bench already exists and is not a gpuflow run; pass another --name"
+
+
 def test_sample_refuses_nan_weights_and_takes_the_best_checkpoint_by_default(
     prepared, workdir, capsys
 ):

@@ -313,7 +313,8 @@ def _coerce(value: Any, kind: type, key: str) -> Any:
     return value
 
 
-def _section_keys() -> dict[str, tuple[str, ...]]:
+def section_keys() -> dict[str, tuple[str, ...]]:
+    """Each config section's keys, by section name."""
     return {name: tuple(f.name for f in fields(cls)) for name, cls in _SECTIONS.items()}
 
 
@@ -329,7 +330,7 @@ def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[st
         if section_cls is None:
             raise GpuflowError(
                 f"{origin}: unknown section {section_name!r}; valid sections are "
-                f"{', '.join(_SECTIONS)}{top_level_hint(section_name, _section_keys())}"
+                f"{', '.join(_SECTIONS)}{top_level_hint(section_name, section_keys())}"
             )
         if not isinstance(values, dict):
             raise GpuflowError(f"{origin}: {section_name} must be a table of keys")
@@ -337,7 +338,7 @@ def checked_changes(overrides: dict[str, Any], origin: str) -> dict[str, dict[st
         changes = sections.setdefault(section_name, {})
         for key, value in values.items():
             if key not in types:
-                hint = unknown_key_hint(section_name, key, _section_keys())
+                hint = unknown_key_hint(section_name, key, section_keys())
                 raise GpuflowError(
                     f"{origin}: unknown key {section_name}.{key}{hint}; valid keys are "
                     f"{', '.join(types)}"

@@ -44,6 +44,7 @@ def _parser_of(
 def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
     """argparse's error for arguments no option takes, naming the option meant where one is
     close (``--vocab_size`` for ``--vocab-size``, ``--max-new-tokens`` for ``--max-tokens``)."""
+    from gpuflow.train.config import section_keys
     from gpuflow.train.config_hints import NANOGPT_NAMES, nanogpt_hint
 
     options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
@@ -56,10 +57,14 @@ def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
         nanogpt = name[2:].replace("-", "_")
         if close:
             hints.append(f"{name}: did you mean {close[0]}?")
-        elif nanogpt in NANOGPT_NAMES and parser.prog.endswith(" train"):
+        elif not parser.prog.endswith(" train"):
+            continue
+        elif nanogpt in NANOGPT_NAMES:
             ours = NANOGPT_NAMES[nanogpt].split()[0]  # "train.lr", "--resume", "-:"
             how = f" (--set {ours}=VALUE)" if "." in ours and not ours.startswith("-") else ""
             hints.append(f"{name}: {nanogpt_hint(nanogpt)}{how}")
+        elif owners := [s for s, keys in section_keys().items() if nanogpt in keys]:
+            hints.append(f"{name}: a setting here, given as --set {owners[0]}.{nanogpt}=VALUE")
     parser.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {h}" for h in hints))
 
 

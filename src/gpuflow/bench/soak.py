@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuflow.common.errors import GpuflowError
 from gpuflow.device.accelerator import Device
 from gpuflow.train.config import resolve_config
 from gpuflow.train.runfolder import read_metrics
@@ -47,6 +48,15 @@ def run_soak(device: Device, soak: SoakConfig) -> dict[str, Any]:
     config = resolve_config(soak.preset, None, [*soak.overrides, f"train.steps={soak.steps}"])
     tc = config.train
     warm_until = max(tc.checkpoint_interval, tc.eval_interval) + tc.log_interval
+    # two memory samples after the warm-up, each taken at a logging step, at the least
+    enough = -(-warm_until // tc.log_interval) * tc.log_interval + tc.log_interval
+    if soak.steps < enough:
+        raise GpuflowError(
+            f"bench soak: {soak.steps} steps end before two memory samples follow the warm-up "
+            f"(to step {warm_until}: the first checkpoint and evaluation, and a logging "
+            f"interval), so nothing would be measured; give --steps {enough} or more, or "
+            "lower train.checkpoint_interval and train.eval_interval with --set"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="gpuflow-soak-"))
     try:
         result = Trainer(config, scratch / "run", device).run()
@@ -75,6 +85,8 @@ def run_soak(device: Device, soak: SoakConfig) -> dict[str, Any]:
             "allowed": allowed,
             "flat": growth <= allowed,
         }
+    if not verdicts:  # (host memory is read on every platform gpuflow runs on)
+        raise GpuflowError("bench soak: no memory series was sampled twice after the warm-up")
     return {
         "preset": soak.preset,
         "steps": result.last_step,

@@ -115,6 +115,8 @@ def test_parse_set_reads_toml_values_and_bare_words():
         (["model.dropout=0.1"], "nanoGPT's dropout has no counterpart here: the model has no"),
         (["train.n_layer=3"], r"n_layer is a key of \[model\]: model.n_layer"),
         (["train.eval_batchs=3"], r"train.eval_batchs \(did you mean train.eval_batches\?\)"),
+        # with $DATA unset this trained on the built-in corpus, saying nothing
+        (["data.dir= "], r"--set data.dir= gives no value \(an unset shell variable\?\)"),
     ],
 )
 def test_bad_settings_name_the_key(sets, message):

@@ -367,6 +367,11 @@ def parse_set(assignment: str) -> dict[str, Any]:
         raise GpuflowError(
             f"--set {assignment!r} is not SECTION.KEY=VALUE, e.g. --set train.lr=3e-4"
         )
+    if not raw.strip():  # `--set data.dir=$DATA` with DATA unset: not the default, silently
+        raise GpuflowError(
+            f"--set {key.strip()}= gives no value (an unset shell variable?); give one, or leave "
+            "the --set out for the default"
+        )
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:

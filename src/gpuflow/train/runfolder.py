@@ -72,11 +72,12 @@ def new_run_dir(base_name: str, explicit: bool) -> Path:
             f"{path} is a link to {os.readlink(path)}; gpuflow makes its run folders itself "
             "and never follows a link: pass another --name"
         )
-    if explicit and ((path / CONFIG_FILE).is_file() and not (path / PROFILE_FILE).exists()):
-        raise GpuflowError(
-            f"{path} already exists; pass --resume to continue it, or another --name"
-        )
-    if explicit:  # (a bench's or a profile's folder, or one of the user's)
+    if explicit:
+        if (path / CONFIG_FILE).is_file() and not (path / PROFILE_FILE).exists():
+            raise GpuflowError(
+                f"{path} already exists; pass --resume to continue it, or another --name"
+            )
+        # a bench's or a profile's folder, or one of the user's: nothing to resume
         raise GpuflowError(f"{path} already exists and is not a gpuflow run; pass another --name")
     n = 2
     while os.path.lexists(RUNS_DIR / f"{base_name}-{n}"):

@@ -337,3 +337,16 @@ def test_metrics_log_carries_bus_traffic_per_step(prepared, workdir, data_path, 
         assert r["h2d_bytes_per_step"] == bytes_per_id * ids  # uint16 ids, or none at all
         assert r["syncs_per_step"] == 0 and r["device_allocs_per_step"] == 0
         assert r["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(("steps", "counted"), [(3, [3]), (9, [4, 8]), (11, [4, 8, 11])])
+def test_an_interval_the_runs_end_cuts_short_is_counted_too(prepared, workdir, steps, counted):
+    """A run of fewer steps than an interval (any short trial) recorded no bus figures at
+    all; its last step is counted where its interval has two steps or more."""
+    sets = [*FAST, f"data.dir={prepared}", f"train.steps={steps}", "train.log_interval=4"]
+    result = Trainer(
+        resolve_config("tiny", None, sets), workdir / "runs" / "s", Device("cpu")
+    ).run()
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "h2d_bytes_per_step" in r] == counted
+    assert [r["step"] for r in records if "loss" in r][-1] == steps

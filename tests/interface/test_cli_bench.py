@@ -95,6 +95,9 @@ def test_profile_writes_trace_timeline_and_counts(workdir, prepared):
     # The cpu has no device to trace: the step is timed by the host clock, and it says so.
     assert record["step_clock"] == "host" and record["metrics"]["step_ms"] > 0
     assert "no device to trace" in result.stdout and "0.00 ms" not in result.stdout
+    # nor overlap or exposed copies to measure: not 0% of them (said as 0.0% before)
+    assert record["metrics"]["overlap_efficiency"] is None
+    assert record["metrics"]["transfer_overhead"] is None and "0.0%" not in result.stdout
 
 
 def test_profile_refuses_a_folder_it_did_not_write(workdir, prepared):

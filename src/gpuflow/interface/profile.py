@@ -163,7 +163,7 @@ def _measure(
                 trainer.tokens_per_step,
             ),
         ).as_dict(),
-        "metrics": _metrics_dict(metrics, summary),
+        "metrics": _metrics_dict(metrics, summary, traced),
         "step_clock": "device" if traced else "host",
         "note": None if traced else HOST_ONLY_NOTE,
     }
@@ -176,8 +176,12 @@ def _device_span(activity: list[Interval]) -> float:
     return max(a.end for a in activity) - min(a.start for a in activity)
 
 
-def _metrics_dict(m: TransferMetrics, summary: Any) -> dict[str, Any]:
-    return {
+def _metrics_dict(m: TransferMetrics, summary: Any, traced: bool) -> dict[str, Any]:
+    """``traced``: the device's kernels and copies were seen; else (the cpu) the figures that
+    need them are None, not 0."""
+    untraced = {"transfer_overhead", "overlap_efficiency", "transfer_ms", "exposed_transfer_ms",
+                "compute_ms"}  # fmt: skip
+    figures = {
         "step_ms": m.step_us / 1e3,
         "transfer_ms": m.transfer_us / 1e3,
         "exposed_transfer_ms": m.exposed_transfer_us / 1e3,
@@ -195,6 +199,7 @@ def _metrics_dict(m: TransferMetrics, summary: Any) -> dict[str, Any]:
         "device_allocs_per_batch": summary.median("device_allocs"),
         "allocator_requests_per_batch": summary.median("allocator_requests"),
     }
+    return figures if traced else {k: None if k in untraced else v for k, v in figures.items()}
 
 
 def _plot(activity: list[Interval], per_step: list[dict[str, int]]) -> bytes:

@@ -96,15 +96,23 @@ class Throughput:
 class BusMeter:
     """The bus figures of each logging interval, from its last step and its readback."""
 
-    def __init__(self, device: Device, log_interval: int, first_sampled: int) -> None:
+    def __init__(self, device: Device, log_interval: int, first_sampled: int, steps: int) -> None:
         self.device, self.log_interval, self.first_sampled = device, log_interval, first_sampled
+        self.steps = steps  # the run's: its last step closes an interval too
         self.fields: dict[str, float] = {}
 
     def samples(self, step: int) -> bool:
-        """Whether step ``step`` (about to run) is its interval's sampled one. Steps that
-        compile or capture are not: they are warm-up, not steps to count."""
+        """Whether step ``step`` (about to run) is its interval's sampled one: its last, or the
+        run's last where that closes an interval cut short (of two steps or more: the sampled
+        step is left out of the timing). Steps that compile or capture are not: they are
+        warm-up, not steps to count."""
         last_of_interval = (step + 1) % self.log_interval == 0
-        return self.log_interval > 1 and last_of_interval and step >= self.first_sampled
+        last_of_run = step + 1 == self.steps and step % self.log_interval > 0
+        return (
+            self.log_interval > 1
+            and (last_of_interval or last_of_run)
+            and step >= self.first_sampled
+        )
 
     @contextmanager
     def step(self, step: int, throughput: Throughput) -> Iterator[None]:

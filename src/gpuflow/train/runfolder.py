@@ -170,7 +170,9 @@ def resumed_config(
     explicit = any("decay_steps" in c.get("train", {}) for c in changes)
     old, new = saved.train, config.train
     at = ckpt.latest_step(run_dir)
-    if at and at >= new.steps:  # (told here, where the schedule it trained with is known)
+    # Fewer steps than it trained: told here, where the schedule it trained with is known (a
+    # run at its end is told once its data are checked, by the trainer).
+    if at > new.steps:
         raise GpuflowError(finished_run(run_dir, at, new.steps, old))
     if old.schedule_steps != new.schedule_steps and not explicit:
         stretched = replace(old, steps=new.steps)  # the change of length alone

@@ -199,7 +199,7 @@ class Trainer:
             stop = _StopFlag()
             run.enter_context(stop.installed(job=ranks.distributed))
             throughput = Throughput(self.tokens_per_step, device)
-            bus = BusMeter(device, tc.log_interval, step + train_step.warmup)
+            bus = BusMeter(device, tc.log_interval, step + train_step.warmup, tc.steps)
             records = Records(
                 sinks, tc, device, throughput, self.mfu, checkpointer, setup.interval, step,
                 started,

@@ -47,7 +47,7 @@ def _transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sections",
         help=f"comma-separated sections to measure (default all: {', '.join(SECTIONS)}); "
-        "the result file's name then ends in them",
+        "the result file's name then holds them, before the device",
     )
 
 

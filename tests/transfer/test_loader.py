@@ -236,14 +236,6 @@ def test_a_device_that_is_no_name_index_or_torch_device_is_refused_in_words(devi
         DeviceLoader([torch.ones(3)], device)
 
 
-def test_a_device_this_machine_lacks_is_refused_in_a_library_users_words(monkeypatch):
-    from gpuflow.device import accelerator
-
-    monkeypatch.setattr(accelerator, "_backend_available", lambda device_type: False)
-    with pytest.raises(GpuflowError, match=r"or use the cpu \('cpu', or --device cpu on the"):
-        DeviceLoader([torch.ones(3)], "cuda")
-
-
 def test_a_torch_device_is_accepted_wherever_a_device_is():
     assert Device.resolve(torch.device("cpu")) == Device("cpu")
     batches = token_batches(3)

@@ -130,3 +130,11 @@ def test_sequences_all_empty_cross_as_ragged_in_every_epoch(coalesce):
             got = list(loader)
             assert [b["ids"].lengths() for b in got] == [[0, 0], [0], [0]]
             assert got[0]["label"].tolist() == [0, 1]
+
+
+def test_a_device_this_machine_lacks_is_refused_in_a_library_users_words(monkeypatch):
+    from gpuflow.device import accelerator
+
+    monkeypatch.setattr(accelerator, "_backend_available", lambda device_type: False)
+    with pytest.raises(GpuflowError, match=r"or use the cpu \('cpu', or --device cpu on the"):
+        DeviceLoader([torch.ones(3)], "cuda")

@@ -40,16 +40,9 @@ def interrupts_deferred() -> Iterator[None]:
     nothing changes."""
     arrived: list[int] = []
     try:
-        previous = {sig: signal.signal(sig, lambda signum, _: arrived.append(signum))
-                    for sig in INTERRUPTS}  # fmt: skip
-    except ValueError:
-        yield
-        return
-    try:
-        yield
+        with handling(INTERRUPTS, lambda signum, _: arrived.append(signum)):
+            yield
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
         if arrived:
             signal.raise_signal(arrived[0])  # to the handler there was before
 
